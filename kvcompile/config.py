@@ -1,0 +1,32 @@
+"""Model geometry, independent of the file format it was read from."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str                     # "llama" (more later)
+    n_layers: int
+    hidden: int
+    ffn: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    context_length: int
+    rms_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_dim: int | None = None   # rotated dims per head; None means head_dim
+    rope_neox: bool = False       # False: GGUF llama layout (adjacent pairs); True: NEOX halves
+    rope_scaling: dict = field(default_factory=dict)
+    tie_embeddings: bool = False
+    name: str = ""
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope_dim or self.head_dim
+
+    @property
+    def n_params_attn_kv(self) -> int:
+        return self.n_kv_heads * self.head_dim

@@ -1,0 +1,29 @@
+"""Every error a user can cause is a KvcompileError subclass whose message says what to change."""
+
+
+class KvcompileError(Exception):
+    """Base class: bad input or an unsupported request. The engine stays usable after one."""
+
+
+class ModelFileError(KvcompileError):
+    """The model file is missing, truncated, corrupt or not a GGUF/safetensors checkpoint."""
+
+
+class UnsupportedModelError(KvcompileError):
+    """The architecture, a tensor type or a model feature is not supported."""
+
+
+class ContextLengthError(KvcompileError):
+    """The prompt (plus requested tokens) does not fit in the context."""
+
+
+class SamplingError(KvcompileError):
+    """A sampling parameter is out of range."""
+
+
+class KvLayoutError(KvcompileError):
+    """A KV page format, head geometry or span plan is invalid."""
+
+
+class ArenaError(KvcompileError):
+    """The GPU arena cannot hold the requested layout."""
