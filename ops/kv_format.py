@@ -1,0 +1,162 @@
+"""KV page formats: how one page of K (or V) for one layer is laid out in bytes.
+
+A page holds `page_size` token positions for all KV heads of a layer. Pools are uint8
+tensors [num_pages, page_bytes] so that pages can live anywhere in an arena (resident
+region or ring slot) and be copied as raw bytes. Inside a page the layout is head-major,
+codes apart from scales, so a kernel reads one head's rows contiguously:
+
+  f32/f16/bf16: values [H, P, D] of that dtype
+  q8_0:         codes int8 [H, P, D], then fp16 scales [H, P, D/32]
+  q4_0:         nibbles uint8 [H, P, D/2], then fp16 scales [H, P, D/32]
+
+q8_0 and q4_0 follow llama.cpp's blocks of 32 values with one fp16 scale: q8_0 stores
+round(x / d) with d = amax / 127; q4_0 stores min(15, trunc(x / d + 8.5)) with
+d = max / -8 (max = the signed value of largest magnitude), byte j of a block holding
+values j (low nibble) and j + 16 (high nibble). Type ids are ggml's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcompile.errors import KvLayoutError
+
+QK = 32  # values per quantization block
+
+
+@dataclass(frozen=True)
+class KvType:
+    name: str
+    ggml_id: int
+    bits_per_value_num: int  # bytes per block of 32 values (floats: 32 * element size)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bits_per_value_num
+
+    @property
+    def quantized(self) -> bool:
+        return self.name in ("q8_0", "q4_0")
+
+
+F32 = KvType("f32", 0, 128)
+F16 = KvType("f16", 1, 64)
+Q4_0 = KvType("q4_0", 2, 18)
+Q8_0 = KvType("q8_0", 8, 34)
+BF16 = KvType("bf16", 30, 64)
+
+KV_TYPES = {t.name: t for t in (F32, F16, BF16, Q8_0, Q4_0)}
+_BY_ID = {t.ggml_id: t for t in KV_TYPES.values()}
+_FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+def kv_type(spec: str | int | KvType) -> KvType:
+    """Look a KV type up by name ('q8_0'), ggml id (8) or pass one through."""
+    if isinstance(spec, KvType):
+        return spec
+    t = _BY_ID.get(spec) if isinstance(spec, int) else KV_TYPES.get(str(spec).lower())
+    if t is None:
+        raise KvLayoutError(
+            f"unsupported KV cache type {spec!r}; use one of {', '.join(KV_TYPES)}")
+    return t
+
+
+def page_bytes(t: KvType, page_size: int, n_kv_heads: int, head_dim: int) -> int:
+    check_geometry(t, head_dim)
+    return page_size * n_kv_heads * head_dim // QK * t.bytes_per_block
+
+
+def bytes_per_token(t: KvType, n_kv_heads: int, head_dim: int) -> int:
+    return n_kv_heads * head_dim // QK * t.bytes_per_block
+
+
+def check_geometry(t: KvType, head_dim: int) -> None:
+    if head_dim % QK:
+        raise KvLayoutError(f"head dim {head_dim} is not a multiple of {QK}")
+    if t.quantized and head_dim not in SUPPORTED_HEAD_DIMS:
+        raise KvLayoutError(
+            f"{t.name} KV pages need head dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+
+
+def n_kv_heads_of(pool: torch.Tensor, t: KvType, page_size: int, head_dim: int) -> int:
+    per_head = page_size * head_dim // QK * t.bytes_per_block
+    if pool.dim() != 2 or pool.dtype != torch.uint8 or pool.shape[1] % per_head:
+        raise KvLayoutError(
+            f"KV pool must be uint8 [pages, n_kv_heads * {per_head}] for {t.name} "
+            f"with page size {page_size} and head dim {head_dim}; got "
+            f"{pool.dtype} {tuple(pool.shape)}")
+    return pool.shape[1] // per_head
+
+
+# ---- reference quantizers (fp32 math, bit-exact with ggml / gguf-py) --------------------
+
+def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] float -> (codes int8 [..., D], scales fp16 [..., D/32])."""
+    b = x.float().reshape(*x.shape[:-1], -1, QK)
+    d = b.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    y = b * inv
+    q = (torch.sign(y) * torch.floor(y.abs() + 0.5)).to(torch.int8)  # C roundf: half away from 0
+    return q.reshape(x.shape), d.squeeze(-1).to(torch.float16)
+
+
+def quantize_q4_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] float -> (packed uint8 [..., D/2], scales fp16 [..., D/32])."""
+    b = x.float().reshape(*x.shape[:-1], -1, QK)
+    idx = b.abs().argmax(-1, keepdim=True)
+    mx = torch.gather(b, -1, idx)
+    d = mx / -8.0
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    q = torch.clamp(torch.trunc(b * inv + 8.5), max=15).to(torch.uint8)
+    packed = q[..., : QK // 2] | (q[..., QK // 2:] << 4)
+    return packed.reshape(*x.shape[:-1], -1), d.squeeze(-1).to(torch.float16)
+
+
+def dequantize_q8_0(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    b = codes.float().reshape(*codes.shape[:-1], -1, QK)
+    return (b * scales.float().unsqueeze(-1)).reshape(codes.shape)
+
+
+def dequantize_q4_0(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    p = packed.reshape(*packed.shape[:-1], -1, QK // 2)
+    q = torch.cat([p & 0xF, p >> 4], dim=-1).float() - 8.0
+    out = q * scales.float().unsqueeze(-1)
+    return out.reshape(*packed.shape[:-1], -1)
+
+
+# ---- page views ----------------------------------------------------------------------------
+
+def split_pages(pages: torch.Tensor, t: KvType, n_kv_heads: int, page_size: int,
+                head_dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """uint8 [N, page_bytes] -> typed views (values or codes [N, H, P, *], scales or None)."""
+    n = pages.shape[0]
+    if not t.quantized:
+        vals = pages.view(_FLOAT_DTYPES[t.name]).view(n, n_kv_heads, page_size, head_dim)
+        return vals, None
+    code_cols = head_dim if t.name == "q8_0" else head_dim // 2
+    code_bytes = n_kv_heads * page_size * code_cols
+    codes = pages[:, :code_bytes].view(n, n_kv_heads, page_size, code_cols)
+    if t.name == "q8_0":
+        codes = codes.view(torch.int8)
+    scales = pages[:, code_bytes:].contiguous().view(torch.float16)
+    return codes, scales.view(n, n_kv_heads, page_size, head_dim // QK)
+
+
+def decode_pages(pages: torch.Tensor, t: KvType, n_kv_heads: int, page_size: int,
+                 head_dim: int) -> torch.Tensor:
+    """uint8 [N, page_bytes] -> float32 [N, H, P, D] (the dequantized values)."""
+    vals, scales = split_pages(pages, t, n_kv_heads, page_size, head_dim)
+    if scales is None:
+        return vals.float()
+    if t.name == "q8_0":
+        return dequantize_q8_0(vals, scales)
+    return dequantize_q4_0(vals, scales)
+
+
+def encode_rows(rows: torch.Tensor, t: KvType) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """rows [..., D] -> (values or codes, scales or None) in the page's element types."""
+    if not t.quantized:
+        return rows.to(_FLOAT_DTYPES[t.name]), None
+    return quantize_q8_0(rows) if t.name == "q8_0" else quantize_q4_0(rows)

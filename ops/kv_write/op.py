@@ -1,0 +1,40 @@
+"""torch.ops.kvcompile.kv_write: quantize-on-write of new K/V rows into their pages.
+
+k_pool / v_pool: uint8 [num_pages, page_bytes] (see kv_format), mutated in place.
+k_new / v_new:   [T, n_kv_heads, head_dim] rows to store.
+slots:           int64 [T], physical page * page_size + offset of each row.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvcompile.errors import KvLayoutError
+from kvcompile.ops import kv_format as F
+from kvcompile.ops.kv_write.naive import kv_write_naive
+
+
+def check_kv_write_args(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size):
+    kt, vt = F.kv_type(k_type), F.kv_type(v_type)
+    if k_new.dim() != 3 or k_new.shape != v_new.shape:
+        raise KvLayoutError(f"k_new and v_new must both be [T, n_kv_heads, head_dim]; got "
+                            f"{tuple(k_new.shape)} and {tuple(v_new.shape)}")
+    if slots.shape != (k_new.shape[0],):
+        raise KvLayoutError(f"slots must be [T={k_new.shape[0]}], got {tuple(slots.shape)}")
+    _, n_heads, head_dim = k_new.shape
+    for name, pool, t in (("k_pool", k_pool, kt), ("v_pool", v_pool, vt)):
+        if F.n_kv_heads_of(pool, t, page_size, head_dim) != n_heads:
+            raise KvLayoutError(f"{name} pages hold {F.n_kv_heads_of(pool, t, page_size, head_dim)}"
+                                f" KV heads but the rows have {n_heads}")
+
+
+@torch.library.custom_op("kvcompile::kv_write", mutates_args=("k_pool", "v_pool"))
+def kv_write(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor,
+             v_new: torch.Tensor, slots: torch.Tensor, k_type: int, v_type: int,
+             page_size: int) -> None:
+    check_kv_write_args(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size)
+    kv_write_naive(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size)
+
+
+@kv_write.register_fake
+def _(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size):
+    return None

@@ -1,0 +1,51 @@
+"""torch.ops.kvcompile.span_attention: exact attention of query rows over paged KV.
+
+q:          [T, n_q_heads, head_dim] new query rows (1 for decode, a few for verify, many
+            for prefill), causal among themselves through q_pos.
+k_pool/v_pool: uint8 [num_pages, page_bytes] page pools (kv_format); resident pages and
+            ring slots are just different physical page indices.
+page_table: int32 [max_logical_pages], physical page of each logical page (built from an
+            ordered span plan, see kvcompile.span_plan). Work is split by logical position
+            only, so the result does not depend on where a page lives.
+q_pos:      int32 [T], absolute position of each query row; row t sees keys 0..q_pos[t].
+"""
+from __future__ import annotations
+
+import torch
+
+from kvcompile.errors import KvLayoutError
+from kvcompile.ops import kv_format as F
+from kvcompile.ops.span_attention.naive import span_attention_naive
+
+
+def check_span_attention_args(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size):
+    kt, vt = F.kv_type(k_type), F.kv_type(v_type)
+    if q.dim() != 3:
+        raise KvLayoutError(f"q must be [T, n_q_heads, head_dim], got {tuple(q.shape)}")
+    head_dim = q.shape[2]
+    F.check_geometry(kt, head_dim)
+    F.check_geometry(vt, head_dim)
+    hk = F.n_kv_heads_of(k_pool, kt, page_size, head_dim)
+    hv = F.n_kv_heads_of(v_pool, vt, page_size, head_dim)
+    if hk != hv or q.shape[1] % hk:
+        raise KvLayoutError(f"{q.shape[1]} query heads cannot share {hk} K / {hv} V heads")
+    if k_pool.shape[0] != v_pool.shape[0]:
+        raise KvLayoutError("k_pool and v_pool must have the same number of pages")
+    if q_pos.shape != (q.shape[0],):
+        raise KvLayoutError(f"q_pos must be [T={q.shape[0]}], got {tuple(q_pos.shape)}")
+    if page_table.dim() != 1:
+        raise KvLayoutError("page_table must be 1-D (physical page per logical page)")
+
+
+@torch.library.custom_op("kvcompile::span_attention", mutates_args=())
+def span_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                   page_table: torch.Tensor, q_pos: torch.Tensor, k_type: int, v_type: int,
+                   page_size: int, scale: float) -> torch.Tensor:
+    check_span_attention_args(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size)
+    return span_attention_naive(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
+                                page_size, scale)
+
+
+@span_attention.register_fake
+def _(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, scale):
+    return torch.empty_like(q)
