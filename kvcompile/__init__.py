@@ -2,3 +2,21 @@
 from kvcompile.errors import KvcompileError  # noqa: F401
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Lazy: `import kvcompile` stays cheap (no torch model code) until the API is used.
+    if name in ("generate", "stream"):
+        from kvcompile import api
+        return getattr(api, name)
+    if name in ("Engine", "GenerationResult", "TokenStream"):
+        from kvcompile import engine
+        return getattr(engine, name)
+    if name == "SamplingParams":
+        from kvcompile.sampling import SamplingParams
+        return SamplingParams
+    raise AttributeError(f"module 'kvcompile' has no attribute {name!r}")
+
+
+__all__ = ["generate", "stream", "Engine", "GenerationResult", "TokenStream",
+           "SamplingParams", "KvcompileError"]

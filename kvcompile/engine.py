@@ -1,0 +1,169 @@
+"""Engine: loads a model once, serves many requests; generate() and stream() per request.
+
+Data path of one request: text or chat messages -> tokenizer -> prefill (prompt in ubatches
+through model.forward, which writes KV pages and attends over them) -> decode loop (one token
+per forward, sampled by Sampler) -> stop on EOS / end-of-turn / stop string / max_tokens.
+"""
+from __future__ import annotations
+
+import codecs
+import time
+from dataclasses import dataclass, fields
+from typing import Iterator
+
+import torch
+
+from kvcompile.errors import ContextLengthError, KvcompileError
+from kvcompile.kv_cache import PagedKvCache
+from kvcompile.loader import load_model
+from kvcompile.sampling import Sampler, SamplingParams
+from kvcompile.stop_strings import StopStringFilter
+
+DEFAULT_CTX_SIZE = 4096
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str            # "stop" (EOS / end of turn / stop string) or "length"
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        steps = max(self.completion_tokens - 1, 0)   # the first token comes out of prefill
+        return steps / self.decode_s if self.decode_s else 0.0
+
+    def stats(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("text", "token_ids")}
+        out.update(prefill_tok_s=self.prefill_tok_s, decode_tok_s=self.decode_tok_s)
+        return out
+
+
+class TokenStream:
+    """Iterator of text pieces; `.result` holds the GenerationResult once exhausted."""
+
+    def __init__(self, pieces: Iterator[str]):
+        self._pieces = pieces
+        self.result: GenerationResult | None = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+
+class Engine:
+    def __init__(self, model=None, *, ctx_size: int | None = None, cache_type_k: str = "f32",
+                 cache_type_v: str = "f32", device: str | None = None,
+                 dtype: torch.dtype = torch.float32, ubatch: int = 256, progress: bool = True):
+        self.device = torch.device(device or "cpu")
+        loaded = load_model(model, device=self.device, dtype=dtype, progress=progress)
+        self.path, self.config, self.tokenizer, self.model = (
+            loaded.path, loaded.config, loaded.tokenizer, loaded.model)
+        limit = self.config.context_length
+        ctx = ctx_size or min(limit, DEFAULT_CTX_SIZE)
+        if not isinstance(ctx, int) or ctx <= 0:
+            raise ContextLengthError(f"ctx_size must be a positive integer, got {ctx_size!r}")
+        if ctx > limit:
+            raise ContextLengthError(f"ctx_size {ctx} exceeds the model's trained context of "
+                                     f"{limit} tokens; use --ctx-size {limit} or less")
+        if ubatch <= 0:
+            raise KvcompileError(f"ubatch must be a positive integer, got {ubatch!r}")
+        self.ctx_size, self.ubatch = ctx, ubatch
+        self.cache = PagedKvCache(self.config, ctx, k_type=cache_type_k, v_type=cache_type_v,
+                                  device=self.device)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                 **params) -> GenerationResult:
+        stream = self.stream(prompt, messages=messages, **params)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+               **params) -> TokenStream:
+        # Everything that can reject the request runs before any state changes.
+        sampling = SamplingParams(**params).validated()
+        prompt_ids = self.encode_prompt(prompt, messages)
+        if len(prompt_ids) >= self.ctx_size:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.ctx_size}; "
+                f"shorten the prompt or raise ctx_size / --ctx-size (this model was trained on "
+                f"{self.config.context_length})")
+        stream = TokenStream(iter(()))
+        stream._pieces = self._run(prompt_ids, sampling, stream)
+        return stream
+
+    def encode_prompt(self, prompt: str | None, messages: list[dict] | None) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise KvcompileError("pass either a prompt string or chat messages, not both or neither")
+        if messages is not None:
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        elif not isinstance(prompt, str):
+            raise KvcompileError(f"prompt must be a string, got {type(prompt).__name__}")
+        ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise KvcompileError("the prompt is empty; give at least one token of text")
+        return ids
+
+    # ---- the loop -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _run(self, prompt_ids: list[int], sampling: SamplingParams, stream: TokenStream):
+        sampler = Sampler(sampling)
+        stops = StopStringFilter(sampling.stop)
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        stop_ids = set(self.tokenizer.stop_ids)
+        self.cache.reset()
+        history, out_ids, text, finish = list(prompt_ids), [], [], "length"
+        budget = min(sampling.max_tokens, self.ctx_size - len(prompt_ids))
+
+        t0 = time.perf_counter()
+        logits = self._prefill(prompt_ids)
+        prefill_s, decode_s = time.perf_counter() - t0, 0.0
+        for step in range(budget):
+            if step:
+                t = time.perf_counter()
+                pos = len(history) - 1
+                logits = self.forward([history[-1]], pos)
+                decode_s += time.perf_counter() - t
+            token = sampler(logits, history)
+            if token in stop_ids:
+                finish = "stop"
+                break
+            history.append(token)
+            out_ids.append(token)
+            piece = stops.feed(utf8.decode(self.tokenizer.token_bytes(token)))
+            if piece:
+                text.append(piece)
+                yield piece
+            if stops.stopped:
+                finish = "stop"
+                break
+        tail = stops.feed(utf8.decode(b"", final=True)) + stops.flush()
+        if tail:
+            text.append(tail)
+            yield tail
+        stream.result = GenerationResult("".join(text), out_ids, len(prompt_ids), len(out_ids),
+                                         finish, prefill_s, decode_s)
+
+    def _prefill(self, ids: list[int]) -> torch.Tensor:
+        logits = None
+        for start in range(0, len(ids), self.ubatch):
+            logits = self.forward(ids[start:start + self.ubatch], start)
+        return logits
+
+    def forward(self, ids: list[int], start: int) -> torch.Tensor:
+        """Run ids at positions start.. through the model; logits of the last one."""
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
+        return self.model(tokens, positions, self.cache, last_only=True)[-1]

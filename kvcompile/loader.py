@@ -1,0 +1,48 @@
+"""Model file -> (config, tokenizer, nn.Module): picks the model class by architecture."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcompile.config import ModelConfig
+from kvcompile.default_model import resolve_model_path
+from kvcompile.errors import UnsupportedModelError
+
+
+@dataclass
+class LoadedModel:
+    path: str
+    config: ModelConfig
+    metadata: dict
+    tokenizer: object
+    model: torch.nn.Module
+
+
+def _model_classes() -> dict:
+    from kvcompile.models.llama import LlamaModel
+    classes = {"llama": LlamaModel}
+    try:
+        from kvcompile.models.qwen35 import Qwen35Model
+        classes["qwen35"] = Qwen35Model
+    except ImportError:
+        pass
+    return classes
+
+
+def load_model(model=None, *, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32, progress: bool = True) -> LoadedModel:
+    from kvcompile.tokenizer import Tokenizer
+    from kvcompile.weights import load_weights
+
+    path = resolve_model_path(model)
+    weights = load_weights(path, dtype=torch.float32, progress=progress)
+    classes = _model_classes()
+    cls = classes.get(weights.config.arch)
+    if cls is None:
+        raise UnsupportedModelError(
+            f"architecture {weights.config.arch!r} has no model class; supported: "
+            f"{', '.join(sorted(classes))}")
+    tokenizer = Tokenizer.from_metadata(weights.metadata)
+    module = cls.from_weights(weights.config, weights.tensors, dtype=dtype, device=device)
+    return LoadedModel(path, weights.config, weights.metadata, tokenizer, module.eval())

@@ -1,0 +1,88 @@
+"""Sampling parameters, their validation, and the token sampler (one request at a time)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from kvcompile.errors import SamplingError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.8      # 0 = greedy
+    top_k: int = 40               # 0 = off
+    top_p: float = 0.95           # 1 = off
+    min_p: float = 0.05           # 0 = off
+    repeat_penalty: float = 1.0   # 1 = off (llama.cpp semantics: divide positive logits)
+    repeat_last_n: int = 64       # how many recent tokens the penalty looks at
+    seed: int | None = None       # None = a fresh random seed per request
+    max_tokens: int = 256
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def validated(self) -> "SamplingParams":
+        checks = [
+            (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+             and self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}"),
+            (isinstance(self.top_k, int) and self.top_k >= 0,
+             f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}"),
+            (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+             f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}"),
+            (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1,
+             f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}"),
+            (isinstance(self.repeat_penalty, (int, float)) and math.isfinite(self.repeat_penalty)
+             and self.repeat_penalty > 0,
+             f"repeat_penalty must be > 0 (1 disables it), got {self.repeat_penalty!r}"),
+            (isinstance(self.repeat_last_n, int) and self.repeat_last_n >= 0,
+             f"repeat_last_n must be an integer >= 0, got {self.repeat_last_n!r}"),
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 0,
+             f"max_tokens must be an integer >= 0, got {self.max_tokens!r}"),
+            (self.seed is None or isinstance(self.seed, int),
+             f"seed must be an integer or None, got {self.seed!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SamplingError(message)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise SamplingError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        return replace(self, stop=stop)
+
+
+class Sampler:
+    """Turns a row of logits into the next token; owns the request's random generator."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params.validated()
+        seed = self.params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
+        p = self.params
+        logits = logits.detach().float().cpu().clone()
+        if p.repeat_penalty != 1.0 and p.repeat_last_n and history:
+            recent = torch.tensor(sorted(set(history[-p.repeat_last_n:])), dtype=torch.long)
+            vals = logits[recent]
+            logits[recent] = torch.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+        if p.temperature == 0:
+            return int(torch.argmax(logits))
+        return int(self._sample(logits))
+
+    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        if p.top_k and p.top_k < logits.numel():
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits / p.temperature, dim=-1)
+        if p.min_p > 0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            sorted_probs = sorted_probs.masked_fill(before >= p.top_p * sorted_probs.sum(), 0.0)
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+        return torch.multinomial(probs / probs.sum(), 1, generator=self.generator)[0]
