@@ -1,0 +1,99 @@
+"""Paged KV cache: per attention layer a K and a V page pool plus a page table.
+
+Pools are uint8 [num_pages, page_bytes] in one of the kv_format page formats. The page
+table (int32, logical page -> physical page) is identity when the cache is made, but the
+model always reads it, so pages can be placed anywhere (later: resident pages + ring
+slots). Only the layers listed in `layers` get KV (hybrid models have recurrent layers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcompile.config import ModelConfig
+from kvcompile.errors import ContextLengthError, KvLayoutError
+from kvcompile.ops import kv_format as F
+
+
+@dataclass
+class LayerKv:
+    """What one attention layer needs to write and read its KV through the ops."""
+    k_pool: torch.Tensor       # uint8 [num_pages, k page bytes]
+    v_pool: torch.Tensor       # uint8 [num_pages, v page bytes]
+    page_table: torch.Tensor   # int32 [num_logical_pages]
+    k_type: int                # ggml type id
+    v_type: int
+    page_size: int
+
+    def slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """Physical slot (page * page_size + offset) of each absolute position; tensor ops only."""
+        page = self.page_table[positions // self.page_size].long()
+        return page * self.page_size + positions % self.page_size
+
+
+class PagedKvCache:
+    def __init__(self, config: ModelConfig, max_tokens: int, k_type="f32", v_type="f32",
+                 page_size: int = 256, device="cpu", layers=None):
+        if max_tokens <= 0:
+            raise ContextLengthError(f"the KV cache needs room for at least one token; "
+                                     f"got max_tokens={max_tokens}")
+        if page_size <= 0:
+            raise KvLayoutError(f"page size must be positive, got {page_size}")
+        self.config = config
+        self.k_type, self.v_type = F.kv_type(k_type), F.kv_type(v_type)
+        self.page_size = page_size
+        self.num_pages = -(-max_tokens // page_size)
+        self.capacity = self.num_pages * page_size
+        self.device = torch.device(device)
+        self.layers = tuple(range(config.n_layers)) if layers is None else tuple(sorted(set(layers)))
+        bad = [i for i in self.layers if not 0 <= i < config.n_layers]
+        if bad:
+            raise KvLayoutError(f"KV layers {bad} are outside the model's {config.n_layers} layers")
+        h, d = config.n_kv_heads, config.head_dim
+        k_bytes = F.page_bytes(self.k_type, page_size, h, d)
+        v_bytes = F.page_bytes(self.v_type, page_size, h, d)
+        identity = torch.arange(self.num_pages, dtype=torch.int32, device=self.device)
+        self._kv = {
+            i: LayerKv(torch.zeros(self.num_pages, k_bytes, dtype=torch.uint8, device=self.device),
+                       torch.zeros(self.num_pages, v_bytes, dtype=torch.uint8, device=self.device),
+                       identity.clone(), self.k_type.ggml_id, self.v_type.ggml_id, page_size)
+            for i in self.layers}
+
+    def layer(self, i: int) -> LayerKv:
+        return self._kv[i]
+
+    def has_layer(self, i: int) -> bool:
+        return i in self._kv
+
+    @property
+    def nbytes(self) -> int:
+        return sum(kv.k_pool.nbytes + kv.v_pool.nbytes for kv in self._kv.values())
+
+    def set_page_table(self, table: torch.Tensor, layer: int | None = None) -> None:
+        """Place logical pages at other physical pages (for one layer, or all). Must be a
+        permutation of the pool's pages; the pages' contents are not moved."""
+        table = torch.as_tensor(table, dtype=torch.int32).to(self.device)
+        if table.shape != (self.num_pages,) or not torch.equal(
+                table.sort().values.cpu(), torch.arange(self.num_pages, dtype=torch.int32)):
+            raise KvLayoutError(f"a page table must be a permutation of 0..{self.num_pages - 1}")
+        for i in (self.layers if layer is None else (layer,)):
+            self._kv[i].page_table.copy_(table)
+
+    def check_positions(self, positions: torch.Tensor) -> None:
+        """Raise ContextLengthError if a position does not fit (host-side check, eager only)."""
+        if positions.numel() == 0:
+            raise ContextLengthError("nothing to evaluate: pass at least one token")
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= self.capacity:
+            raise ContextLengthError(
+                f"position {hi if hi >= self.capacity else lo} is outside the KV cache of "
+                f"{self.capacity} tokens; raise the context size (--ctx-size) or shorten the "
+                f"prompt / max tokens")
+
+    def reset(self) -> None:
+        """Forget every sequence: zero the pools and restore identity page tables."""
+        for kv in self._kv.values():
+            kv.k_pool.zero_()
+            kv.v_pool.zero_()
+            kv.page_table.copy_(torch.arange(self.num_pages, dtype=torch.int32))

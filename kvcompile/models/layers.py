@@ -1,0 +1,103 @@
+"""Building blocks of llama-family models: RMSNorm, rope, SwiGLU MLP, paged attention.
+
+Attention never touches the KV cache directly: it writes new rows with
+torch.ops.kvcompile.kv_write and reads with torch.ops.kvcompile.span_attention, both
+addressed through a page table, so later passes can move pages (resident / ring) freely.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kvcompile.ops  # noqa: F401  (registers torch.ops.kvcompile.*)
+from kvcompile.errors import UnsupportedModelError
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rope_tables(rotary_dim: int, max_positions: int, theta: float,
+                scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin float32 [max_positions, rotary_dim / 2]; angles computed in float64."""
+    scaling = scaling or {}
+    factor = float(scaling.get("factor") or 1.0)
+    kind = scaling.get("type", "linear" if factor != 1.0 else "none")
+    if kind not in ("none", "linear"):
+        raise UnsupportedModelError(
+            f"rope scaling {kind!r} is not supported yet; use a model with no rope scaling "
+            f"or linear rope scaling")
+    inv_freq = theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    pos = torch.arange(max_positions, dtype=torch.float64) / factor
+    angles = pos[:, None] * inv_freq[None, :]
+    return torch.cos(angles).float(), torch.sin(angles).float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, R/2] for the rows' positions; rotates the first R dims.
+
+    neox=False: GGUF llama layout, pairs (2i, 2i+1). neox=True: pairs (i, i + R/2).
+    """
+    rot = cos.shape[-1] * 2
+    xr, rest = x[..., :rot].float(), x[..., rot:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    if neox:
+        a, b = xr[..., : rot // 2], xr[..., rot // 2:]
+        out = torch.cat([a * c - b * s, a * s + b * c], dim=-1)
+    else:
+        pairs = xr.unflatten(-1, (rot // 2, 2))
+        a, b = pairs[..., 0], pairs[..., 1]
+        out = torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2)
+    return torch.cat([out.to(x.dtype), rest], dim=-1) if rest.shape[-1] else out.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.gate = nn.Linear(hidden, ffn, bias=False)
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class PagedAttention(nn.Module):
+    """GQA attention whose KV lives in page pools, read and written through the kvcompile ops."""
+
+    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                 rope_neox: bool, qkv_bias: bool = False):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.rope_neox = rope_neox
+        self.scale = 1.0 / math.sqrt(head_dim)
+        self.wq = nn.Linear(hidden, n_heads * head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(hidden, n_kv_heads * head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(hidden, n_kv_heads * head_dim, bias=qkv_bias)
+        self.wo = nn.Linear(n_heads * head_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                q_pos: torch.Tensor, slots: torch.Tensor, kv) -> torch.Tensor:
+        """x [T, hidden]; cos/sin [T, R/2]; q_pos int32 [T]; slots int64 [T]; kv a LayerKv."""
+        t = x.shape[0]
+        q = self.wq(x).view(t, self.n_heads, self.head_dim)
+        k = self.wk(x).view(t, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(t, self.n_kv_heads, self.head_dim)
+        q = apply_rope(q, cos, sin, self.rope_neox)
+        k = apply_rope(k, cos, sin, self.rope_neox)
+        torch.ops.kvcompile.kv_write(kv.k_pool, kv.v_pool, k, v, slots,
+                                     kv.k_type, kv.v_type, kv.page_size)
+        out = torch.ops.kvcompile.span_attention(q, kv.k_pool, kv.v_pool, kv.page_table, q_pos,
+                                                 kv.k_type, kv.v_type, kv.page_size, self.scale)
+        return self.wo(out.reshape(t, self.n_heads * self.head_dim))

@@ -1,0 +1,138 @@
+"""Llama-family decoder (SmolLM2, Llama 2/3, ...) as a plain nn.Module over a paged KV cache."""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from kvcompile.config import ModelConfig
+from kvcompile.errors import ContextLengthError, ModelFileError, UnsupportedModelError
+from kvcompile.models.layers import PagedAttention, RMSNorm, SwiGLU, rope_tables
+
+# GGUF tensor name (after "blk.{i}.") -> parameter name inside LlamaBlock
+_BLOCK_NAMES = {
+    "attn_norm.weight": "attn_norm.weight",
+    "attn_q.weight": "attn.wq.weight", "attn_q.bias": "attn.wq.bias",
+    "attn_k.weight": "attn.wk.weight", "attn_k.bias": "attn.wk.bias",
+    "attn_v.weight": "attn.wv.weight", "attn_v.bias": "attn.wv.bias",
+    "attn_output.weight": "attn.wo.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "ffn_gate.weight": "mlp.gate.weight",
+    "ffn_up.weight": "mlp.up.weight",
+    "ffn_down.weight": "mlp.down.weight",
+}
+_TOP_NAMES = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight",
+              "output.weight": "lm_head.weight"}
+_IGNORED = re.compile(r"blk\.\d+\.attn_rot_embd\.weight")  # unused by llama.cpp too
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, c: ModelConfig, qkv_bias: bool):
+        super().__init__()
+        self.attn_norm = RMSNorm(c.hidden, c.rms_eps)
+        self.attn = PagedAttention(c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_neox,
+                                   qkv_bias)
+        self.ffn_norm = RMSNorm(c.hidden, c.rms_eps)
+        self.mlp = SwiGLU(c.hidden, c.ffn)
+
+    def forward(self, x, cos, sin, q_pos, slots, kv):
+        x = x + self.attn(self.attn_norm(x), cos, sin, q_pos, slots, kv)
+        return x + self.mlp(self.ffn_norm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, qkv_bias: bool = False):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden)
+        self.blocks = nn.ModuleList(LlamaBlock(config, qkv_bias) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.hidden, config.rms_eps)
+        self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = rope_tables(config.rotary_dim, config.context_length, config.rope_theta,
+                               config.rope_scaling)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @classmethod
+    def from_weights(cls, config: ModelConfig, tensors: dict[str, torch.Tensor],
+                     dtype=torch.float32, device="cpu") -> "LlamaModel":
+        """Build from tensors keyed by GGUF names (weights [out, in]); output.weight absent
+        means the head is tied to token_embd."""
+        tied = "output.weight" not in tensors
+        if tied != config.tie_embeddings:
+            config = _with_tie(config, tied)
+        qkv_bias = "blk.0.attn_q.bias" in tensors
+        state = {}
+        for name, t in tensors.items():
+            key = _module_name(name)
+            if key is not None:
+                state[key] = t
+        with torch.device("meta"):
+            model = cls(config, qkv_bias)
+        expected = dict(model.named_parameters(remove_duplicate=True))
+        missing = sorted(set(expected) - set(state))
+        if missing:
+            raise ModelFileError(f"the model file lacks tensors for {missing[:5]}"
+                                 f"{' ...' if len(missing) > 5 else ''}; it is not a complete "
+                                 f"{config.arch} checkpoint")
+        for key, param in expected.items():
+            if tuple(state[key].shape) != tuple(param.shape):
+                raise ModelFileError(f"tensor {key} has shape {tuple(state[key].shape)}, the "
+                                     f"config expects {tuple(param.shape)}; the file's metadata "
+                                     f"and tensors disagree")
+        model.load_state_dict({k: state[k].to(device=device, dtype=dtype) for k in expected},
+                              strict=False, assign=True)
+        if tied:
+            model.lm_head.weight = model.embed.weight
+        cos, sin = rope_tables(config.rotary_dim, config.context_length, config.rope_theta,
+                               config.rope_scaling)
+        model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+        return model.eval()
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache,
+                last_only: bool = False) -> torch.Tensor:
+        """tokens, positions: int64 [T]; cache: PagedKvCache. Returns float32 logits
+        [T, vocab] (or [1, vocab] for the last row only)."""
+        if not torch.compiler.is_compiling():
+            self.check_positions(positions, cache)
+        x = self.embed(tokens)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        q_pos = positions.to(torch.int32)
+        for i, block in enumerate(self.blocks):
+            kv = cache.layer(i)
+            x = block(x, cos, sin, q_pos, kv.slots(positions), kv)
+        if last_only:
+            x = x[-1:]
+        return self.lm_head(self.norm(x)).float()
+
+
+    def check_positions(self, positions: torch.Tensor, cache) -> None:
+        """Host-side range check (eager only: it syncs, so the compiled graph skips it)."""
+        cache.check_positions(positions)
+        if int(positions.max()) >= self.rope_cos.shape[0]:
+            raise ContextLengthError(
+                f"position {int(positions.max())} is beyond the model's context length "
+                f"{self.rope_cos.shape[0]}; shorten the prompt or max tokens")
+
+
+def _module_name(gguf_name: str) -> str | None:
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"blocks.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
+    if _IGNORED.fullmatch(gguf_name):
+        return None
+    if gguf_name == "rope_freqs.weight":
+        raise UnsupportedModelError("rope frequency factors (llama 3.1 style rope scaling) are "
+                                    "not supported yet; use a model without rope_freqs.weight")
+    raise UnsupportedModelError(f"tensor {gguf_name!r} has no place in a llama-family model; "
+                                f"this file needs a different architecture")
+
+
+def _with_tie(config: ModelConfig, tied: bool) -> ModelConfig:
+    from dataclasses import replace
+    return replace(config, tie_embeddings=tied)
