@@ -67,10 +67,13 @@ def load_weights(path: str | os.PathLike | None = None, dtype: torch.dtype = tor
 def load_gguf_weights(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                       progress: bool = True) -> LoadedWeights:
     from kvcompile.gguf.arch_config import config_from_metadata
+    from kvcompile.gguf.dequant import check_dequantizable
     from kvcompile.gguf.reader import open_gguf
 
     f = open_gguf(path)
     config = config_from_metadata(f.metadata, f.tensors, path=str(path))
+    for info in f.tensors.values():
+        check_dequantizable(info.name, info.ggml_type)
     tensors = {}
     bar = tqdm(f.tensors, desc=f"loading {Path(path).name}", unit="tensor",
                disable=not progress, file=sys.stderr, leave=False)

@@ -22,6 +22,19 @@ def dequantizable_types() -> list[str]:
     return sorted(names)
 
 
+def check_dequantizable(name: str, type_name: str) -> None:
+    """Fail before any work when a tensor's type cannot be read."""
+    if type_name not in dequantizable_types():
+        raise _unsupported(name, type_name)
+
+
+def _unsupported(name: str, type_name: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"tensor {name!r} is stored as {type_name}, which kvcompile cannot dequantize "
+        f"(readable types: {', '.join(dequantizable_types())}); re-quantize the model "
+        f"to one of those, e.g. Q8_0 or Q4_K_M")
+
+
 def dequantize_tensor(name: str, data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     """data: the reader's array for the tensor -> float32 array in PyTorch order."""
     if qtype.name in _PLAIN_TYPES:
@@ -29,8 +42,5 @@ def dequantize_tensor(name: str, data: np.ndarray, qtype: gguf.GGMLQuantizationT
     try:
         out = gguf.quants.dequantize(data, qtype)
     except NotImplementedError:
-        raise UnsupportedModelError(
-            f"tensor {name!r} is stored as {qtype.name}, which kvcompile cannot dequantize "
-            f"(readable types: {', '.join(dequantizable_types())}); re-quantize the model "
-            f"to one of those, e.g. Q8_0 or Q4_K_M") from None
+        raise _unsupported(name, qtype.name) from None
     return np.asarray(out, dtype=np.float32)

@@ -43,6 +43,7 @@ class _CheckedReader(gguf.GGUFReader):
 
     def _build_tensors(self, start_offs, fields):
         file_size = len(self.data)
+        where = getattr(self.data, "filename", None) or "GGUF file"
         known = {int(t) for t in gguf.GGMLQuantizationType}
         for field in fields:
             # parts: name_len, name, n_dims, dims, type id, offset (gguf's tensor-info layout)
@@ -50,7 +51,7 @@ class _CheckedReader(gguf.GGUFReader):
             dims, type_id, rel = field.parts[3], int(field.parts[4][0]), int(field.parts[5][0])
             if type_id not in known:
                 raise UnsupportedModelError(
-                    f"tensor {name!r} has ggml type id {type_id}, which this version of the "
+                    f"{where}: tensor {name!r} has ggml type id {type_id}, which this version of the "
                     f"gguf package does not know; convert the model to a supported type "
                     f"(e.g. Q8_0, Q4_K, F16)")
             qtype = gguf.GGMLQuantizationType(type_id)
@@ -58,12 +59,12 @@ class _CheckedReader(gguf.GGUFReader):
             n_elems = int(np.prod(dims.astype(np.int64))) if len(dims) else 1
             if int(dims[0]) % block if len(dims) else False:
                 raise ModelFileError(
-                    f"tensor {name!r}: row length {int(dims[0])} is not a multiple of the "
+                    f"{where}: tensor {name!r}: row length {int(dims[0])} is not a multiple of the "
                     f"{qtype.name} block size {block}; the file is corrupt, re-convert it")
             end = start_offs + rel + n_elems // block * type_size
             if end > file_size:
                 raise ModelFileError(
-                    f"GGUF file is truncated: tensor {name!r} needs bytes up to {end} but "
+                    f"{where} is truncated: tensor {name!r} needs bytes up to {end} but "
                     f"the file has only {file_size} bytes; re-download or re-convert it")
         super()._build_tensors(start_offs, fields)
 
