@@ -22,6 +22,16 @@ class ModelConfig:
     rope_scaling: dict = field(default_factory=dict)
     tie_embeddings: bool = False
     name: str = ""
+    # hybrid models (qwen35): Gated DeltaNet recurrent layers between full-attention layers
+    full_attention_interval: int = 1   # layer i is attention iff (i + 1) % interval == 0
+    ssm_conv_kernel: int = 0
+    ssm_k_heads: int = 0
+    ssm_v_heads: int = 0
+    ssm_head_dim: int = 0
+    nextn_layers: int = 0              # NextN/MTP layers stored after the n_layers main ones
+
+    def is_attention_layer(self, i: int) -> bool:
+        return (i + 1) % self.full_attention_interval == 0
 
     @property
     def rotary_dim(self) -> int:
