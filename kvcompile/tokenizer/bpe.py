@@ -1,0 +1,106 @@
+"""GPT-2 style byte-level BPE: bytes are mapped to printable characters, then merged by rank.
+
+The merge loop follows llama.cpp's: always merge the adjacent pair with the lowest merge
+rank, the leftmost one on ties, until no adjacent pair has a rank. Results are cached per
+pre-token word (natural text repeats words constantly).
+"""
+from __future__ import annotations
+
+
+def _byte_to_char_table() -> list[str]:
+    """GPT-2's reversible byte -> character map: printable Latin-1 bytes map to themselves,
+    the other 68 bytes to U+0100.. in byte order, so no token text holds a space or control."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = [""] * 256
+    for b in printable:
+        table[b] = chr(b)
+    extra = 0
+    for b in range(256):
+        if not table[b]:
+            table[b] = chr(0x100 + extra)
+            extra += 1
+    return table
+
+
+BYTE_TO_CHAR = _byte_to_char_table()
+CHAR_TO_BYTE = {c: b for b, c in enumerate(BYTE_TO_CHAR)}
+
+
+def bytes_to_bpe_text(data: bytes) -> str:
+    return "".join(BYTE_TO_CHAR[b] for b in data)
+
+
+def bpe_text_to_bytes(text: str) -> bytes:
+    """Token text -> the bytes it stands for. A character outside the map (malformed vocab)
+    contributes its own UTF-8 bytes."""
+    out = bytearray()
+    for ch in text:
+        b = CHAR_TO_BYTE.get(ch)
+        if b is None:
+            out += ch.encode("utf-8")
+        else:
+            out.append(b)
+    return bytes(out)
+
+
+def parse_merges(merges: list[str]) -> dict[tuple[str, str], int]:
+    """'left right' strings -> rank. The separator is the first space after the first
+    character (a left part may itself be a space in non-byte-level vocabularies)."""
+    ranks: dict[tuple[str, str], int] = {}
+    for rank, merge in enumerate(merges):
+        cut = merge.find(" ", 1)
+        if cut < 0:
+            continue
+        ranks.setdefault((merge[:cut], merge[cut + 1:]), rank)
+    return ranks
+
+
+class BytePairEncoder:
+    def __init__(self, token_to_id: dict[str, int], ranks: dict[tuple[str, str], int],
+                 ignore_merges: bool):
+        self.token_to_id = token_to_id
+        self.ranks = ranks
+        self.ignore_merges = ignore_merges
+        self._cache: dict[str, tuple[int, ...]] = {}
+
+    def encode_word(self, word: str) -> tuple[int, ...]:
+        """One pre-token (plain text) -> token ids."""
+        hit = self._cache.get(word)
+        if hit is not None:
+            return hit
+        mapped = bytes_to_bpe_text(word.encode("utf-8"))
+        if self.ignore_merges and mapped in self.token_to_id:
+            ids: tuple[int, ...] = (self.token_to_id[mapped],)
+        else:
+            ids = tuple(self._symbols_to_ids(self._merge(list(mapped))))
+        if len(self._cache) < 200_000:
+            self._cache[word] = ids
+        return ids
+
+    def _merge(self, symbols: list[str]) -> list[str]:
+        ranks = self.ranks
+        while len(symbols) > 1:
+            best_rank, best_at = None, -1
+            for i in range(len(symbols) - 1):
+                rank = ranks.get((symbols[i], symbols[i + 1]))
+                if rank is not None and (best_rank is None or rank < best_rank):
+                    best_rank, best_at = rank, i
+            if best_rank is None:
+                break
+            symbols[best_at:best_at + 2] = [symbols[best_at] + symbols[best_at + 1]]
+        return symbols
+
+    def _symbols_to_ids(self, symbols: list[str]) -> list[int]:
+        ids = []
+        for sym in symbols:
+            tid = self.token_to_id.get(sym)
+            if tid is not None:
+                ids.append(tid)
+                continue
+            # llama.cpp's fallback for a merge result missing from the vocab: look up each
+            # UTF-8 byte of the symbol as a one-byte token and drop those that do not exist
+            for b in sym.encode("utf-8"):
+                tid = self.token_to_id.get(chr(b)) if b < 0x80 else None
+                if tid is not None:
+                    ids.append(tid)
+        return ids

@@ -1,0 +1,113 @@
+"""Pre-tokenizer: split text into the words that BPE merges within, per `tokenizer.ggml.pre`.
+
+llama.cpp applies a list of regexes in turn: each one splits every piece produced so far
+into its matches *and* the gaps between them (nothing is dropped), and a later regex only
+sees one piece at a time, so its look-arounds and `$` stop at the piece's edges.
+
+The patterns are written for the `regex` package. Whitespace is spelled out as llama.cpp's
+set (the Unicode White_Space property) rather than `\\s`, whose meaning differs between regex
+engines (e.g. for U+001C..U+001F); letters and numbers are the Unicode categories L and N.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import regex
+
+from kvcompile.errors import UnsupportedModelError
+
+_WS = r"\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+_S = f"[{_WS}]"          # one whitespace character
+_NOT_S = f"[^{_WS}]"     # one non-whitespace character
+
+# GPT-2's split: contractions, optional-space letter/number/other runs, whitespace runs
+# (a run followed by non-space gives up its last character to the next word).
+_GPT2 = (rf"'s|'t|'re|'ve|'m|'ll|'d| ?\p{{L}}+| ?\p{{N}}+| ?[^{_WS}\p{{L}}\p{{N}}]+"
+         rf"|{_S}+(?!{_NOT_S})|{_S}+")
+
+_CONTRACTIONS_ANY_CASE = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+
+
+def _llama3_style(number: str, letter: str, not_word: str) -> str:
+    """Llama-3 / Qwen family: a word may carry one leading non-letter, numbers in short
+    groups, punctuation runs swallow trailing newlines, newline runs keep leading spaces."""
+    return (rf"{_CONTRACTIONS_ANY_CASE}|[^\r\n\p{{L}}\p{{N}}]?{letter}+|{number}"
+            rf"| ?[^{_WS}{not_word}]+[\r\n]*|{_S}*[\r\n]+|{_S}+(?!{_NOT_S})|{_S}+")
+
+
+_LLAMA3 = _llama3_style(r"\p{N}{1,3}", r"\p{L}", r"\p{L}\p{N}")
+_QWEN2 = _llama3_style(r"\p{N}", r"\p{L}", r"\p{L}\p{N}")
+_QWEN35 = _llama3_style(r"\p{N}", r"[\p{L}\p{M}]", r"\p{L}\p{M}\p{N}")
+
+
+@dataclass(frozen=True)
+class PreTokenizerSpec:
+    name: str
+    patterns: tuple[str, ...]
+    ignore_merges: bool = False   # a word that is itself a token is emitted without merging
+    default_add_bos: bool = False
+    clean_spaces: bool = True     # detokenizer removes spaces before . , ! ? and some 's
+
+
+_DEFAULT = PreTokenizerSpec("default", (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"))
+_GPT2_SPEC = PreTokenizerSpec("gpt2", (_GPT2,))
+_SMOLLM = PreTokenizerSpec("smollm", (r"\p{N}", _GPT2), clean_spaces=False)
+_STARCODER = PreTokenizerSpec("starcoder", (r"\p{N}", _GPT2))
+_LLAMA3_SPEC = PreTokenizerSpec("llama3", (_LLAMA3,), ignore_merges=True, default_add_bos=True)
+_DBRX = PreTokenizerSpec("dbrx", (_LLAMA3,))
+_QWEN2_SPEC = PreTokenizerSpec("qwen2", (_QWEN2,), clean_spaces=False)
+_STABLELM2 = PreTokenizerSpec("stablelm2", (_QWEN2,))
+_QWEN35_SPEC = PreTokenizerSpec("qwen35", (_QWEN35,), clean_spaces=False)
+
+# `tokenizer.ggml.pre` value -> spec (names and flags as llama.cpp's vocab loader maps them)
+PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
+    "default": _DEFAULT,
+    **{n: _GPT2_SPEC for n in ("gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais")},
+    "smollm": _SMOLLM,
+    **{n: _STARCODER for n in ("starcoder", "refact", "codeshell")},
+    **{n: _LLAMA3_SPEC for n in ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")},
+    **{n: _DBRX for n in ("dbrx", "smaug-bpe")},
+    **{n: _QWEN2_SPEC for n in ("qwen2", "deepseek-r1-qwen", "megrez")},
+    "stablelm2": _STABLELM2,
+    "qwen35": _QWEN35_SPEC,
+}
+
+
+def pre_tokenizer_spec(pre: str | None) -> PreTokenizerSpec:
+    if not pre:
+        return _DEFAULT  # llama.cpp also falls back to 'default' when the key is missing
+    try:
+        return PRE_TOKENIZERS[pre]
+    except KeyError:
+        known = ", ".join(sorted(PRE_TOKENIZERS))
+        raise UnsupportedModelError(
+            f"tokenizer.ggml.pre = {pre!r} is not a supported pre-tokenizer; supported: "
+            f"{known}. Use a model whose GGUF names one of these") from None
+
+
+class PreTokenizer:
+    def __init__(self, spec: PreTokenizerSpec):
+        self.spec = spec
+        self._compiled = [regex.compile(p) for p in spec.patterns]
+
+    def split(self, text: str) -> list[str]:
+        pieces = [text] if text else []
+        for pattern in self._compiled:
+            pieces = [part for piece in pieces for part in _split_keep_gaps(pattern, piece)]
+        return pieces
+
+
+def _split_keep_gaps(pattern: regex.Pattern, piece: str) -> list[str]:
+    out: list[str] = []
+    end = 0
+    for m in pattern.finditer(piece):
+        start, stop = m.span()
+        if stop == start:
+            continue
+        if start > end:
+            out.append(piece[end:start])
+        out.append(piece[start:stop])
+        end = stop
+    if end < len(piece):
+        out.append(piece[end:])
+    return out
