@@ -11,6 +11,7 @@ import torch
 from kvcompile.errors import KvLayoutError
 from kvcompile.ops import kv_format as F
 from kvcompile.ops.kv_write.naive import kv_write_naive
+from kvcompile.ops.kv_write.triton_kernel import kv_write_triton
 
 
 def check_kv_write_args(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size):
@@ -27,14 +28,27 @@ def check_kv_write_args(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, pag
                                 f" KV heads but the rows have {n_heads}")
 
 
-@torch.library.custom_op("kvcompile::kv_write", mutates_args=("k_pool", "v_pool"))
+@torch.library.custom_op("kvcompile::kv_write_reference", mutates_args=("k_pool", "v_pool"))
+def kv_write_reference(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor,
+                       v_new: torch.Tensor, slots: torch.Tensor, k_type: int, v_type: int,
+                       page_size: int) -> None:
+    """The fp32 reference as an opaque op (the CPU implementation of kv_write)."""
+    kv_write_naive(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size)
+
+
+@kv_write_reference.register_fake
+def _(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size):
+    return None
+
+
+# triton_op: torch.compile traces into this body and sees the Triton kernel on CUDA; on
+# other devices the body calls the opaque reference op above.
+@torch.library.triton_op("kvcompile::kv_write", mutates_args=("k_pool", "v_pool"))
 def kv_write(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor,
              v_new: torch.Tensor, slots: torch.Tensor, k_type: int, v_type: int,
              page_size: int) -> None:
     check_kv_write_args(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size)
-    kv_write_naive(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size)
-
-
-@kv_write.register_fake
-def _(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size):
-    return None
+    if k_pool.device.type == "cuda":
+        kv_write_triton(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size)
+    else:
+        kv_write_reference(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size)

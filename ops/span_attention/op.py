@@ -15,7 +15,9 @@ import torch
 
 from kvcompile.errors import KvLayoutError
 from kvcompile.ops import kv_format as F
+from kvcompile.ops.span_attention.decode_kernel import span_attention_decode
 from kvcompile.ops.span_attention.naive import span_attention_naive
+from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
 
 
 def check_span_attention_args(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size):
@@ -37,15 +39,36 @@ def check_span_attention_args(q, k_pool, v_pool, page_table, q_pos, k_type, v_ty
         raise KvLayoutError("page_table must be 1-D (physical page per logical page)")
 
 
-@torch.library.custom_op("kvcompile::span_attention", mutates_args=())
+@torch.library.custom_op("kvcompile::span_attention_reference", mutates_args=())
+def span_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                             page_table: torch.Tensor, q_pos: torch.Tensor, k_type: int,
+                             v_type: int, page_size: int, scale: float) -> torch.Tensor:
+    """The fp32 reference as an opaque op (the CPU implementation of span_attention)."""
+    return span_attention_naive(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
+                                page_size, scale).contiguous()
+
+
+@span_attention_reference.register_fake
+def _(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, scale):
+    return torch.empty_like(q)
+
+
+# Rows up to this many take the split (flash-decoding) kernel, more the prefill kernel.
+DECODE_MAX_ROWS = 8
+
+
+# triton_op: torch.compile traces into this body and sees the Triton kernels on CUDA; on
+# other devices the body calls the opaque reference op above.
+@torch.library.triton_op("kvcompile::span_attention", mutates_args=())
 def span_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                    page_table: torch.Tensor, q_pos: torch.Tensor, k_type: int, v_type: int,
                    page_size: int, scale: float) -> torch.Tensor:
     check_span_attention_args(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size)
-    return span_attention_naive(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
-                                page_size, scale)
-
-
-@span_attention.register_fake
-def _(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, scale):
-    return torch.empty_like(q)
+    if q.device.type != "cuda":
+        return span_attention_reference(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
+                                        page_size, scale)
+    if q.shape[0] <= DECODE_MAX_ROWS:
+        return span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
+                                     page_size, scale)
+    return span_attention_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
+                                  page_size, scale)

@@ -1,0 +1,72 @@
+"""Launcher helpers shared by the span_attention Triton kernels (Python side)."""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+from triton.runtime.jit import JITFunction
+
+from kvcompile.ops import kv_format as F
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    kv_type: int      # ggml id
+    n_heads: int
+    page_bytes: int
+    code_bytes: int   # bytes of values / codes before the scales (whole page)
+
+
+def page_geometry(pool: torch.Tensor, kv_type: int, page_size: int,
+                  head_dim: int) -> PageGeometry:
+    t = F.kv_type(kv_type)
+    n_heads = F.n_kv_heads_of(pool, t, page_size, head_dim)
+    if t.name == "q8_0":
+        code = n_heads * page_size * head_dim
+    elif t.name == "q4_0":
+        code = n_heads * page_size * head_dim // 2
+    else:
+        code = pool.shape[1]
+    return PageGeometry(t.ggml_id, n_heads, pool.shape[1], code)
+
+
+def dot_mode(q_dtype: torch.dtype, k_type: int) -> int:
+    """1: Q.K in fp16 (exact for f16/quantized K and for bf16 queries in fp16's normal
+    range); 0: bf16 (a bf16 query against a bf16 K page, exact)."""
+    return 0 if (q_dtype == torch.bfloat16 and k_type == F.BF16.ggml_id) else 1
+
+
+def check_launch(q, k_pool, v_pool, page_table, q_pos, page_size):
+    assert q.dim() == 3 and q.stride(2) == 1, "q must be [T, Hq, D] with a dense last dim"
+    assert k_pool.is_contiguous() and v_pool.is_contiguous(), "KV pools must be contiguous"
+    assert k_pool.dtype == torch.uint8 and v_pool.dtype == torch.uint8, "pools are uint8"
+    assert page_table.dtype == torch.int32 and page_table.is_contiguous(), \
+        "page_table must be contiguous int32"
+    assert q_pos.dtype == torch.int32 and q_pos.is_contiguous(), "q_pos must be contiguous int32"
+    assert q.device == k_pool.device == v_pool.device == page_table.device == q_pos.device
+    assert page_size & (page_size - 1) == 0 and page_size >= 16, \
+        f"page size {page_size} must be a power of two >= 16"
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def launchable(kernel):
+    """wrap_triton so torch.compile sees the kernel; interpreted kernels go as they are."""
+    if isinstance(kernel, JITFunction):
+        return torch.library.wrap_triton(kernel)
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8   # interpreter runs: a small fixed number keeps chunking deterministic
+    return _sms(device.index if device.index is not None else torch.cuda.current_device())

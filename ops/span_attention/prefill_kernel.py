@@ -1,0 +1,128 @@
+"""span_attention for many query rows (prefill): causal flash attention over paged KV.
+
+Program (query tile of BLOCK_M rows, query head). Key tiles that every row of the tile
+sees (below min q_pos + 1) run without a mask; the rest, up to max q_pos, are masked by
+key position <= q_pos[row]. Tiles are read through the page table in logical order and
+dequantized in registers, so the result does not depend on where pages live.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, interpreting,
+                                                 launchable, page_geometry)
+from kvcompile.ops.span_attention.paged_tile import load_tile, page_ptr, qk_dot
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tile_step(q, acc, m_i, l_i, n0, qp, k_pool, v_pool, page_table, hk, d, n_ctx,
+               k_page_bytes, v_page_bytes, k_code_bytes, v_code_bytes, qk_scale,
+               MASKED: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+               BLOCK_N: tl.constexpr, K_TYPE: tl.constexpr, V_TYPE: tl.constexpr,
+               QK_F16: tl.constexpr, BF16_EMULATE: tl.constexpr):
+    lp = n0 // P
+    off = n0 % P + tl.arange(0, BLOCK_N)
+    pos = n0 + tl.arange(0, BLOCK_N)
+    live = pos < n_ctx
+    k = load_tile(page_ptr(k_pool, page_table, lp, k_page_bytes), hk, off, d, live,
+                  k_code_bytes, P, D, K_TYPE, QK_F16)
+    s = qk_dot(q, k, BF16_EMULATE) * qk_scale
+    if MASKED:
+        s = tl.where(pos[None, :] <= qp[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = load_tile(page_ptr(v_pool, page_table, lp, v_page_bytes), hk, off, d, live,
+                  v_code_bytes, P, D, V_TYPE, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill(q_ptr, k_pool, v_pool, page_table, q_pos_ptr, out_ptr,
+             stride_qt, stride_qh, stride_ot, stride_oh, n_rows, table_len,
+             k_page_bytes, v_page_bytes, k_code_bytes, v_code_bytes, qk_scale,
+             G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QK_F16: tl.constexpr,
+             BF16_EMULATE: tl.constexpr):
+    # longest query tiles first: they have the most key tiles
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    hq = tl.program_id(1)
+    hk = hq // G
+    t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = t < n_rows
+    qp = tl.load(q_pos_ptr + t, mask=row_ok, other=0)
+    cap = table_len * P - 1
+    qp = tl.minimum(qp, cap)
+    lo = tl.min(tl.where(row_ok, qp, cap), 0) + 1           # every row sees [0, lo)
+    hi = tl.max(tl.where(row_ok, qp, 0), 0) + 1             # some row sees [.., hi)
+    full_end = (lo // BLOCK_N) * BLOCK_N
+    d = tl.arange(0, D)
+    qrow = q_ptr + t.to(tl.int64) * stride_qt + hq * stride_qh
+    q = tl.load(qrow[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+    if QK_F16:
+        q = q.to(tl.float16)
+    else:
+        q = q.to(tl.bfloat16)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _tile_step(q, acc, m_i, l_i, n0, qp, k_pool, v_pool, page_table,
+                                   hk, d, hi, k_page_bytes, v_page_bytes, k_code_bytes,
+                                   v_code_bytes, qk_scale, False, D, P, BLOCK_N,
+                                   K_TYPE, V_TYPE, QK_F16, BF16_EMULATE)
+    for n0 in range(full_end, hi, BLOCK_N):
+        acc, m_i, l_i = _tile_step(q, acc, m_i, l_i, n0, qp, k_pool, v_pool, page_table,
+                                   hk, d, hi, k_page_bytes, v_page_bytes, k_code_bytes,
+                                   v_code_bytes, qk_scale, True, D, P, BLOCK_N,
+                                   K_TYPE, V_TYPE, QK_F16, BF16_EMULATE)
+    o = acc / l_i[:, None]
+    optr = out_ptr + t.to(tl.int64)[:, None] * stride_ot + hq * stride_oh + d[None, :]
+    tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def prefill_config(head_dim: int, page_size: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for an H100/H200-class GPU."""
+    if head_dim <= 64:
+        cfg = (128, 64, 4, 3)
+    elif head_dim <= 128:
+        cfg = (128, 64, 8, 3)
+    else:
+        cfg = (64, 64, 4, 2)
+    return cfg[0], min(cfg[1], page_size), cfg[2], cfg[3]
+
+
+def span_attention_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size,
+                           scale, out=None, block_m=None, block_n=None, num_warps=None,
+                           num_stages=None):
+    check_launch(q, k_pool, v_pool, page_table, q_pos, page_size)
+    n_rows, n_q_heads, head_dim = q.shape
+    kg = page_geometry(k_pool, k_type, page_size, head_dim)
+    vg = page_geometry(v_pool, v_type, page_size, head_dim)
+    group = n_q_heads // kg.n_heads
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(2) == 1, "out must be [T, Hq, D], last dim dense"
+    bm, bn, nw, ns = prefill_config(head_dim, page_size)
+    block_m = block_m or bm
+    block_n = min(block_n or bn, page_size)
+    assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
+    qk_f16 = dot_mode(q.dtype, kg.kv_type)
+    grid = (triton.cdiv(n_rows, block_m), n_q_heads)
+    launchable(_prefill)[grid](
+        q, k_pool, v_pool, page_table, q_pos, out,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), n_rows, page_table.shape[0],
+        kg.page_bytes, vg.page_bytes, kg.code_bytes, vg.code_bytes, scale * LOG2E,
+        G=group, D=head_dim, P=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16,
+        BF16_EMULATE=(qk_f16 == 0 and interpreting()),
+        num_warps=num_warps or nw, num_stages=num_stages or ns)
+    return out
