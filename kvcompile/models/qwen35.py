@@ -1,0 +1,229 @@
+"""Qwen3.5-style hybrid decoder (GGUF arch `qwen35`) as a plain nn.Module.
+
+Same calling convention as LlamaModel: `forward(tokens, positions, cache, last_only)`.
+Attention layers keep their KV in the paged cache (only those layers need pages, see
+`kv_layers` / `make_cache`); GDN layers keep a RecurrentState, which the runtime owns. By
+default it hangs on the cache object (`cache.recurrent`), created on first use, so an
+engine that only knows about KV caches drives this model unchanged; a forward starting at
+position 0 resets it. The NextN/MTP layer (stored as block n_layers) is loaded and run by
+`mtp_forward`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvcompile.config import ModelConfig
+from kvcompile.errors import ContextLengthError, ModelFileError, UnsupportedModelError
+from kvcompile.kv_cache import PagedKvCache
+from kvcompile.models.layers import RMSNorm, rope_tables
+from kvcompile.models.qwen35_layers import HybridBlock, NextNLayer
+from kvcompile.models.recurrent_state import RecurrentState
+
+_COMMON = {"attn_norm.weight": "attn_norm.weight", "post_attention_norm.weight": "post_norm.weight",
+           "ffn_gate.weight": "mlp.gate.weight", "ffn_up.weight": "mlp.up.weight",
+           "ffn_down.weight": "mlp.down.weight"}
+_ATTENTION = {"attn_q.weight": "mixer.wq.weight", "attn_k.weight": "mixer.wk.weight",
+              "attn_v.weight": "mixer.wv.weight", "attn_output.weight": "mixer.wo.weight",
+              "attn_q_norm.weight": "mixer.q_norm.weight",
+              "attn_k_norm.weight": "mixer.k_norm.weight"}
+_GDN = {"attn_qkv.weight": "mixer.in_qkv.weight", "attn_gate.weight": "mixer.in_z.weight",
+        "ssm_conv1d.weight": "mixer.conv_weight", "ssm_dt.bias": "mixer.dt_bias",
+        "ssm_a": "mixer.a", "ssm_beta.weight": "mixer.in_beta.weight",
+        "ssm_alpha.weight": "mixer.in_alpha.weight", "ssm_norm.weight": "mixer.norm.weight",
+        "ssm_out.weight": "mixer.out.weight"}
+_NEXTN = {"nextn.eh_proj.weight": "eh_proj.weight", "nextn.enorm.weight": "enorm.weight",
+          "nextn.hnorm.weight": "hnorm.weight",
+          "nextn.shared_head_norm.weight": "head_norm.weight"}
+# optional MTP tensors; when absent the MTP layer shares the main model's
+_NEXTN_SHARED = {"nextn.embed_tokens.weight": "token_embd.weight",
+                 "nextn.shared_head_head.weight": "output.weight"}
+_TOP = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight",
+        "output.weight": "lm_head.weight"}
+
+
+class Qwen35Model(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden)
+        self.blocks = nn.ModuleList(HybridBlock(config, config.is_attention_layer(i))
+                                    for i in range(config.n_layers))
+        self.norm = RMSNorm(config.hidden, config.rms_eps)
+        self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
+        self.mtp = NextNLayer(config) if config.nextn_layers else None
+        # the MTP layer's own embedding / LM head when the file has them (else shared)
+        self.mtp_embed_weight: torch.Tensor | None = None
+        self.mtp_head_weight: torch.Tensor | None = None
+        self._set_rope(config)
+
+    def _set_rope(self, c: ModelConfig, device=None):
+        cos, sin = rope_tables(c.rotary_dim, c.context_length, c.rope_theta, c.rope_scaling)
+        if device is not None:  # (re)build on a real device after a meta-device init
+            cos, sin = cos.to(device), sin.to(device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    # ---- layout -----------------------------------------------------------------------
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """Layers that keep KV pages: the attention layers, then the MTP layer (index n_layers)."""
+        c = self.config
+        main = tuple(i for i in range(c.n_layers) if c.is_attention_layer(i))
+        return main + tuple(range(c.n_layers, c.n_layers + c.nextn_layers))
+
+    def make_cache(self, max_tokens: int, k_type="f32", v_type="f32", page_size: int = 256,
+                   device=None) -> PagedKvCache:
+        """A KV cache holding pages only for attention layers, with the recurrent state."""
+        c = self.config
+        device = device or self.rope_cos.device
+        cache = PagedKvCache(replace(c, n_layers=c.n_layers + c.nextn_layers), max_tokens,
+                             k_type, v_type, page_size, device, layers=self.kv_layers)
+        cache.recurrent = RecurrentState(c, device)
+        return cache
+
+    def recurrent_state(self, cache) -> RecurrentState:
+        state = getattr(cache, "recurrent", None)
+        if state is None:
+            state = cache.recurrent = RecurrentState(self.config, self.rope_cos.device)
+        return state
+
+    # ---- compute ----------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache,
+                last_only: bool = False, state: RecurrentState | None = None,
+                return_hidden: bool = False):
+        """tokens, positions int64 [T] (consecutive); returns float32 logits [T, vocab]
+        ([1, vocab] with last_only), plus the final normed hidden [T, hidden] (the MTP
+        layer's input) with return_hidden."""
+        state = state if state is not None else self.recurrent_state(cache)
+        if not torch.compiler.is_compiling():
+            self._check_positions(positions, cache)
+            state.begin(int(positions[0]), positions.shape[0])
+        x = self.embed(tokens)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        q_pos = positions.to(torch.int32)
+        for i, block in enumerate(self.blocks):
+            if block.attention:
+                kv = cache.layer(i)
+                x = block(x, cos, sin, q_pos, kv.slots(positions), kv)
+            else:
+                x = block(x, *state.layer(i))
+        hidden = self.norm(x)
+        logits = self.lm_head(hidden[-1:] if last_only else hidden).float()
+        return (logits, hidden) if return_hidden else logits
+
+    def mtp_forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                    cache, return_hidden: bool = False):
+        """One MTP step for each row: row i mixes the embedding of tokens[i] with the main
+        model's normed hidden state hidden[i] and attends (MTP layer KV) up to positions[i].
+        Which token/position pairs with which hidden state is the caller's convention
+        (typically hidden of position p with the token at p + 1)."""
+        if self.mtp is None:
+            raise UnsupportedModelError("this model has no NextN/MTP layer; speculative "
+                                        "decoding needs a drafter of another kind")
+        layer = self.config.n_layers
+        if not (hasattr(cache, "has_layer") and cache.has_layer(layer)):
+            raise UnsupportedModelError("the KV cache has no pages for the MTP layer; make it "
+                                        "with Qwen35Model.make_cache")
+        if not torch.compiler.is_compiling():
+            self._check_positions(positions, cache)
+        kv = cache.layer(layer)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        emb = (self.embed(tokens) if self.mtp_embed_weight is None
+               else F.embedding(tokens, self.mtp_embed_weight))
+        h = self.mtp(emb, hidden.to(emb.dtype), cos, sin, positions.to(torch.int32),
+                     kv.slots(positions), kv)
+        head = self.lm_head.weight if self.mtp_head_weight is None else self.mtp_head_weight
+        logits = F.linear(h, head).float()
+        return (logits, h) if return_hidden else logits
+
+    def _check_positions(self, positions, cache):
+        cache.check_positions(positions)
+        if int(positions.max()) >= self.rope_cos.shape[0]:
+            raise ContextLengthError(
+                f"position {int(positions.max())} is beyond the model's context length "
+                f"{self.rope_cos.shape[0]}; shorten the prompt or max tokens")
+
+    # ---- loading ----------------------------------------------------------------------
+    @classmethod
+    def from_weights(cls, config: ModelConfig, tensors: dict[str, torch.Tensor],
+                     dtype=torch.float32, device="cpu") -> "Qwen35Model":
+        """Build from tensors keyed by GGUF names ([out, in]); a missing tensor is named."""
+        tied = "output.weight" not in tensors
+        config = replace(config, tie_embeddings=tied)
+        with torch.device("meta"):
+            model = cls(config)
+        expected = {name: _gguf_name(name, config) for name, _ in model.named_parameters()}
+        state, shared = {}, {}
+        for gguf_name, t in tensors.items():
+            key = _module_name(gguf_name, config)
+            (shared if key is None else state)[gguf_name if key is None else key] = t
+        optional = {"mtp.head_norm.weight"} | ({"lm_head.weight"} if tied else set())
+        missing = [g for n, g in expected.items() if n not in state and n not in optional]
+        if missing:
+            raise ModelFileError(
+                f"the qwen35 model file lacks tensor(s) {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}; it is incomplete or mislabelled")
+        if "mtp.head_norm.weight" in expected:
+            state.setdefault("mtp.head_norm.weight", state["norm.weight"])
+        if tied:
+            state["lm_head.weight"] = state["embed.weight"]
+        for key, gguf_name in expected.items():
+            want = tuple(model.get_parameter(key).shape)
+            if tuple(state[key].shape) != want:
+                raise ModelFileError(
+                    f"tensor {gguf_name} has shape {tuple(state[key].shape)} but the "
+                    f"metadata implies {want}; the file's metadata and tensors disagree")
+        model.load_state_dict({k: state[k].to(device=device, dtype=dtype) for k in expected},
+                              strict=True, assign=True)
+        if tied:
+            model.lm_head.weight = model.embed.weight
+        mtp = f"blk.{config.n_layers}.nextn."
+        for suffix, attr in (("embed_tokens.weight", "mtp_embed_weight"),
+                             ("shared_head_head.weight", "mtp_head_weight")):
+            if mtp + suffix in shared:
+                setattr(model, attr, shared[mtp + suffix].to(device=device, dtype=dtype))
+        model._set_rope(config, device)
+        return model.eval()
+
+
+def _module_name(gguf_name: str, c: ModelConfig) -> str | None:
+    if gguf_name in _TOP:
+        return _TOP[gguf_name]
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+    if m:
+        i, rest = int(m.group(1)), m.group(2)
+        if i < c.n_layers:
+            table = {**_COMMON, **(_ATTENTION if c.is_attention_layer(i) else _GDN)}
+            if rest in table:
+                return f"blocks.{i}.{table[rest]}"
+        elif i < c.n_layers + c.nextn_layers:
+            if rest in _NEXTN:
+                return f"mtp.{_NEXTN[rest]}"
+            if rest in {**_COMMON, **_ATTENTION}:
+                return f"mtp.block.{ {**_COMMON, **_ATTENTION}[rest]}"
+            if rest in _NEXTN_SHARED:
+                return None  # loaded separately
+    raise UnsupportedModelError(f"tensor {gguf_name!r} has no place in a qwen35 model with "
+                                f"{c.n_layers} layers (+{c.nextn_layers} NextN); the file "
+                                f"needs a different architecture or its metadata is wrong")
+
+
+def _gguf_name(param: str, c: ModelConfig) -> str:
+    """Inverse of _module_name, for error messages."""
+    inverse_top = {v: k for k, v in _TOP.items()}
+    if param in inverse_top:
+        return inverse_top[param]
+    if param.startswith("mtp."):
+        rest = param[len("mtp."):]
+        block = rest[len("block."):] if rest.startswith("block.") else None
+        table = {**_COMMON, **_ATTENTION} if block is not None else _NEXTN
+        inverse = {v: k for k, v in table.items()}
+        return f"blk.{c.n_layers}.{inverse[block if block is not None else rest]}"
+    _, i, rest = param.split(".", 2)
+    table = {**_COMMON, **(_ATTENTION if c.is_attention_layer(int(i)) else _GDN)}
+    return f"blk.{i}.{ {v: k for k, v in table.items()}[rest]}"

@@ -1,0 +1,162 @@
+"""Synthetic qwen35 (hybrid, with MTP layer) and llama GGUFs written by our writer: kvcompile
+equals llama.cpp over 256 teacher-forced tokens; broken files fail with a clear error."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvcompile.errors import ModelFileError, UnsupportedModelError
+from kvcompile.gguf.synthetic import preset_config, write_synthetic_gguf
+from kvcompile.models.llama import LlamaModel
+from kvcompile.models.qwen35 import Qwen35Model
+from kvcompile.weights import load_weights
+from llama_oracle import agreement, llama_cpp, llama_cpp_logits
+
+N_TOKENS, N_PREFILL = 256, 192
+
+
+@pytest.fixture(scope="module")
+def qwen35_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen35") / "qwen35-tiny.f32.gguf"
+    write_synthetic_gguf(preset_config("qwen35", "tiny"), path, "f32", seed=1234)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama") / "llama-tiny.f32.gguf"
+    write_synthetic_gguf(preset_config("llama", "tiny"), path, "f32", seed=4321)
+    return path
+
+
+def _teacher_forced(model, cache, tokens):
+    """Prefill the first N_PREFILL tokens in one forward (chunked GDN / multi-row
+    attention), then decode the rest one token at a time (recurrent GDN)."""
+    with torch.no_grad():
+        rows = [model(tokens[:N_PREFILL], torch.arange(N_PREFILL), cache)]
+        for p in range(N_PREFILL, len(tokens)):
+            rows.append(model(tokens[p:p + 1], torch.tensor([p]), cache))
+    return torch.cat(rows)
+
+
+def _report(name, ours, ref):
+    top1, kl_mean, kl_max = agreement(ours, ref)
+    lp = torch.log_softmax(ref.double(), -1)
+    entropy = -(lp.exp() * lp).sum(-1)
+    top2 = ref.topk(2, dim=-1).values
+    gap = (top2[:, 0] - top2[:, 1]).double()
+    qs = torch.tensor([0.05, 0.5, 0.95], dtype=torch.float64)
+    print(f"\n{name}: top-1 {top1:.4f}, KL mean {kl_mean:.3e} max {kl_max:.3e}, "
+          f"max |dlogit| {(ours - ref).abs().max().item():.2e}; oracle entropy q05/50/95 "
+          f"{entropy.quantile(qs).numpy().round(2)} (max {np.log(ref.shape[1]):.2f}), "
+          f"top-2 gap q05/50/95 {gap.quantile(qs).numpy().round(3)}")
+    return top1, kl_mean, entropy, gap
+
+
+def _context_sensitivity(llm, tokens):
+    """KL between oracle logits of the same final token after two different contexts:
+    a large value shows attention/recurrence matter, so agreement tests them."""
+    a = llama_cpp_logits(llm, tokens)[-1]
+    other = tokens[:-1][torch.randperm(len(tokens) - 1, generator=torch.Generator().manual_seed(0))]
+    b = llama_cpp_logits(llm, torch.cat([other, tokens[-1:]]).tolist())[-1]
+    lp, lq = torch.log_softmax(a.double(), -1), torch.log_softmax(b.double(), -1)
+    return (lp.exp() * (lp - lq)).sum().item()
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "llama"])
+def test_synthetic_model_matches_llama_cpp(arch, qwen35_file, llama_file):
+    path = qwen35_file if arch == "qwen35" else llama_file
+    w = load_weights(path, progress=False)
+    assert w.config.arch == arch
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(300, w.config.vocab_size, (N_TOKENS,), generator=gen)
+    if arch == "qwen35":
+        assert w.config.nextn_layers == 1 and w.config.n_layers == 8
+        model = Qwen35Model.from_weights(w.config, w.tensors)
+        cache = model.make_cache(N_TOKENS)
+        # only the 2 attention layers + the MTP layer own KV pages
+        assert model.kv_layers == (3, 7, 8) and cache.layers == (3, 7, 8)
+    else:
+        model = LlamaModel.from_weights(w.config, w.tensors)
+        from kvcompile.kv_cache import PagedKvCache
+        cache = PagedKvCache(w.config, N_TOKENS)
+    ours = _teacher_forced(model, cache, tokens)
+    llm = llama_cpp(path, n_ctx=512)
+    ref = llama_cpp_logits(llm, tokens.tolist())
+    top1, kl_mean, entropy, gap = _report(f"synthetic {arch}", ours, ref)
+    sensitivity = _context_sensitivity(llm, tokens)
+    print(f"context sensitivity (KL after a shuffled context): {sensitivity:.3f}")
+    assert top1 >= 0.99 and kl_mean <= 1e-3
+    # non-degenerate: broad but not uniform distributions that depend on the context
+    assert entropy.median() < np.log(ref.shape[1]) - 0.5 and gap.median() > 0.05
+    assert sensitivity > 0.05
+
+
+def _rewrite(src, dst, drop_tensors=(), drop_keys=(), set_u32=None):
+    """Copy a GGUF, leaving out some tensors / keys or overriding uint32 keys."""
+    r = gguf.GGUFReader(str(src))
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch=arch)
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop_keys:
+            continue
+        if set_u32 and key in set_u32:
+            w.add_uint32(key, set_u32[key])
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub)
+    for t in r.tensors:
+        if t.name not in drop_tensors:
+            w.add_tensor(t.name, np.array(t.data), raw_shape=tuple(reversed(t.shape.tolist())),
+                         raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def _load_model(path):
+    w = load_weights(path, progress=False)
+    return Qwen35Model.from_weights(w.config, w.tensors)
+
+
+@pytest.mark.parametrize("tensor", ["blk.1.ssm_a", "blk.3.attn_q_norm.weight",
+                                    "blk.8.nextn.eh_proj.weight", "blk.0.ssm_conv1d.weight"])
+def test_missing_tensor_is_named(tensor, qwen35_file, tmp_path):
+    bad = _rewrite(qwen35_file, tmp_path / "bad.gguf", drop_tensors={tensor})
+    with pytest.raises(ModelFileError, match=tensor.replace(".", r"\.")) as err:
+        _load_model(bad)
+    print(err.value)
+
+
+@pytest.mark.parametrize("key", ["qwen35.ssm.conv_kernel", "qwen35.ssm.group_count",
+                                 "qwen35.rope.dimension_sections",
+                                 "qwen35.attention.layer_norm_rms_epsilon"])
+def test_missing_key_is_named(key, qwen35_file, tmp_path):
+    bad = _rewrite(qwen35_file, tmp_path / "bad.gguf", drop_keys={key})
+    with pytest.raises(ModelFileError, match=key.replace(".", r"\.")) as err:
+        _load_model(bad)
+    print(err.value)
+
+
+def test_two_nextn_layers_is_a_capability_error(tmp_path):
+    path = tmp_path / "two-mtp.gguf"
+    cfg = preset_config("qwen35", "tiny", nextn_layers=2, vocab_size=512, n_layers=4)
+    write_synthetic_gguf(cfg, path, "f32", seed=3)
+    with pytest.raises(UnsupportedModelError, match="2 NextN/MTP layers") as err:
+        load_weights(path, progress=False)
+    print(err.value)
+
+
+def test_forward_must_continue_the_recurrent_state(qwen35_file):
+    from kvcompile.errors import KvLayoutError
+    model = _load_model(qwen35_file)
+    cache = model.make_cache(64)
+    with torch.no_grad():
+        model(torch.tensor([400, 500, 600]), torch.arange(3), cache)
+        with pytest.raises(KvLayoutError, match="consumed 3 tokens") as err:
+            model(torch.tensor([700]), torch.tensor([5]), cache)
+    print(err.value)
