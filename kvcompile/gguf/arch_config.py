@@ -92,8 +92,14 @@ def build_llama_config(md: Mapping, tensors: Mapping, path: str = "the model fil
     return ModelConfig(**base_fields("llama", md, tensors, rope_neox=False, path=path))
 
 
+def build_qwen35_config(md: Mapping, tensors: Mapping, path: str = "the model file") -> ModelConfig:
+    from kvcompile.models.qwen35_config import build_qwen35_config as build  # hybrid keys
+    return build(md, tensors, path=path)
+
+
 ARCH_BUILDERS: dict[str, Callable[..., ModelConfig]] = {
     "llama": build_llama_config,
+    "qwen35": build_qwen35_config,
 }
 
 
