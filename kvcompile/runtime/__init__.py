@@ -1,0 +1,7 @@
+"""Streaming runtime: arena, host history, resident/ring pool, fences, policy, telemetry."""
+from kvcompile.runtime.arena import Arena, Lease, Region, Transaction  # noqa: F401
+from kvcompile.runtime.backend import CpuBackend  # noqa: F401
+from kvcompile.runtime.checker import FenceChecker  # noqa: F401
+from kvcompile.runtime.copy_engine import Instrument  # noqa: F401
+from kvcompile.runtime.streaming_cache import (StreamingKvCache, forward,  # noqa: F401
+                                               min_arena_bytes)

@@ -1,0 +1,126 @@
+"""Copy engines move page runs between host history and the arena.
+
+`copy(dst, src, after=...)` orders the copy after the given fences and returns a fence
+for its completion. The CPU backend's SyncCopyEngine copies at once. ThreadedCopyEngine
+runs copies in FIFO order on a worker thread, like a CUDA copy stream, so tests can inject
+delays on the copy side and prove that the pool waits on the right fences.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kvcompile.runtime.fences import DONE, EventFence, Fence, wait_all
+
+
+@dataclass
+class CopyNote:
+    """What a copy means, for the checker: fill pages (host->device) or publish them."""
+    kind: str                     # "fill" or "publish"
+    pages: tuple[int, ...]        # physical device pages
+    owners: tuple = ()            # (layer, logical page) per page, for fills
+    host_keys: tuple = ()         # (layer, logical page) host pages read (fill) or written
+
+
+@dataclass
+class Instrument:
+    """Test hook: delays (seconds, called per event) and a checker."""
+    checker: object = None
+    copy_delay: Callable[[], float] | None = None
+    compute_delay: Callable[[], float] | None = None
+
+
+class CopyEngine:
+    def __init__(self, instrument: Instrument | None = None):
+        self.instrument = instrument or Instrument()
+        self.busy_s = 0.0
+        self.bytes_h2d = 0
+        self.bytes_d2h = 0
+
+    def copy(self, pairs, note: CopyNote, after=()) -> Fence:
+        """pairs: [(dst, src)] tensors copied as one operation (K and V runs of a group)."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def _run(self, pairs, note: CopyNote) -> None:
+        chk, delay = self.instrument.checker, self.instrument.copy_delay
+        if chk is not None:
+            (chk.fill_start(note.pages, note.owners, note.host_keys) if note.kind == "fill"
+             else chk.publish_start(note.pages, note.host_keys))
+        t0 = time.perf_counter()
+        if delay is not None:
+            time.sleep(delay())
+        n = 0
+        for dst, src in pairs:
+            dst.copy_(src)
+            n += dst.nbytes
+        self.busy_s += time.perf_counter() - t0
+        if note.kind == "fill":
+            self.bytes_h2d += n
+        else:
+            self.bytes_d2h += n
+        if chk is not None:
+            (chk.fill_end(note.pages) if note.kind == "fill"
+             else chk.publish_end(note.pages, note.host_keys))
+
+
+class SyncCopyEngine(CopyEngine):
+    def copy(self, pairs, note: CopyNote, after=()) -> Fence:
+        wait_all(after)
+        self._run(pairs, note)
+        return DONE
+
+
+class ThreadedCopyEngine(CopyEngine):
+    """One worker = one in-order copy stream. Waiting on a fence that is only set by a later
+    item of the same queue would deadlock, exactly as on a CUDA stream: the pool never asks."""
+
+    def __init__(self, instrument: Instrument | None = None):
+        super().__init__(instrument)
+        self._q: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._worker = threading.Thread(target=self._loop, name="kvcompile-copy", daemon=True)
+        self._worker.start()
+
+    def copy(self, pairs, note: CopyNote, after=()) -> Fence:
+        if self._error is not None:
+            raise RuntimeError("the copy worker failed") from self._error
+        fence = EventFence(note.kind)
+        self._q.put((list(pairs), note, tuple(after), fence))
+        return fence
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            pairs, note, after, fence = item
+            try:
+                wait_all(after)
+                if self._error is None and note.kind != "sync":
+                    self._run(pairs, note)
+            except BaseException as e:  # noqa: BLE001 - surfaced on the next copy()
+                self._error = e
+            finally:
+                fence.set()
+
+    def synchronize(self) -> None:
+        done = EventFence("sync")
+        self._q.put(([], CopyNote("sync", ()), (), done))
+        done.wait()
+        if self._error is not None:
+            raise RuntimeError("the copy worker failed") from self._error
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._worker.join()

@@ -1,0 +1,63 @@
+"""Completion fences: proof that the device finished an operation.
+
+A lease says "someone still wants this memory"; only a fence says "the device stopped
+touching it". On the CPU backend synchronous work returns DONE (trivially complete); the
+threaded CPU copy engine returns EventFence (set by its worker, like a CUDA event recorded
+on a copy stream). The CUDA backend wraps torch.cuda.Event in the same two methods.
+"""
+from __future__ import annotations
+
+import threading
+
+
+class Fence:
+    def query(self) -> bool:
+        """True once the operation completed (never blocks)."""
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        """Block until the operation completed."""
+        raise NotImplementedError
+
+
+class DoneFence(Fence):
+    def query(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+    def __repr__(self):
+        return "DONE"
+
+
+DONE = DoneFence()
+
+
+class EventFence(Fence):
+    """Set exactly once by whoever performs the operation."""
+
+    def __init__(self, what: str = ""):
+        self._event = threading.Event()
+        self.what = what
+
+    def set(self) -> None:
+        self._event.set()
+
+    def query(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self) -> None:
+        self._event.wait()
+
+    def __repr__(self):
+        return f"EventFence({self.what!r}, done={self.query()})"
+
+
+def all_done(fences) -> bool:
+    return all(f.query() for f in fences)
+
+
+def wait_all(fences) -> None:
+    for f in fences:
+        f.wait()

@@ -1,0 +1,41 @@
+"""Host history: the authoritative copy of every attention layer's KV, as page arrays.
+
+Per layer a K and a V array uint8 [max_pages, page_bytes] in host memory (pinned on
+CUDA), laid out exactly like device pages so a run of contiguous pages is one copy.
+`rows` counts the positions published so far: pages at or past it hold nothing yet and
+need no host->device copy.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class HostHistory:
+    def __init__(self, layers, max_pages: int, k_page_bytes: int, v_page_bytes: int,
+                 page_size: int, alloc=None):
+        alloc = alloc or (lambda shape: torch.zeros(shape, dtype=torch.uint8))
+        self.layers = tuple(layers)
+        self.page_size = page_size
+        self.max_pages = max_pages
+        self.k = {i: alloc((max_pages, k_page_bytes)) for i in self.layers}
+        self.v = {i: alloc((max_pages, v_page_bytes)) for i in self.layers}
+        self.rows = 0
+
+    def has_rows(self, logical_page: int) -> bool:
+        return logical_page * self.page_size < self.rows
+
+    @property
+    def rows_pages(self) -> int:
+        """Number of logical pages holding at least one published row."""
+        return -(-self.rows // self.page_size)
+
+    def reset(self) -> None:
+        """Forget the sequence (contents need no clearing: rows says what is valid)."""
+        self.rows = 0
+
+    def truncate(self, n_rows: int) -> None:
+        self.rows = min(self.rows, n_rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.k[i].nbytes + self.v[i].nbytes for i in self.layers)

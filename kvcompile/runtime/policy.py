@@ -1,0 +1,127 @@
+"""Adaptive resident/ring split: a pure function step(config, state, observation) -> decision.
+
+The physical budget (pages of the arena's KV regions) is split into resident pages (a
+prefix of r logical pages of every streamed layer) and one ring shared by all layers.
+Bytes over PCIe are the currency, so r is as large as possible while the ring can still
+hold `depth` layers' worth of streamed pages (depth 1: no overlap; 2: the next layer's copy
+runs while this layer computes). Feedback moves depth: readiness misses while the copy
+engine has slack ask for more lookahead; a ring mostly idle with no misses, or a saturated
+copy engine (more lookahead cannot help, only fewer bytes can), gives pages back to the
+resident side. Hysteresis: a new split is accepted only when it differs by at least
+`hysteresis_pages` per layer and was proposed `patience` steps in a row -- unless the
+current split cannot serve the next forward at all (forced). A change that would hand a
+still-leased page to another role is never accepted; the caller drains and asks again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from kvcompile.errors import ArenaError
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    n_layers: int
+    total_pages: int              # physical pages of the arena's KV regions
+    max_depth: int = 2
+    headroom_pages: int = 1       # growth room so decode does not repartition at each page
+    hysteresis_pages: int = 1
+    patience: int = 3
+    busy_high: float = 0.9        # copy engine busy fraction considered saturated
+    occupancy_low: float = 0.5
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    resident_per_layer: int = -1  # -1: no split yet
+    depth: int = 1
+    pending: int | None = None    # proposed r waiting out the hysteresis
+    streak: int = 0
+
+
+@dataclass(frozen=True)
+class Observation:
+    context_pages: int            # logical pages per layer the next forward reads
+    readiness_misses: int = 0     # waits on incomplete copies during the last step
+    ring_occupancy: float | None = None  # peak fraction of ring slots in use last step
+    copy_busy: float = 0.0        # fraction of the last step the copy engine was busy
+    # (ring_occupancy None: no previous step to learn from, depth stays)
+    leased_pages: frozenset = field(default_factory=frozenset)  # physical pages still in use
+
+
+@dataclass(frozen=True)
+class Decision:
+    state: PolicyState
+    accepted: bool                # True: repartition to resident_per_layer now
+    resident_per_layer: int
+    ring_slots: int
+    reason: str
+
+
+def ring_slots(cfg: PolicyConfig, r: int) -> int:
+    return cfg.total_pages - cfg.n_layers * r
+
+
+def serves(cfg: PolicyConfig, r: int, context_pages: int) -> bool:
+    """Can split r run a forward over context_pages (the ring holds one layer's stream)?"""
+    return r >= 0 and ring_slots(cfg, r) >= max(context_pages - r, 0)
+
+
+def target_split(cfg: PolicyConfig, context_pages: int, depth: int) -> int:
+    """Largest r whose ring holds `depth` layers of streamed pages (with headroom)."""
+    L, P = cfg.n_layers, cfg.total_pages
+    if P < context_pages:
+        raise ArenaError(f"the arena's KV space holds {P} pages but one layer's context needs "
+                         f"{context_pages}; raise --kv-stream-arena-mib or lower --ctx-size")
+    c = context_pages + cfg.headroom_pages
+    if L * c <= P:
+        return P // L                        # everything resident, growth room included
+    for k in range(min(depth, L - 1), 0, -1):
+        r = min((P - k * c) // (L - k), c)
+        if r >= 0:
+            return r
+    return 0 if serves(cfg, 0, context_pages) else -1
+
+
+def changed_pages(cfg: PolicyConfig, r_old: int, r_new: int) -> range:
+    """Physical pages that switch between resident and ring (layout: lp * L + layer)."""
+    lo, hi = sorted((max(r_old, 0), r_new))
+    return range(cfg.n_layers * lo, cfg.n_layers * hi)
+
+
+def step(cfg: PolicyConfig, state: PolicyState, obs: Observation) -> Decision:
+    depth = _next_depth(cfg, state, obs)
+    target = target_split(cfg, obs.context_pages, depth)
+    cur = state.resident_per_layer
+    forced = not serves(cfg, cur, obs.context_pages)
+
+    def keep(reason, pending=None, streak=0):
+        s = replace(state, depth=depth, pending=pending, streak=streak)
+        return Decision(s, False, cur, ring_slots(cfg, cur), reason)
+
+    if not forced:
+        if abs(target - cur) < cfg.hysteresis_pages:
+            return keep("within hysteresis")
+        streak = state.streak + 1 if state.pending == target else 1
+        if streak < cfg.patience:
+            return keep(f"waiting ({streak}/{cfg.patience})", target, streak)
+    busy = sorted(set(changed_pages(cfg, cur, target)) & set(obs.leased_pages))
+    if busy:
+        return keep(f"pages {busy[:4]}{'...' if len(busy) > 4 else ''} still leased; drain "
+                    f"and ask again", target, state.streak)
+    new = PolicyState(resident_per_layer=target, depth=depth)
+    return Decision(new, True, target, ring_slots(cfg, target),
+                    "forced: current split cannot serve the context" if forced
+                    else f"resident {cur} -> {target} pages per layer")
+
+
+def _next_depth(cfg: PolicyConfig, state: PolicyState, obs: Observation) -> int:
+    d = state.depth
+    if obs.ring_occupancy is None:
+        pass
+    elif obs.readiness_misses and obs.copy_busy < cfg.busy_high:
+        d += 1
+    elif obs.copy_busy >= cfg.busy_high or (not obs.readiness_misses
+                                              and obs.ring_occupancy < cfg.occupancy_low):
+        d -= 1
+    return max(1, min(d, cfg.max_depth))

@@ -1,0 +1,208 @@
+"""StreamingKvCache: the model-facing KV cache whose pages live in host history and an arena.
+
+It offers the surface the models read from PagedKvCache (`layer(i)` -> LayerKv with pools,
+page table and types; `has_layer`, `check_positions`, `reset`, `capacity`), and brackets
+every forward with `begin_forward(positions)` / `end_forward()` (use `forward()` below,
+which calls them around `model(...)`). `layer(i)` is the per-layer hook: it releases the
+previous layer, makes layer i's pages present (resident, or copied into ring slots while
+earlier layers computed) and rewrites its page table before the model's kv_write and
+span_attention use it. Release publishes the rows written this forward to host history,
+so after every forward the host holds the authoritative KV.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvcompile.errors import ArenaError, ContextLengthError, KvLayoutError
+from kvcompile.kv_cache import LayerKv
+from kvcompile.ops import kv_format as F
+from kvcompile.runtime import policy as P
+from kvcompile.runtime.arena import MIB, Arena, align, mib_for
+from kvcompile.runtime.backend import CpuBackend
+from kvcompile.runtime.host_history import HostHistory
+from kvcompile.runtime.pool import StreamingPool
+from kvcompile.runtime.telemetry import StepStats, summarize
+
+
+def min_arena_bytes(config, max_tokens: int, k_type="f32", v_type="f32", page_size=256,
+                    workspace_bytes: int = 0) -> int:
+    """Smallest arena that serves max_tokens: the ring must hold one layer's whole context."""
+    kb, vb = _page_bytes(config, k_type, v_type, page_size)
+    pages = -(-max_tokens // page_size)
+    return align(workspace_bytes) + align(pages * kb) + align(pages * vb)
+
+
+class StreamingKvCache:
+    def __init__(self, config, max_tokens: int, arena_mib: float, k_type="f32", v_type="f32",
+                 page_size: int = 256, layers=None, backend=None, workspace_bytes: int = 0,
+                 policy: dict | None = None, unsafe=frozenset()):
+        if max_tokens <= 0:
+            raise ContextLengthError(f"the KV cache needs room for at least one token; "
+                                     f"got max_tokens={max_tokens}")
+        self.config, self.page_size = config, page_size
+        self.k_type, self.v_type = F.kv_type(k_type), F.kv_type(v_type)
+        self.backend = backend or CpuBackend()
+        self.device = self.backend.device
+        self.layers = tuple(range(config.n_layers)) if layers is None else tuple(sorted(set(layers)))
+        self.num_pages = -(-max_tokens // page_size)
+        self.capacity = self.num_pages * page_size
+        kb, vb = _page_bytes(config, self.k_type, self.v_type, page_size)
+        nbytes = int(arena_mib * MIB)
+        need = min_arena_bytes(config, max_tokens, self.k_type, self.v_type, page_size,
+                               workspace_bytes)
+        if nbytes < need:
+            raise ArenaError(
+                f"an arena of {arena_mib:g} MiB is too small for {self.capacity} tokens of "
+                f"{self.k_type.name}/{self.v_type.name} KV (the ring must hold one layer's "
+                f"whole context); use --kv-stream-arena-mib {mib_for(need)} or more, or "
+                f"lower --ctx-size")
+        n_phys = _fit_pages(nbytes - align(workspace_bytes), kb, vb)
+        self.arena = Arena(nbytes, self.backend.device_buffer(nbytes))
+        with self.arena.begin() as tx:
+            tx.reserve("workspace", workspace_bytes).reserve("kv_k", n_phys * kb)
+            tx.reserve("kv_v", n_phys * vb)
+        self._leases = [self.arena.lease("kv_k"), self.arena.lease("kv_v")]
+        k_pool = self._leases[0].view().view(n_phys, kb)
+        v_pool = self._leases[1].view().view(n_phys, vb)
+        self.host = HostHistory(self.layers, self.num_pages, kb, vb, page_size,
+                                alloc=self.backend.host_buffer)
+        self.engine = self.backend.copy_engine()
+        self.pool = StreamingPool(k_pool, v_pool, self.host, self.layers, self.engine,
+                                  self.backend, self.num_pages, unsafe)
+        self.policy_config = P.PolicyConfig(len(self.layers), n_phys, **(policy or {}))
+        self.policy_state = P.PolicyState(depth=self.policy_config.max_depth)
+        self._kv = {i: LayerKv(k_pool, v_pool, self.pool.page_tables[i], self.k_type.ggml_id,
+                               self.v_type.ggml_id, page_size) for i in self.layers}
+        self.telemetry: list[StepStats] = []
+        self._step = None
+
+    # ---- the surface the model reads ----------------------------------------------------
+    def layer(self, i: int) -> LayerKv:
+        if self._step is None:
+            raise KvLayoutError("StreamingKvCache.layer() is the per-layer hook of a forward; "
+                                "run the model through kvcompile.runtime.forward()")
+        self.pool.acquire(i)
+        return self._kv[i]
+
+    def has_layer(self, i: int) -> bool:
+        return i in self._kv
+
+    def check_positions(self, positions: torch.Tensor) -> None:
+        if positions.numel() == 0:
+            raise ContextLengthError("nothing to evaluate: pass at least one token")
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= self.capacity:
+            raise ContextLengthError(
+                f"position {hi if hi >= self.capacity else lo} is outside the KV cache of "
+                f"{self.capacity} tokens; raise the context size (--ctx-size) or shorten the "
+                f"prompt / max tokens")
+        if lo > self.host.rows:
+            raise ContextLengthError(f"position {lo} leaves a gap after the {self.host.rows} "
+                                     f"positions already in the cache")
+
+    @property
+    def nbytes(self) -> int:
+        return self.arena.nbytes
+
+    # ---- forward bracket ------------------------------------------------------------------
+    def begin_forward(self, positions: torch.Tensor) -> None:
+        self.check_positions(positions)
+        lo, hi = int(positions.min()), int(positions.max())
+        n_pages = hi // self.page_size + 1
+        self.host.truncate(lo)            # rows from lo on are rewritten by this forward
+        repart, reason = self._apply_policy(n_pages)
+        self._step = dict(t0=time.perf_counter(), busy=self.engine.busy_s, hi=hi,
+                          h2d=self.engine.bytes_h2d, d2h=self.engine.bytes_d2h,
+                          tokens=int(positions.numel()), pages=n_pages, repart=repart,
+                          reason=reason)
+        self.pool.begin(n_pages, range(lo // self.page_size, n_pages))
+
+    def end_forward(self, ok: bool = True) -> None:
+        if self._step is None:
+            return
+        s, self._step = self._step, None
+        self.pool.end()
+        if not ok:                        # rows of a failed forward are not history
+            return
+        self.engine.synchronize()         # CPU: trivial; the published rows are in place
+        self.host.rows = max(self.host.rows, s["hi"] + 1)
+        c, ring = self.pool.count, self.pool.ring.n_slots
+        wall = max(time.perf_counter() - s["t0"], 1e-9)
+        self.telemetry.append(StepStats(
+            step=len(self.telemetry), tokens=s["tokens"], context_pages=s["pages"],
+            resident_pages=self.pool.L * self.pool.r, ring_slots=ring,
+            h2d_bytes=self.engine.bytes_h2d - s["h2d"], d2h_bytes=self.engine.bytes_d2h - s["d2h"],
+            readiness_misses=c.misses,
+            copy_busy_pct=min(100.0, 100.0 * (self.engine.busy_s - s["busy"]) / wall),
+            ring_occupancy=c.peak_held / ring if ring else 0.0,
+            resident_reads=c.resident_reads, streamed_reads=c.streamed_reads,
+            repartitioned=s["repart"], policy=s["reason"]))
+
+    def _apply_policy(self, n_pages: int) -> tuple[bool, str]:
+        last = self.telemetry[-1] if self.telemetry else None
+        obs = P.Observation(
+            context_pages=n_pages, readiness_misses=last.readiness_misses if last else 0,
+            ring_occupancy=last.ring_occupancy if last else None,
+            copy_busy=last.copy_busy_pct / 100 if last else 0.0,
+            leased_pages=self.pool.leased_pages())
+        d = P.step(self.policy_config, self.policy_state, obs)
+        if not d.accepted and not P.serves(self.policy_config, d.resident_per_layer, n_pages):
+            self.pool.drain()             # forced but blocked by leases: wait, then ask again
+            obs = P.Observation(n_pages, obs.readiness_misses, obs.ring_occupancy,
+                                obs.copy_busy, self.pool.leased_pages())
+            d = P.step(self.policy_config, self.policy_state, obs)
+        self.policy_state = d.state
+        if d.accepted:
+            self.pool.repartition(d.resident_per_layer)
+        return d.accepted, d.reason
+
+    # ---- whole-cache operations --------------------------------------------------------------
+    def drop_resident(self) -> None:
+        """Throw away every resident device page; later reads rebuild them from host history."""
+        self.pool.drop_resident()
+
+    def reset(self) -> None:
+        """Forget the sequence (the split and the telemetry stay)."""
+        if self._step is not None:
+            self.end_forward(ok=False)
+        self.pool.drain()
+        self.pool.valid.clear()
+        if self.pool.checker is not None:
+            self.pool.checker.release(range(self.pool.L * self.pool.r))
+        self.host.reset()
+
+    def stats(self) -> dict:
+        return summarize(self.telemetry)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def forward(model, cache, tokens, positions, last_only: bool = False):
+    """model(tokens, positions, cache) with the streaming bracket when the cache has one."""
+    begin = getattr(cache, "begin_forward", None)
+    if begin is None:
+        return model(tokens, positions, cache, last_only=last_only)
+    begin(positions)
+    ok = False
+    try:
+        out = model(tokens, positions, cache, last_only=last_only)
+        ok = True
+        return out
+    finally:
+        cache.end_forward(ok)
+
+
+def _page_bytes(config, k_type, v_type, page_size) -> tuple[int, int]:
+    h, d = config.n_kv_heads, config.head_dim
+    return (F.page_bytes(F.kv_type(k_type), page_size, h, d),
+            F.page_bytes(F.kv_type(v_type), page_size, h, d))
+
+
+def _fit_pages(nbytes: int, kb: int, vb: int) -> int:
+    n = nbytes // (kb + vb)
+    while n > 0 and align(n * kb) + align(n * vb) > nbytes:
+        n -= 1
+    return n
