@@ -4,9 +4,11 @@ llama.cpp applies a list of regexes in turn: each one splits every piece produce
 into its matches *and* the gaps between them (nothing is dropped), and a later regex only
 sees one piece at a time, so its look-arounds and `$` stop at the piece's edges.
 
-The patterns are written for the `regex` package. Whitespace is spelled out as llama.cpp's
-set (the Unicode White_Space property) rather than `\\s`, whose meaning differs between regex
-engines (e.g. for U+001C..U+001F); letters and numbers are the Unicode categories L and N.
+The patterns are written for the `regex` package, with every character class spelled out:
+whitespace is llama.cpp's set (the Unicode White_Space property; `\\s` differs between
+engines, e.g. for U+001C..U+001F), and letters / numbers / marks / punctuation are the
+Unicode 15.1 categories L / N / M / P that llama.cpp's tables hold (`\\p{L}` in `regex`
+follows a newer Unicode, where e.g. Egyptian Hieroglyphs Extended-A are letters).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import regex
 
 from kvcompile.errors import UnsupportedModelError
+from kvcompile.tokenizer.unicode_tables import LETTER as _L, MARK as _M, NUMBER as _N, PUNCTUATION as _P
 
 _WS = r"\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 _S = f"[{_WS}]"          # one whitespace character
@@ -22,7 +25,7 @@ _NOT_S = f"[^{_WS}]"     # one non-whitespace character
 
 # GPT-2's split: contractions, optional-space letter/number/other runs, whitespace runs
 # (a run followed by non-space gives up its last character to the next word).
-_GPT2 = (rf"'s|'t|'re|'ve|'m|'ll|'d| ?\p{{L}}+| ?\p{{N}}+| ?[^{_WS}\p{{L}}\p{{N}}]+"
+_GPT2 = (rf"'s|'t|'re|'ve|'m|'ll|'d| ?[{_L}]+| ?[{_N}]+| ?[^{_WS}{_L}{_N}]+"
          rf"|{_S}+(?!{_NOT_S})|{_S}+")
 
 _CONTRACTIONS_ANY_CASE = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
@@ -31,13 +34,13 @@ _CONTRACTIONS_ANY_CASE = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[
 def _llama3_style(number: str, letter: str, not_word: str) -> str:
     """Llama-3 / Qwen family: a word may carry one leading non-letter, numbers in short
     groups, punctuation runs swallow trailing newlines, newline runs keep leading spaces."""
-    return (rf"{_CONTRACTIONS_ANY_CASE}|[^\r\n\p{{L}}\p{{N}}]?{letter}+|{number}"
+    return (rf"{_CONTRACTIONS_ANY_CASE}|[^\r\n{_L}{_N}]?{letter}+|{number}"
             rf"| ?[^{_WS}{not_word}]+[\r\n]*|{_S}*[\r\n]+|{_S}+(?!{_NOT_S})|{_S}+")
 
 
-_LLAMA3 = _llama3_style(r"\p{N}{1,3}", r"\p{L}", r"\p{L}\p{N}")
-_QWEN2 = _llama3_style(r"\p{N}", r"\p{L}", r"\p{L}\p{N}")
-_QWEN35 = _llama3_style(r"\p{N}", r"[\p{L}\p{M}]", r"\p{L}\p{M}\p{N}")
+_LLAMA3 = _llama3_style(f"[{_N}]{{1,3}}", f"[{_L}]", _L + _N)
+_QWEN2 = _llama3_style(f"[{_N}]", f"[{_L}]", _L + _N)
+_QWEN35 = _llama3_style(f"[{_N}]", f"[{_L}{_M}]", _L + _M + _N)
 
 
 @dataclass(frozen=True)
@@ -49,10 +52,10 @@ class PreTokenizerSpec:
     clean_spaces: bool = True     # detokenizer removes spaces before . , ! ? and some 's
 
 
-_DEFAULT = PreTokenizerSpec("default", (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"))
+_DEFAULT = PreTokenizerSpec("default", (rf"[{_P}\$\+<=>\^~\|]+", _GPT2, f"[{_N}]+", "[0-9]{3}"))
 _GPT2_SPEC = PreTokenizerSpec("gpt2", (_GPT2,))
-_SMOLLM = PreTokenizerSpec("smollm", (r"\p{N}", _GPT2), clean_spaces=False)
-_STARCODER = PreTokenizerSpec("starcoder", (r"\p{N}", _GPT2))
+_SMOLLM = PreTokenizerSpec("smollm", (f"[{_N}]", _GPT2), clean_spaces=False)
+_STARCODER = PreTokenizerSpec("starcoder", (f"[{_N}]", _GPT2))
 _LLAMA3_SPEC = PreTokenizerSpec("llama3", (_LLAMA3,), ignore_merges=True, default_add_bos=True)
 _DBRX = PreTokenizerSpec("dbrx", (_LLAMA3,))
 _QWEN2_SPEC = PreTokenizerSpec("qwen2", (_QWEN2,), clean_spaces=False)

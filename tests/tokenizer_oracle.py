@@ -1,0 +1,140 @@
+"""Helpers for the tokenizer tests: llama.cpp (through llama-cpp-python) as the oracle,
+vocab-only GGUF writing with the gguf package, and fresh random test text."""
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+from pathlib import Path
+
+import gguf
+import llama_cpp
+
+CORPUS = Path(__file__).parent / "data" / "tokenizer_mixed.txt"
+
+
+def read_corpus() -> str:
+    with open(CORPUS, encoding="utf-8", newline="") as f:  # keep \r\n and lone \r as written
+        return f.read()
+
+
+class LlamaVocab:
+    """llama.cpp's tokenizer for one GGUF (vocab_only: no weights are loaded)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+        self.vocab = self.llm._model.vocab
+
+    def tokenize(self, text: str, add_bos: bool = False, special: bool = True) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
+
+    def detokenize(self, ids: list[int], remove_special: bool, unparse_special: bool) -> bytes:
+        arr = (llama_cpp.llama_token * max(1, len(ids)))(*ids)
+        size = 64 + 16 * len(ids)
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_detokenize(self.vocab, arr, len(ids), buf, size,
+                                           remove_special, unparse_special)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n + 1
+
+    def is_eog(self, token_id: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token_id))
+
+    @property
+    def n_vocab(self) -> int:
+        return llama_cpp.llama_vocab_n_tokens(self.vocab)
+
+    @property
+    def bos(self) -> int:
+        return llama_cpp.llama_vocab_bos(self.vocab)
+
+    @property
+    def eos(self) -> int:
+        return llama_cpp.llama_vocab_eos(self.vocab)
+
+
+def write_vocab_gguf(path: str | os.PathLike, *, model: str, tokens: list[str],
+                     token_types: list[int], merges: list[str] | None = None,
+                     scores: list[float] | None = None, pre: str | None = None,
+                     bos: int | None = None, eos: int | None = None,
+                     add_bos: bool | None = None, add_space_prefix: bool | None = None,
+                     chat_template: str | None = None) -> Path:
+    """A tensor-less llama-architecture GGUF that llama.cpp opens with vocab_only=True."""
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_context_length(4096)
+    w.add_embedding_length(64)
+    w.add_block_count(1)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(4)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model(model)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(token_types)
+    if merges is not None:
+        w.add_token_merges(merges)
+    if scores is not None:
+        w.add_token_scores(scores)
+    if bos is not None:
+        w.add_bos_token_id(bos)
+    if eos is not None:
+        w.add_eos_token_id(eos)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    if add_space_prefix is not None:
+        w.add_add_space_prefix(add_space_prefix)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+# pieces that stress pre-tokenizers: contractions, special-token texts, unusual whitespace
+_TRICKY = ["'s", "'S", "'re", "'RE", "'ll", "'d", "'", " '", "<|im_start|>", "<|im_end|>",
+           "<|endoftext|>", "<|im_end", "<|", "|>", "  ", "   ", "\t", "\n", "\n\n", "\r\n", "\r",
+           "\u00a0", "\u3000", "\u2028", "\x85", "\x0b", "\x0c", " \n", "123", "4567", "-", "...",
+           "\u0301", "\u200d", "\U0001F44D\U0001F3FD", "\u00e9", "e\u0301"]
+_RANGES = [(0x20, 0x7E), (0xA0, 0x24F), (0x300, 0x36F), (0x370, 0x3FF), (0x400, 0x4FF),
+           (0x590, 0x6FF), (0x900, 0x97F), (0xE00, 0xE7F), (0x2000, 0x206F), (0x2100, 0x22FF),
+           (0x3000, 0x30FF), (0x4E00, 0x9FFF), (0xAC00, 0xD7A3), (0xFF00, 0xFFEF),
+           (0x1F300, 0x1FAFF), (0x10000, 0x3134F)]
+
+
+def fresh_rng(tag: str) -> random.Random:
+    """A new random seed every run, printed so that a failure can be replayed."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"[{tag}] random seed {seed}")
+    return random.Random(seed)
+
+
+def random_text(rng: random.Random, corpus: str, n_chars: int) -> str:
+    out: list[str] = []
+    while sum(map(len, out)) < n_chars:
+        r = rng.random()
+        if r < 0.3:
+            start = rng.randrange(len(corpus))
+            out.append(corpus[start:start + rng.randint(1, 40)])
+        elif r < 0.55:
+            out.append(rng.choice(_TRICKY))
+        else:
+            lo, hi = rng.choice(_RANGES)
+            cp = rng.randint(lo, hi)
+            if 0xD800 <= cp <= 0xDFFF:
+                cp = 0x41
+            out.append(chr(cp))
+    return "".join(out)
+
+
+def random_chunks(rng: random.Random, text: str, n: int, max_len: int = 300) -> list[str]:
+    chunks = []
+    for _ in range(n):
+        start = rng.randrange(len(text))
+        chunks.append(text[start:start + rng.randint(1, max_len)])
+    return chunks
