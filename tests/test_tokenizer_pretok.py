@@ -1,0 +1,74 @@
+"""Every supported pre-tokenizer against llama.cpp: SmolLM2's BPE vocabulary written into a
+vocab-only GGUF under another `tokenizer.ggml.pre` value, so llama.cpp splits with that
+pre-tokenizer's rules (and flags: ignore_merges, add_bos, clean_spaces)."""
+from __future__ import annotations
+
+import pytest
+
+from kvcompile.gguf.reader import GgufFile
+from kvcompile.tokenizer import Tokenizer
+from kvcompile.tokenizer.pretokenize import PreTokenizer, pre_tokenizer_spec
+from tokenizer_oracle import LlamaVocab, fresh_rng, random_chunks, random_text, read_corpus, write_vocab_gguf
+
+PRE_NAMES = ["default", "gpt-2", "llama-bpe", "qwen2", "qwen35", "starcoder", "dbrx", "stablelm2"]
+
+
+@pytest.fixture(scope="module")
+def smollm_vocab(smollm2_path):
+    meta = GgufFile(smollm2_path).metadata
+    return {k: meta[f"tokenizer.ggml.{k}"] for k in ("tokens", "token_type", "merges")}
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return read_corpus()
+
+
+@pytest.mark.parametrize("pre", PRE_NAMES)
+def test_pre_tokenizer_matches_llama_cpp(pre, smollm_vocab, corpus, tmp_path):
+    path = write_vocab_gguf(tmp_path / f"vocab-{pre}.gguf", model="gpt2", pre=pre,
+                            tokens=smollm_vocab["tokens"], token_types=smollm_vocab["token_type"],
+                            merges=smollm_vocab["merges"], bos=1, eos=2)
+    oracle = LlamaVocab(path)
+    tok = Tokenizer.from_metadata({
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": smollm_vocab["tokens"],
+        "tokenizer.ggml.token_type": smollm_vocab["token_type"],
+        "tokenizer.ggml.merges": smollm_vocab["merges"],
+        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2})
+
+    assert tok.encode(corpus) == oracle.tokenize(corpus, add_bos=True)  # add_bos follows pre
+    rng = fresh_rng(pre)
+    texts = (corpus.splitlines(keepends=True) + random_chunks(rng, corpus, 60)
+             + [random_text(rng, corpus, rng.randint(1, 60)) for _ in range(150)])
+    bad = [t for t in texts if tok.encode(t, add_bos=False) != oracle.tokenize(t)]
+    detok_bad = 0
+    for t in texts[::3]:
+        ids = tok.encode(t)
+        for skip in (False, True):
+            detok_bad += tok.decode_bytes(ids, skip) != oracle.detokenize(ids, skip, not skip)
+    print(f"pre={pre}: add_bos={tok.add_bos}, {len(tok.encode(corpus))} corpus tokens, "
+          f"{len(texts)} texts, {len(bad)} encode and {detok_bad} decode mismatches")
+    assert bad == [], repr(bad[:3])
+    assert detok_bad == 0
+
+
+# Splits worked out by hand from each pre-tokenizer's rules (independent of both programs):
+# digits grouped by 3 / kept whole / split singly, case-insensitive contractions, a combining
+# mark (U+0301) joining letters only for qwen35, punctuation keeping trailing newlines.
+_TEXT = "ab 1234 it'S x\u0301y!!\n\n  z"
+_EXPECTED_SPLITS = {
+    "default": ["ab", " ", "123", "4", " it", "'", "S", " x", "\u0301", "y", "!!", "\n\n ", " z"],
+    "gpt-2": ["ab", " 1234", " it", "'", "S", " x", "\u0301", "y", "!!", "\n\n ", " z"],
+    "smollm": ["ab", " ", "1", "2", "3", "4", " it", "'", "S", " x", "\u0301", "y", "!!", "\n\n ", " z"],
+    "llama-bpe": ["ab", " ", "123", "4", " it", "'S", " x", "\u0301y", "!!\n\n", " ", " z"],
+    "qwen2": ["ab", " ", "1", "2", "3", "4", " it", "'S", " x", "\u0301y", "!!\n\n", " ", " z"],
+    "qwen35": ["ab", " ", "1", "2", "3", "4", " it", "'S", " x\u0301y", "!!\n\n", " ", " z"],
+}
+
+
+@pytest.mark.parametrize("pre", sorted(_EXPECTED_SPLITS))
+def test_pre_token_splits_match_hand_derived(pre):
+    pieces = PreTokenizer(pre_tokenizer_spec(pre)).split(_TEXT)
+    print(pre, pieces)
+    assert pieces == _EXPECTED_SPLITS[pre]
