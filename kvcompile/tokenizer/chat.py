@@ -1,8 +1,9 @@
 """Chat templates: render `tokenizer.chat_template` (Jinja) for a list of messages.
 
 The template runs in Jinja's immutable sandbox with the settings Hugging Face uses for chat
-templates (trim_blocks, lstrip_blocks, loop controls), plus the helpers templates expect:
-`raise_exception`, `strftime_now` and a `tojson` that keeps non-ASCII text as is.
+templates (trim_blocks, lstrip_blocks, loop controls, `{% generation %}` blocks), plus the
+helpers templates expect: `raise_exception`, `strftime_now` and a `tojson` that keeps
+non-ASCII text as is.
 A model without a template is an error (no silent fallback: a wrong format degrades
 answers without any visible failure); pass `template=` to supply one.
 """
@@ -14,6 +15,7 @@ import json
 from collections.abc import Mapping, Sequence
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvcompile.tokenizer.errors import ChatTemplateError
@@ -32,10 +34,20 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (Hugging Face's marker for assistant text in
+    training masks) renders its body unchanged."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 @functools.lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+                                        extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
