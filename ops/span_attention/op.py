@@ -67,6 +67,9 @@ def span_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if q.device.type != "cuda":
         return span_attention_reference(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
                                         page_size, scale)
+    if q.shape[2] not in F.SUPPORTED_HEAD_DIMS:
+        raise KvLayoutError(f"the CUDA span_attention supports head dims "
+                            f"{F.SUPPORTED_HEAD_DIMS}, got {q.shape[2]}")
     if q.shape[0] <= DECODE_MAX_ROWS:
         return span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
                                      page_size, scale)

@@ -1,0 +1,41 @@
+"""Child process of kernel_oracle.run_interpreted: runs Triton kernels under the interpreter.
+
+usage: TRITON_INTERPRET=1 python tests/interp_worker.py JOBS.pt RESULTS.pt
+Each job is {"kind": "kv_write" | "decode" | "prefill", "args": {...}, "opts": {...}};
+decode / prefill write into an fp32 `out` so the parent sees the kernel's own error.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates any kernel
+
+import torch  # noqa: E402
+
+
+def run(job: dict) -> dict:
+    from kvcompile.ops.kv_write.triton_kernel import kv_write_triton
+    from kvcompile.ops.span_attention.decode_kernel import span_attention_decode
+    from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
+
+    a, opts = job["args"], job.get("opts", {})
+    if job["kind"] == "kv_write":
+        kp, vp = a["k_pool"].clone(), a["v_pool"].clone()
+        kv_write_triton(kp, vp, a["k_new"], a["v_new"], a["slots"], a["k_type"], a["v_type"],
+                        a["page_size"])
+        return {"k_pool": kp, "v_pool": vp}
+    fn = span_attention_decode if job["kind"] == "decode" else span_attention_prefill
+    out = torch.empty(a["q"].shape, dtype=torch.float32)
+    fn(a["q"], a["k_pool"], a["v_pool"], a["page_table"], a["q_pos"], a["k_type"],
+       a["v_type"], a["page_size"], a["scale"], out=out, **opts)
+    return {"out": out}
+
+
+def main(inp: str, outp: str) -> None:
+    jobs = torch.load(inp)
+    torch.save([run(j) for j in jobs], outp)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

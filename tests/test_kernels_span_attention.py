@@ -1,0 +1,206 @@
+"""Triton span_attention (decode split kernel, prefill kernel) against an fp64 dense
+attention over the dequantized KV, and across physical placements of the same logical KV.
+
+CPU: the kernels run under TRITON_INTERPRET=1 (child process, see kernel_oracle) at small
+sizes. GPU (marked): every K/V type pair x both kernels x 1/2/4/8 rows x 3 placements,
+and contexts up to 128K. Kernel outputs are taken in fp32 (`out=`) so the measured error
+is the kernel's own; the op's bf16/f16 output is that value rounded once (checked on GPU).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kvcompile.ops  # noqa: F401
+from kernel_oracle import (PAIRS, dense_reference, fill_pools, fresh_seed, placements,
+                           rel_err, run_interpreted)
+from kvcompile.errors import KvLayoutError
+from kvcompile.ops import kv_format as F
+
+TOL = 1e-3
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def build(k_name, v_name, n_ctx, n_rows, head_dim, n_kv, group, page_size, q_dtype, gen,
+          plan_names=("resident",), device="cpu"):
+    """Fresh logical KV + queries for the last n_rows positions, written under each plan."""
+    n_pages = math.ceil(n_ctx / page_size)
+    k = torch.randn(n_ctx, n_kv, head_dim, generator=gen)
+    v = torch.randn(n_ctx, n_kv, head_dim, generator=gen)
+    q = (torch.randn(n_rows, n_kv * group, head_dim, generator=gen) * 1.5).to(q_dtype)
+    q_pos = torch.arange(n_ctx - n_rows, n_ctx, dtype=torch.int32)
+    plans = placements(n_pages, page_size)
+    placed = {}
+    for name in plan_names:
+        plan = plans[name]
+        table = plan.page_table()
+        kp, vp = fill_pools(k, v, table, k_name, v_name, page_size, plan.num_physical_pages,
+                            gen, device)
+        placed[name] = (table.to(device), kp, vp)
+    return q.to(device), q_pos.to(device), placed
+
+
+def args_of(k_name, v_name, q, q_pos, table, kp, vp, page_size):
+    return dict(q=q, k_pool=kp, v_pool=vp, page_table=table, q_pos=q_pos,
+                k_type=F.kv_type(k_name).ggml_id, v_type=F.kv_type(v_name).ggml_id,
+                page_size=page_size, scale=q.shape[-1] ** -0.5)
+
+
+# ---- interpreter cases: (id, kernel, k, v, n_ctx, rows, head_dim, n_kv, group, P, q dtype,
+#      plans, launcher options) ----------------------------------------------------------------
+ALL3 = ("resident", "mixed", "ring_wrap")
+TWO = ("resident", "ring_wrap")
+QD = {0: torch.bfloat16, 1: torch.float16}
+SMALL = dict(block_n=16)
+INTERP = []
+for i, (kn, vn) in enumerate(PAIRS):
+    qd = QD[i % 2]
+    INTERP.append((f"decode-K{kn}-V{vn}-rows4-ctx77", "decode", kn, vn, 77, 4, 64, 2, 2, 32,
+                   qd, TWO, dict(SMALL, chunk_len=32)))
+    INTERP.append((f"prefill-K{kn}-V{vn}-rows12-ctx60", "prefill", kn, vn, 60, 12, 64, 2, 2,
+                   16, qd, TWO, dict(SMALL, block_m=16)))
+for rows in (1, 2, 8):
+    INTERP.append((f"decode-Kq8_0-Vq4_0-rows{rows}-ctx70", "decode", "q8_0", "q4_0", 70, rows,
+                   64, 2, 4, 16, torch.bfloat16, ALL3, dict(SMALL, chunk_len=16)))
+    INTERP.append((f"prefill-Kq8_0-Vq4_0-rows{rows}-ctx70", "prefill", "q8_0", "q4_0", 70, rows,
+                   64, 2, 4, 16, torch.bfloat16, ALL3, dict(SMALL, block_m=16)))
+for kn, vn, qd in (("bf16", "bf16", torch.bfloat16), ("q8_0", "q4_0", torch.bfloat16),
+                   ("q4_0", "q8_0", torch.float16)):
+    for d in (128, 256):
+        INTERP.append((f"decode-K{kn}-V{vn}-D{d}-ctx40", "decode", kn, vn, 40, 2, d, 1, 3, 16,
+                       qd, ("resident",), dict(SMALL, chunk_len=32)))
+        INTERP.append((f"prefill-K{kn}-V{vn}-D{d}-ctx40", "prefill", kn, vn, 40, 17, d, 1, 2,
+                       16, qd, ("resident",), dict(SMALL, block_m=16)))
+INTERP += [
+    ("decode-ctx1", "decode", "q8_0", "q4_0", 1, 1, 64, 2, 2, 16, torch.bfloat16, ALL3, SMALL),
+    ("prefill-ctx1", "prefill", "q8_0", "q4_0", 1, 1, 64, 2, 2, 16, torch.bfloat16, ALL3,
+     dict(SMALL, block_m=16)),
+    ("decode-P256-ctx300-default-chunks", "decode", "q8_0", "q4_0", 300, 3, 64, 2, 2, 256,
+     torch.bfloat16, ("resident", "ring_wrap"), {}),
+    ("prefill-P256-ctx300", "prefill", "bf16", "bf16", 300, 40, 64, 1, 2, 256, torch.bfloat16,
+     ("resident", "ring_wrap"), dict(block_m=32, block_n=64)),
+]
+INTERP_IDS = [c[0] for c in INTERP]
+
+
+@pytest.fixture(scope="module")
+def interp_runs():
+    gen = torch.Generator().manual_seed(fresh_seed())
+    jobs, keys, inputs = [], [], {}
+    for cid, kernel, kn, vn, n_ctx, rows, d, n_kv, g, p, qd, plans, opts in INTERP:
+        q, q_pos, placed = build(kn, vn, n_ctx, rows, d, n_kv, g, p, qd, gen, plans)
+        inputs[cid] = (kn, vn, q, q_pos, placed, p)
+        for name, (table, kp, vp) in placed.items():
+            jobs.append({"kind": kernel, "opts": opts,
+                         "args": args_of(kn, vn, q, q_pos, table, kp, vp, p)})
+            keys.append((cid, name))
+    outs = {}
+    for key, res in zip(keys, run_interpreted(jobs)):
+        outs.setdefault(key[0], {})[key[1]] = res["out"]
+    return inputs, outs
+
+
+@pytest.mark.parametrize("case", INTERP_IDS)
+def test_interpreted_kernel_exact_and_placement_independent(interp_runs, case):
+    inputs, outs = interp_runs
+    kn, vn, q, q_pos, placed, p = inputs[case]
+    table, kp, vp = placed["resident"]
+    ref = dense_reference(q, kp, vp, table, q_pos, kn, vn, p, q.shape[-1] ** -0.5)
+    errs = {name: rel_err(o, ref) for name, o in outs[case].items()}
+    print(f"{case}: max relative error vs fp64 per placement {errs}")
+    assert max(errs.values()) <= TOL
+    first = outs[case]["resident"]
+    for name, o in outs[case].items():
+        assert torch.equal(o, first), f"{name} placement differs from resident"
+
+
+# ---- GPU -----------------------------------------------------------------------------------
+
+def run_gpu(kernel, a, out_dtype=torch.float32):
+    from kvcompile.ops.span_attention.decode_kernel import span_attention_decode
+    from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
+    fn = span_attention_decode if kernel == "decode" else span_attention_prefill
+    out = torch.empty(a["q"].shape, dtype=out_dtype, device="cuda")
+    return fn(**a, out=out)
+
+
+GPU_PLACE = [(kn, vn, kernel, rows) for kn, vn in PAIRS for kernel in ("decode", "prefill")
+             for rows in (1, 2, 4, 8)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("k_name,v_name,kernel,rows", GPU_PLACE,
+                         ids=[f"K{k}-V{v}-{ker}-rows{r}" for k, v, ker, r in GPU_PLACE])
+def test_gpu_placement_independence(k_name, v_name, kernel, rows):
+    gen = torch.Generator().manual_seed(fresh_seed())
+    i = PAIRS.index((k_name, v_name))
+    d = (64, 128, 256)[i % 3]
+    qd = QD[i % 2]
+    n_ctx = 1000 + 37 * i
+    q, q_pos, placed = build(k_name, v_name, n_ctx, rows, d, 2, 3, 256, qd, gen, ALL3, "cuda")
+    outs = {name: run_gpu(kernel, args_of(k_name, v_name, q, q_pos, *pl, 256))
+            for name, pl in placed.items()}
+    table, kp, vp = placed["resident"]
+    ref = dense_reference(q, kp, vp, table, q_pos, k_name, v_name, 256, d ** -0.5)
+    err = rel_err(outs["resident"], ref)
+    same = {name: torch.equal(o, outs["resident"]) for name, o in outs.items()}
+    print(f"D{d} ctx {n_ctx} q {qd}: bitwise equal {same}, max rel err vs fp64 {err:.2e}")
+    assert all(same.values())
+    assert err <= TOL
+    if kernel == "decode":   # the op's own dtype: the fp32 result rounded once
+        table, kp, vp = placed["ring_wrap"]
+        a = args_of(k_name, v_name, q, q_pos, table, kp, vp, 256)
+        assert torch.equal(torch.ops.kvcompile.span_attention(**a), outs["resident"].to(qd))
+
+
+GPU_EXACT = [(kn, vn, qd, kernel, n_ctx)
+             for kn, vn, qd in (("bf16", "bf16", torch.bfloat16), ("q8_0", "q4_0", torch.bfloat16),
+                                ("f16", "f16", torch.float16), ("q4_0", "q8_0", torch.float16))
+             for kernel in ("decode", "prefill")
+             for n_ctx in (1, 255, 257, 4109, 32845, 131072)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("k_name,v_name,q_dtype,kernel,n_ctx", GPU_EXACT,
+                         ids=[f"K{k}-V{v}-q{str(q)[6:]}-{ker}-ctx{n}" for k, v, q, ker, n in GPU_EXACT])
+def test_gpu_exact_long_context(k_name, v_name, q_dtype, kernel, n_ctx):
+    gen = torch.Generator().manual_seed(fresh_seed())
+    rows = min(n_ctx, 8 if kernel == "decode" else 200)
+    d = 128 if "q4_0" in (k_name, v_name) else 256
+    q, q_pos, placed = build(k_name, v_name, n_ctx, rows, d, 4, 2, 256, q_dtype, gen,
+                             ("ring_wrap",), "cuda")
+    table, kp, vp = placed["ring_wrap"]
+    out = run_gpu(kernel, args_of(k_name, v_name, q, q_pos, table, kp, vp, 256))
+    ref = dense_reference(q, kp, vp, table, q_pos, k_name, v_name, 256, d ** -0.5)
+    err = rel_err(out, ref)
+    print(f"ctx {n_ctx} rows {rows} D{d}: max relative error vs fp64 {err:.2e}")
+    assert err <= TOL
+
+
+# ---- bad input (CPU, through the op) ---------------------------------------------------------
+
+def test_bad_inputs_raise_clear_errors():
+    gen = torch.Generator().manual_seed(fresh_seed())
+    q, q_pos, placed = build("q8_0", "q4_0", 40, 2, 64, 2, 2, 16, torch.bfloat16, gen)
+    table, kp, vp = placed["resident"]
+    a = args_of("q8_0", "q4_0", q, q_pos, table, kp, vp, 16)
+    op = torch.ops.kvcompile.span_attention
+    bad = {
+        "unknown type": (dict(a, k_type=6), "unsupported KV cache type"),
+        "q heads vs kv heads": (dict(a, q=torch.randn(2, 3, 64).bfloat16()), "cannot share"),
+        "q not 3-D": (dict(a, q=q[0]), "must be \\[T"),
+        "q_pos length": (dict(a, q_pos=q_pos[:1]), "q_pos must be"),
+        "pool pages differ": (dict(a, v_pool=vp[:-1]), "same number of pages"),
+        "pool bytes vs head dim": (dict(a, q=torch.randn(2, 4, 256).bfloat16()), "KV pool must be"),
+        "page table 2-D": (dict(a, page_table=table[None]), "1-D"),
+    }
+    for name, (kw, text) in bad.items():
+        with pytest.raises(KvLayoutError, match=text):
+            op(**kw)
+        print(f"{name}: KvLayoutError mentioning {text!r}")
+    with pytest.raises(KvLayoutError, match="head dim"):
+        op(**dict(a, q=torch.randn(2, 4, 96).bfloat16()))
