@@ -105,6 +105,23 @@ def test_decode_roundtrip_and_llama_cpp_detokenize(tok, oracle, corpus):
           f"token: {sorted(missing)}); {n_checked} random id sequences detokenized like llama.cpp")
 
 
+def test_long_words_match_llama_cpp_quickly(tok, oracle):
+    """Single pre-tokens thousands of characters long (a merge order kept in a heap)."""
+    rng = fresh_rng("long")
+    b64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+    texts = ["a" * rng.randint(2000, 6000), " " * rng.randint(500, 3000) + "x",
+             "".join(rng.choice(b64[:52]) for _ in range(rng.randint(1000, 4000))),
+             "é" * rng.randint(100, 900), "\n" * rng.randint(100, 900),
+             "".join(rng.choice("!?.,;:-_=+*") for _ in range(rng.randint(500, 2000)))]
+    for text in texts:
+        t0 = time.perf_counter()
+        ours = tok.encode(text)
+        elapsed = time.perf_counter() - t0
+        print(f"{len(text)} chars {text[:3]!r}...: {len(ours)} tokens in {elapsed * 1e3:.1f} ms")
+        assert ours == oracle.tokenize(text)
+        assert elapsed < 1.0
+
+
 def test_token_bytes_match_llama_cpp_pieces(tok, oracle):
     rng = fresh_rng("pieces")
     for tid in list(range(40)) + rng.sample(range(tok.vocab_size), 500):
@@ -164,3 +181,5 @@ def test_bad_metadata_and_ids_raise_clear_errors(smollm_meta, tok):
         tok.token_bytes(-1)
     with pytest.raises(TokenizerError, match="str"):
         tok.encode(b"bytes")
+    with pytest.raises(TokenizerError, match="surrogate"):
+        tok.encode("bad \ud800 text")

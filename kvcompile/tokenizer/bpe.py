@@ -6,6 +6,8 @@ pre-token word (natural text repeats words constantly).
 """
 from __future__ import annotations
 
+import heapq
+
 
 def _byte_to_char_table() -> list[str]:
     """GPT-2's reversible byte -> character map: printable Latin-1 bytes map to themselves,
@@ -78,6 +80,8 @@ class BytePairEncoder:
         return ids
 
     def _merge(self, symbols: list[str]) -> list[str]:
+        if len(symbols) > 48:
+            return self._merge_long(symbols)
         ranks = self.ranks
         while len(symbols) > 1:
             best_rank, best_at = None, -1
@@ -89,6 +93,37 @@ class BytePairEncoder:
                 break
             symbols[best_at:best_at + 2] = [symbols[best_at] + symbols[best_at + 1]]
         return symbols
+
+    def _merge_long(self, symbols: list[str]) -> list[str]:
+        """Same merge order in O(n log n) for long words (whitespace runs, base64, minified
+        code): a heap of candidate pairs keyed by (rank, left position) over a linked list;
+        a popped pair whose two symbols changed since it was queued is skipped."""
+        ranks, n = self.ranks, len(symbols)
+        sym = symbols[:]
+        nxt = list(range(1, n + 1))
+        nxt[-1] = -1
+        prev = list(range(-1, n - 1))
+        heap: list[tuple[int, int, int, str]] = []
+
+        def push(left: int, right: int) -> None:
+            if left >= 0 and right >= 0:
+                rank = ranks.get((sym[left], sym[right]))
+                if rank is not None:
+                    heapq.heappush(heap, (rank, left, right, sym[left] + sym[right]))
+
+        for i in range(n - 1):
+            push(i, i + 1)
+        while heap:
+            _, left, right, merged = heapq.heappop(heap)
+            if not sym[left] or not sym[right] or sym[left] + sym[right] != merged:
+                continue
+            sym[left], sym[right] = merged, ""
+            nxt[left] = nxt[right]
+            if nxt[right] >= 0:
+                prev[nxt[right]] = left
+            push(prev[left], left)
+            push(left, nxt[left])
+        return [s for s in sym if s]
 
     def _symbols_to_ids(self, symbols: list[str]) -> list[int]:
         ids = []

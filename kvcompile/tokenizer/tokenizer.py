@@ -105,6 +105,12 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TokenizerError(f"encode() takes a str, got {type(text).__name__}; decode "
                                  f"bytes as UTF-8 first")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise TokenizerError(
+                f"text has a lone surrogate code point {text[exc.start]!r} at index {exc.start}, "
+                f"which is not valid Unicode; decode input bytes with errors='replace'") from None
         add_bos = self.add_bos if add_bos is None else add_bos
         add_eos = self.add_eos if add_eos is None else add_eos
         out: list[int] = []
