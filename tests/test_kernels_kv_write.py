@@ -22,6 +22,9 @@ DIMS = [64, 128, 256]
 GGUF = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
 CASES = [(d, k, v) for d in DIMS for k, v in PAIRS]
 IDS = [f"D{d}-K{k}-V{v}" for d, k, v in CASES]
+GPU_CASES = [(128, k, v) for k, v in PAIRS] + [(d, k, v) for d in (64, 256)
+                                                for k, v in (("q8_0", "q4_0"), ("q4_0", "bf16"), ("f16", "f32"))]
+GPU_IDS = [f"D{d}-K{k}-V{v}" for d, k, v in GPU_CASES]
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -77,7 +80,7 @@ def test_interpreted_kv_write_matches_reference_and_gguf(interp_runs, case):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("head_dim,k_name,v_name", CASES, ids=IDS)
+@pytest.mark.parametrize("head_dim,k_name,v_name", GPU_CASES, ids=GPU_IDS)
 def test_gpu_kv_write_matches_reference_and_gguf(head_dim, k_name, v_name):
     gen = torch.Generator().manual_seed(fresh_seed())
     a = make_case(head_dim, k_name, v_name, n_rows=300, n_kv=4, page_size=256, n_pages=4,

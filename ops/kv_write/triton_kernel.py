@@ -18,7 +18,7 @@ from kvcompile.ops.span_attention.launch import interpreting, launchable, page_g
 @triton.jit
 def _mul_rn(a, b, EXACT_MUL: tl.constexpr):
     if EXACT_MUL:
-        return libdevice.mul_rn(a, b)
+        return libdevice.mul_rn(a, tl.broadcast_to(b, a.shape))
     return a * b  # interpreter: numpy rounds every operation on its own
 
 

@@ -115,11 +115,14 @@ def _decode_reduce(m_ptr, l_ptr, acc_ptr, q_pos_ptr, out_ptr, stride_ot, stride_
     tl.store(optr, o.to(out_ptr.dtype.element_ty))
 
 
+PROGRAMS_PER_SM = 2
+
+
 def decode_chunking(table_len: int, page_size: int, n_kv_heads: int, block_n: int,
-                    sms: int) -> tuple[int, int]:
-    """(chunk_len, n_chunks): about two programs per SM over the whole table."""
+                    sms: int, programs_per_sm: int = PROGRAMS_PER_SM) -> tuple[int, int]:
+    """(chunk_len, n_chunks): about `programs_per_sm` programs per SM over the table."""
     n_tiles = table_len * page_size // block_n
-    want = max(1, (2 * sms) // n_kv_heads)
+    want = max(1, (programs_per_sm * sms) // n_kv_heads)
     tiles_per_chunk = max(1, math.ceil(n_tiles / want))
     chunk_len = tiles_per_chunk * block_n
     return chunk_len, math.ceil(table_len * page_size / chunk_len)
@@ -127,7 +130,7 @@ def decode_chunking(table_len: int, page_size: int, n_kv_heads: int, block_n: in
 
 def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size,
                           scale, out=None, chunk_len=None, block_n=None, num_warps=None,
-                          num_stages=None):
+                          num_stages=None, programs_per_sm=PROGRAMS_PER_SM):
     """Launch the split + reduce kernels; `out` may be given in any float dtype (tests use
     fp32 to see the kernel's own error without the final rounding)."""
     check_launch(q, k_pool, v_pool, page_table, q_pos, page_size)
@@ -146,7 +149,7 @@ def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, 
     table_len = page_table.shape[0]
     if chunk_len is None:
         chunk_len, n_chunks = decode_chunking(table_len, page_size, n_kv, block_n,
-                                              num_sms(q.device))
+                                              num_sms(q.device), programs_per_sm)
     else:
         assert chunk_len % block_n == 0, "chunk_len must be a multiple of block_n"
         n_chunks = math.ceil(table_len * page_size / chunk_len)

@@ -1,0 +1,232 @@
+"""Benchmark span_attention's Triton kernels on the GPU; writes benchmarks/results/attention.json.
+
+- HBM bandwidth, measured in the same run: a large device copy (bytes read + written)
+  and a large reduction (bytes read); the larger is the reference.
+- decode: 1 query row (and 8, the widest verify) over resident pages at 32K/128K/256K for
+  4 KV heads x 256 dims (24 q heads) and 8 KV heads x 128 dims (32 q heads), q8_0 K / q4_0 V
+  and bf16 K / V. gbps = KV bytes of the context / time. Pages are scattered (random page
+  table) and four disjoint copies of the KV rotate so that L2 cannot serve repeats.
+  Timed as CUDA-graph replays (how decode runs in a phase program).
+- prefill: 16K query rows over 16K keys, causal, beside F.scaled_dot_product_attention on
+  the same shapes (bf16; K/V expanded to the query heads for SDPA).
+- kv_write: 16K rows quantized into pages.
+
+usage: python benchmarks/bench_attention.py [--quick] [--out PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as Fn
+
+import kvcompile.ops  # noqa: F401
+from kvcompile.ops import kv_format as F
+from kvcompile.ops.span_attention.decode_kernel import span_attention_decode
+from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
+
+GEOMS = [(4, 256, 24), (8, 128, 32)]            # (KV heads, head dim, q heads)
+KV_PAIRS = [("q8_0", "q4_0"), ("bf16", "bf16")]
+ROT = 4                                          # disjoint KV copies rotated in decode
+
+
+def events_ms(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def graph_ms(calls, reps: int = 10) -> float:
+    """Capture `calls` (a list of thunks) in one CUDA graph; ms per call over replays."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    return events_ms(g.replay, reps) / len(calls)
+
+
+def hbm_bandwidth() -> dict:
+    n = 1 << 30                                   # 2 GiB of bf16
+    x = torch.empty(n, dtype=torch.bfloat16, device="cuda").uniform_()
+    y = torch.empty_like(x)
+    copy = 2 * x.numel() * 2 / (events_ms(lambda: y.copy_(x), 20) * 1e-3) / 1e9
+    read = x.numel() * 2 / (events_ms(lambda: x.sum(dtype=torch.float32), 20) * 1e-3) / 1e9
+    del x, y
+    torch.cuda.empty_cache()
+    return {"copy_gbps": copy, "read_gbps": read, "hbm_gbps_measured": max(copy, read)}
+
+
+def make_pools(k_name, v_name, n_ctx, n_kv, d, copies, page=256):
+    """`copies` disjoint logical KV sets in one pool, each with a scattered page table."""
+    n_pages = math.ceil(n_ctx / page)
+    kt, vt = F.kv_type(k_name), F.kv_type(v_name)
+    total = copies * n_pages
+    kp = torch.empty(total, F.page_bytes(kt, page, n_kv, d), dtype=torch.uint8, device="cuda")
+    vp = torch.empty(total, F.page_bytes(vt, page, n_kv, d), dtype=torch.uint8, device="cuda")
+    perm = torch.randperm(total, device="cuda").int()
+    tables = [perm[i * n_pages:(i + 1) * n_pages].contiguous() for i in range(copies)]
+    step = 16384
+    for table in tables:
+        for s0 in range(0, n_ctx, step):
+            pos = torch.arange(s0, min(n_ctx, s0 + step), device="cuda")
+            rows = torch.randn(len(pos), n_kv, d, device="cuda", dtype=torch.bfloat16)
+            slots = table[pos // page].long() * page + pos % page
+            torch.ops.kvcompile.kv_write(kp, vp, rows, rows, slots, kt.ggml_id, vt.ggml_id, page)
+    kv_bytes = n_ctx * (F.bytes_per_token(kt, n_kv, d) + F.bytes_per_token(vt, n_kv, d))
+    return kp, vp, tables, kv_bytes
+
+
+def bench_decode(hbm, rows_list, contexts, configs):
+    out = []
+    for n_kv, d, n_q in GEOMS:
+        for kn, vn in KV_PAIRS:
+            for n_ctx in contexts:
+                kp, vp, tables, kv_bytes = make_pools(kn, vn, n_ctx, n_kv, d, ROT)
+                for rows in rows_list:
+                    q = torch.randn(rows, n_q, d, device="cuda", dtype=torch.bfloat16)
+                    q_pos = torch.arange(n_ctx - rows, n_ctx, device="cuda", dtype=torch.int32)
+                    outb = torch.empty_like(q)
+                    best = None
+                    for cfg in configs:
+                        calls = [lambda t=t, c=cfg: span_attention_decode(
+                            q, kp, vp, t, q_pos, F.kv_type(kn).ggml_id, F.kv_type(vn).ggml_id,
+                            256, d ** -0.5, out=outb, **c) for t in tables] * 5
+                        ms = graph_ms(calls)
+                        if best is None or ms < best[0]:
+                            best = (ms, cfg)
+                    ms, cfg = best
+                    gbps = kv_bytes / (ms * 1e-3) / 1e9
+                    out.append(dict(kernel="decode", kv_type=f"{kn}/{vn}", context=n_ctx,
+                                    q_rows=rows, n_kv_heads=n_kv, head_dim=d, n_q_heads=n_q,
+                                    ms=ms, gbps=gbps, hbm_gbps_measured=hbm,
+                                    frac_of_hbm=gbps / hbm, kv_bytes=kv_bytes, config=cfg))
+                    print(fmt(out[-1]), flush=True)
+                del kp, vp
+                torch.cuda.empty_cache()
+    return out
+
+
+def bench_prefill(hbm, n_ctx, configs):
+    out = []
+    for n_kv, d, n_q in GEOMS:
+        q = torch.randn(n_ctx, n_q, d, device="cuda", dtype=torch.bfloat16)
+        q_pos = torch.arange(n_ctx, device="cuda", dtype=torch.int32)
+        flops = 4 * n_ctx * n_ctx / 2 * d * n_q      # causal: half of the full score matrix
+        qs = q.transpose(0, 1)[None]
+        ks = torch.randn(1, n_q, n_ctx, d, device="cuda", dtype=torch.bfloat16)
+        vs = torch.randn_like(ks)
+        ms_sdpa = events_ms(lambda: Fn.scaled_dot_product_attention(qs, ks, vs, is_causal=True), 5)
+        sdpa_tf = flops / (ms_sdpa * 1e-3) / 1e12
+        del ks, vs
+        out.append(dict(kernel="sdpa", kv_type="bf16/bf16", context=n_ctx, q_rows=n_ctx,
+                        n_kv_heads=n_q, head_dim=d, n_q_heads=n_q, ms=ms_sdpa, tflops=sdpa_tf,
+                        hbm_gbps_measured=hbm))
+        print(fmt(out[-1]), flush=True)
+        for kn, vn in KV_PAIRS[::-1]:
+            kp, vp, tables, _ = make_pools(kn, vn, n_ctx, n_kv, d, 1)
+            res = []
+            for cfg in configs.get(d, [{}]):
+                try:
+                    ms = events_ms(lambda: span_attention_prefill(
+                        q, kp, vp, tables[0], q_pos, F.kv_type(kn).ggml_id,
+                        F.kv_type(vn).ggml_id, 256, d ** -0.5, **cfg), 5)
+                except Exception as e:  # a config that does not fit (shared memory)
+                    print(f"  prefill config {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                res.append((ms, cfg))
+                print(f"  prefill {kn}/{vn} D{d} {cfg}: {ms:.2f} ms "
+                      f"{flops / (ms * 1e-3) / 1e12:.0f} TFLOP/s", flush=True)
+            ms, cfg = min(res, key=lambda r: r[0])
+            tf = flops / (ms * 1e-3) / 1e12
+            out.append(dict(kernel="prefill", kv_type=f"{kn}/{vn}", context=n_ctx, q_rows=n_ctx,
+                            n_kv_heads=n_kv, head_dim=d, n_q_heads=n_q, ms=ms, tflops=tf,
+                            hbm_gbps_measured=hbm, vs_sdpa=tf / sdpa_tf, config=cfg))
+            print(fmt(out[-1]), flush=True)
+            del kp, vp
+            torch.cuda.empty_cache()
+    return out
+
+
+def bench_kv_write(hbm):
+    out = []
+    for n_kv, d, _ in GEOMS:
+        for kn, vn in KV_PAIRS:
+            kp, vp, tables, _ = make_pools(kn, vn, 16384, n_kv, d, 1)
+            rows = torch.randn(16384, n_kv, d, device="cuda", dtype=torch.bfloat16)
+            pos = torch.arange(16384, device="cuda")
+            slots = tables[0][pos // 256].long() * 256 + pos % 256
+            kt, vt = F.kv_type(kn), F.kv_type(vn)
+            ms = events_ms(lambda: torch.ops.kvcompile.kv_write(
+                kp, vp, rows, rows, slots, kt.ggml_id, vt.ggml_id, 256), 10)
+            nbytes = 2 * rows.numel() * 2 + 16384 * (F.bytes_per_token(kt, n_kv, d)
+                                                     + F.bytes_per_token(vt, n_kv, d))
+            out.append(dict(kernel="kv_write", kv_type=f"{kn}/{vn}", context=16384,
+                            q_rows=16384, n_kv_heads=n_kv, head_dim=d, ms=ms,
+                            gbps=nbytes / (ms * 1e-3) / 1e9, hbm_gbps_measured=hbm))
+            print(fmt(out[-1]), flush=True)
+    return out
+
+
+def fmt(r: dict) -> str:
+    val = f"{r['gbps']:8.0f} GB/s" if "gbps" in r else f"{r['tflops']:8.1f} TFLOP/s"
+    extra = f" {r['frac_of_hbm']:.2f} of HBM" if "frac_of_hbm" in r else ""
+    extra += f" {r['vs_sdpa']:.2f}x SDPA" if "vs_sdpa" in r else ""
+    return (f"{r['kernel']:8s} {r['kv_type']:10s} Hkv{r['n_kv_heads']}xD{r['head_dim']:<4d} "
+            f"ctx {r['context']:7d} rows {r['q_rows']:6d} {r['ms']:9.4f} ms {val}{extra}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="32K decode only, short prefill")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "attention.json"))
+    ap.add_argument("--parts", default="decode,prefill,kv_write")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    t0 = time.time()
+    bw = hbm_bandwidth()
+    print(f"HBM: copy {bw['copy_gbps']:.0f} GB/s (read+write), read {bw['read_gbps']:.0f} GB/s",
+          flush=True)
+    hbm = bw["hbm_gbps_measured"]
+    rows = []
+    parts = args.parts.split(",")
+    if "decode" in parts:
+        ctxs = [32768] if args.quick else [32768, 131072, 262144]
+        dcfg = [dict(block_n=b, num_warps=w, programs_per_sm=p)
+                for b, w, p in ((32, 4, 2), (64, 4, 2), (32, 4, 4), (64, 8, 4))]
+        rows += bench_decode(hbm, [1, 8], ctxs, dcfg)
+    if "prefill" in parts:
+        pcfg = {128: [dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
+                      dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
+                      dict(block_m=64, block_n=64, num_warps=4, num_stages=3)],
+                256: [dict(block_m=64, block_n=64, num_warps=4, num_stages=2),
+                      dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
+                      dict(block_m=64, block_n=32, num_warps=4, num_stages=3)]}
+        rows += bench_prefill(hbm, 4096 if args.quick else 16384, pcfg)
+    if "kv_write" in parts:
+        rows += bench_kv_write(hbm)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                hbm_copy_gbps=bw["copy_gbps"], hbm_read_gbps=bw["read_gbps"])
+    out.write_text(json.dumps([dict(r, **meta) for r in rows], indent=1))
+    print(f"wrote {out} ({len(rows)} rows, {time.time() - t0:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()
