@@ -9,16 +9,15 @@ import pytest
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from kvcompile.errors import KvcompileError
-from kvcompile.gguf.reader import GgufFile
 from kvcompile.tokenizer import ChatTemplateError, Tokenizer
-from tokenizer_oracle import LlamaVocab, fresh_rng
+from tokenizer_oracle import gguf_metadata, LlamaVocab, fresh_rng
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
 @pytest.fixture(scope="module")
 def tok(smollm2_path):
-    return Tokenizer.from_metadata(GgufFile(smollm2_path).metadata)
+    return Tokenizer.from_metadata(gguf_metadata(str(smollm2_path)))
 
 
 def chatml(messages, add_generation_prompt=True) -> str:

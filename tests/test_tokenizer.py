@@ -6,15 +6,16 @@ import time
 import pytest
 
 from kvcompile.errors import KvcompileError, ModelFileError, UnsupportedModelError
-from kvcompile.gguf.reader import GgufFile
 from kvcompile.tokenizer.bpe import BYTE_TO_CHAR
 from kvcompile.tokenizer import StreamDecoder, Tokenizer, TokenizerError, load_tokenizer
-from tokenizer_oracle import LlamaVocab, fresh_rng, random_chunks, random_text, read_corpus
+from tokenizer_oracle import (
+    fresh_rng, gguf_metadata, LlamaVocab, random_chunks, random_text, read_corpus,
+)
 
 
 @pytest.fixture(scope="module")
 def smollm_meta(smollm2_path):
-    return GgufFile(smollm2_path).metadata
+    return gguf_metadata(str(smollm2_path))
 
 
 @pytest.fixture(scope="module")

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from kvcompile.gguf.reader import GgufFile
 from kvcompile.tokenizer import Tokenizer
 from kvcompile.tokenizer.pretokenize import PreTokenizer, pre_tokenizer_spec
-from tokenizer_oracle import LlamaVocab, fresh_rng, random_chunks, random_text, read_corpus, write_vocab_gguf
+from tokenizer_oracle import (
+    fresh_rng, gguf_metadata, LlamaVocab, random_chunks, random_text, read_corpus,
+    write_vocab_gguf,
+)
 
 PRE_NAMES = ["default", "gpt-2", "llama-bpe", "qwen2", "qwen35", "starcoder", "dbrx", "stablelm2"]
 
 
 @pytest.fixture(scope="module")
 def smollm_vocab(smollm2_path):
-    meta = GgufFile(smollm2_path).metadata
+    meta = gguf_metadata(str(smollm2_path))
     return {k: meta[f"tokenizer.ggml.{k}"] for k in ("tokens", "token_type", "merges")}
 
 

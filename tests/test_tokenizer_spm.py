@@ -9,7 +9,9 @@ import math
 import pytest
 
 from kvcompile.tokenizer import Tokenizer, TokenType
-from tokenizer_oracle import LlamaVocab, fresh_rng, random_chunks, random_text, read_corpus, write_vocab_gguf
+from tokenizer_oracle import (
+    fresh_rng, LlamaVocab, random_chunks, random_text, read_corpus, write_vocab_gguf,
+)
 
 SPACE = "\u2581"
 

@@ -3,6 +3,7 @@ vocab-only GGUF writing with the gguf package, and fresh random test text."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import random
 from pathlib import Path
@@ -10,7 +11,15 @@ from pathlib import Path
 import gguf
 import llama_cpp
 
+from kvcompile.gguf.reader import GgufFile
+
 CORPUS = Path(__file__).parent / "data" / "tokenizer_mixed.txt"
+
+
+@functools.lru_cache(maxsize=2)
+def gguf_metadata(path: str) -> dict:
+    """A model's metadata, parsed once per test session (49k-entry arrays parse slowly)."""
+    return GgufFile(path).metadata
 
 
 def read_corpus() -> str:

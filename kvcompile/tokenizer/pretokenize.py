@@ -17,7 +17,10 @@ from dataclasses import dataclass
 import regex
 
 from kvcompile.errors import UnsupportedModelError
-from kvcompile.tokenizer.unicode_tables import LETTER as _L, MARK as _M, NUMBER as _N, PUNCTUATION as _P
+from kvcompile.tokenizer.unicode_tables import LETTER as _L
+from kvcompile.tokenizer.unicode_tables import MARK as _M
+from kvcompile.tokenizer.unicode_tables import NUMBER as _N
+from kvcompile.tokenizer.unicode_tables import PUNCTUATION as _P
 
 _WS = r"\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 _S = f"[{_WS}]"          # one whitespace character
