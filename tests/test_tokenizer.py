@@ -168,7 +168,8 @@ def test_bad_metadata_and_ids_raise_clear_errors(smollm_meta, tok):
         ("tokenizer.ggml.tokens", None, ModelFileError, "tokenizer.ggml.tokens"),
         ("tokenizer.ggml.merges", None, ModelFileError, "tokenizer.ggml.merges"),
         ("tokenizer.ggml.token_type", [1, 2, 3], ModelFileError, "token types"),
-        ("tokenizer.ggml.tokens", [1, 2], ModelFileError, "list of str"),
+        ("tokenizer.ggml.tokens", [1, 2], ModelFileError, "list of strings"),
+        ("tokenizer.ggml.token_type", ["1"] * 49152, ModelFileError, "list of integers"),
     ]:
         meta = {k: v for k, v in smollm_meta.items() if not (k == key and value is None)}
         if value is not None:

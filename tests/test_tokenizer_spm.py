@@ -47,21 +47,22 @@ def corpus():
     return read_corpus()
 
 
-@pytest.mark.parametrize("add_space_prefix", [True, False])
-def test_spm_matches_llama_cpp(add_space_prefix, corpus, tmp_path):
-    rng = fresh_rng(f"spm prefix={add_space_prefix}")
+@pytest.mark.parametrize("add_space_prefix, add_eos", [(True, False), (False, True)])
+def test_spm_matches_llama_cpp(add_space_prefix, add_eos, corpus, tmp_path):
+    rng = fresh_rng(f"spm prefix={add_space_prefix} eos={add_eos}")
     tokens, types, scores = build_spm_vocab(rng, corpus)
     path = write_vocab_gguf(tmp_path / "spm.gguf", model="llama", tokens=tokens,
                             token_types=types, scores=scores, bos=1, eos=2,
-                            add_space_prefix=add_space_prefix)
+                            add_space_prefix=add_space_prefix, add_eos=add_eos)
     oracle = LlamaVocab(path)
     scores32 = [float(s) for s in __import__("numpy").asarray(scores, dtype="float32")]
     tok = Tokenizer.from_metadata({
         "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": types, "tokenizer.ggml.scores": scores32,
         "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
-        "tokenizer.ggml.add_space_prefix": add_space_prefix})
-    assert tok.add_bos and tok.vocab_size == oracle.n_vocab
+        "tokenizer.ggml.add_space_prefix": add_space_prefix,
+        "tokenizer.ggml.add_eos_token": add_eos})
+    assert tok.add_bos and tok.add_eos == add_eos and tok.vocab_size == oracle.n_vocab
 
     extra = ["<s>hello</s>", "a<|im_end|>b", "x <tool> y", "<tool>", "  two spaces", " ",
              "\n", "<|im_end|> after", "<unk>", "mixed <s> and <|im_end|>\n<tool>z"]
@@ -69,22 +70,26 @@ def test_spm_matches_llama_cpp(add_space_prefix, corpus, tmp_path):
              + [random_text(rng, corpus, rng.randint(1, 60)) for _ in range(150)])
     n_tokens = 0
     for text in texts:
-        for add_bos in (False, True):
+        for add_special in (False, True):  # llama.cpp's flag adds BOS and EOS as configured
             for special in (True, False):
-                ours = tok.encode(text, add_bos=add_bos, parse_special=special)
-                assert ours == oracle.tokenize(text, add_bos=add_bos, special=special), repr(text)
+                ours = tok.encode(text, add_bos=add_special, add_eos=None if add_special else False,
+                                  parse_special=special)
+                assert ours == oracle.tokenize(text, add_bos=add_special, special=special), repr(text)
                 n_tokens += len(ours)
         # a literal '▁' is SPM's space mark (decodes as ' '), and raw text after a
         # user-defined token gets its own space prefix: both are lossy in llama.cpp too
         if SPACE not in text and "<tool>" not in text:
-            assert tok.decode(tok.encode(text, add_bos=False, parse_special=False)) == text
+            ids = tok.encode(text, add_bos=False, add_eos=False, parse_special=False)
+            assert tok.decode(ids) == text
         ids = tok.encode(text)
         for skip in (False, True):
             assert tok.decode_bytes(ids, skip) == oracle.detokenize(ids, skip, not skip), repr(text)
     whole = tok.encode(corpus)
     assert whole == oracle.tokenize(corpus, add_bos=True)
+    assert (whole[-1] == tok.eos_id) == add_eos
     n_fallback = sum(1 for i in whole if tok.token_text(i).startswith("<0x"))
-    print(f"SPM vocab {tok.vocab_size} tokens, prefix={add_space_prefix}: {len(texts)} texts x 4 "
+    print(f"SPM vocab {tok.vocab_size} tokens, prefix={add_space_prefix} eos={add_eos}: "
+          f"{len(texts)} texts x 4 "
           f"modes ({n_tokens} tokens) equal llama.cpp; corpus {len(whole)} tokens, "
           f"{n_fallback} byte-fallback")
 

@@ -68,7 +68,8 @@ def write_vocab_gguf(path: str | os.PathLike, *, model: str, tokens: list[str],
                      token_types: list[int], merges: list[str] | None = None,
                      scores: list[float] | None = None, pre: str | None = None,
                      bos: int | None = None, eos: int | None = None,
-                     add_bos: bool | None = None, add_space_prefix: bool | None = None,
+                     add_bos: bool | None = None, add_eos: bool | None = None,
+                     add_space_prefix: bool | None = None,
                      chat_template: str | None = None) -> Path:
     """A tensor-less llama-architecture GGUF that llama.cpp opens with vocab_only=True."""
     w = gguf.GGUFWriter(str(path), arch="llama")
@@ -94,6 +95,8 @@ def write_vocab_gguf(path: str | os.PathLike, *, model: str, tokens: list[str],
         w.add_eos_token_id(eos)
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
+    if add_eos is not None:
+        w.add_add_eos_token(add_eos)
     if add_space_prefix is not None:
         w.add_add_space_prefix(add_space_prefix)
     if chat_template is not None:

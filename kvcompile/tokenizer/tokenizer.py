@@ -5,6 +5,8 @@ is the oracle the tests compare against.
 """
 from __future__ import annotations
 
+import numbers
+
 from kvcompile.errors import ModelFileError, UnsupportedModelError
 from kvcompile.tokenizer.bpe import BytePairEncoder, bpe_text_to_bytes, parse_merges
 from kvcompile.tokenizer.chat import render_chat_template
@@ -59,8 +61,9 @@ class Tokenizer:
                 f"(byte-level BPE) and 'llama' (SentencePiece) vocabularies")
         tokens = _list_of(meta, "tokens", str, required=True)
         n = len(tokens)
-        types = _list_of(meta, "token_type", int) or [int(TokenType.NORMAL)] * n
-        scores = [float(s) for s in _list_of(meta, "scores", (int, float))] or [0.0] * n
+        types = [int(t) for t in _list_of(meta, "token_type", numbers.Integral)]
+        types = types or [int(TokenType.NORMAL)] * n
+        scores = [float(s) for s in _list_of(meta, "scores", numbers.Real)] or [0.0] * n
         merges = _list_of(meta, "merges", str, required=(model == "gpt2"))
         if len(types) != n or len(scores) != n:
             raise ModelFileError(
@@ -223,17 +226,18 @@ def _list_of(meta: dict, key: str, kind, required: bool = False) -> list:
                                  f"built, re-convert the model with its tokenizer")
         return []
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, kind) for v in value):
-        raise ModelFileError(f"GGUF metadata {_KEY + key} must be a list of "
-                             f"{getattr(kind, '__name__', 'numbers')}; the file is corrupt")
+        what = {str: "strings", numbers.Integral: "integers"}.get(kind, "numbers")
+        raise ModelFileError(f"GGUF metadata {_KEY + key} must be a list of {what}; the file "
+                             f"is corrupt or was written by a broken converter")
     return list(value)
 
 
 def _token_id(meta: dict, key: str, default: int, n_tokens: int) -> int | None:
     """A special token id; one outside the vocabulary means none (llama.cpp drops it too)."""
     value = meta.get(_KEY + key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n_tokens:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         return None
-    return value
+    return int(value) if 0 <= value < n_tokens else None
 
 
 def _opt_bool(meta: dict, key: str) -> bool | None:
