@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvcompile.tokenizer import Tokenizer
-from kvcompile.tokenizer.pretokenize import PreTokenizer, pre_tokenizer_spec
+from kvcompile.tokenizer.pretokenize import PRE_TOKENIZERS, PreTokenizer, pre_tokenizer_spec
 from tokenizer_oracle import (
     fresh_rng, gguf_metadata, LlamaVocab, random_chunks, random_text, read_corpus,
     write_vocab_gguf,
@@ -26,18 +26,22 @@ def corpus():
     return read_corpus()
 
 
-@pytest.mark.parametrize("pre", PRE_NAMES)
-def test_pre_tokenizer_matches_llama_cpp(pre, smollm_vocab, corpus, tmp_path):
+def both_tokenizers(pre, vocab, tmp_path):
+    """(kvcompile, llama.cpp) tokenizers of SmolLM2's vocabulary under `pre`."""
     path = write_vocab_gguf(tmp_path / f"vocab-{pre}.gguf", model="gpt2", pre=pre,
-                            tokens=smollm_vocab["tokens"], token_types=smollm_vocab["token_type"],
-                            merges=smollm_vocab["merges"], bos=1, eos=2)
-    oracle = LlamaVocab(path)
+                            tokens=vocab["tokens"], token_types=vocab["token_type"],
+                            merges=vocab["merges"], bos=1, eos=2)
     tok = Tokenizer.from_metadata({
         "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
-        "tokenizer.ggml.tokens": smollm_vocab["tokens"],
-        "tokenizer.ggml.token_type": smollm_vocab["token_type"],
-        "tokenizer.ggml.merges": smollm_vocab["merges"],
+        "tokenizer.ggml.tokens": vocab["tokens"], "tokenizer.ggml.token_type": vocab["token_type"],
+        "tokenizer.ggml.merges": vocab["merges"],
         "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2})
+    return tok, LlamaVocab(path)
+
+
+@pytest.mark.parametrize("pre", PRE_NAMES)
+def test_pre_tokenizer_matches_llama_cpp(pre, smollm_vocab, corpus, tmp_path):
+    tok, oracle = both_tokenizers(pre, smollm_vocab, tmp_path)
 
     assert tok.encode(corpus) == oracle.tokenize(corpus, add_bos=True)  # add_bos follows pre
     rng = fresh_rng(pre)
@@ -53,6 +57,19 @@ def test_pre_tokenizer_matches_llama_cpp(pre, smollm_vocab, corpus, tmp_path):
           f"{len(texts)} texts, {len(bad)} encode and {detok_bad} decode mismatches")
     assert bad == [], repr(bad[:3])
     assert detok_bad == 0
+
+
+def test_pre_tokenizer_aliases_match_llama_cpp(smollm_vocab, corpus, tmp_path):
+    """Every `pre` name kvcompile accepts means the same to llama.cpp (a fresh sample of the
+    aliases each run: encode with BOS as configured, and decode with clean-up as configured)."""
+    rng = fresh_rng("aliases")
+    names = rng.sample(sorted(set(PRE_TOKENIZERS) - set(PRE_NAMES)), 4)
+    for pre in names:
+        tok, oracle = both_tokenizers(pre, smollm_vocab, tmp_path)
+        ids = tok.encode(corpus)
+        assert ids == oracle.tokenize(corpus, add_bos=True), pre
+        assert tok.decode_bytes(ids, True) == oracle.detokenize(ids, True, False), pre
+        print(f"pre={pre} ({tok._pre.spec.name} rules): {len(ids)} tokens equal")
 
 
 # Splits worked out by hand from each pre-tokenizer's rules (independent of both programs):

@@ -65,16 +65,23 @@ _QWEN2_SPEC = PreTokenizerSpec("qwen2", (_QWEN2,), clean_spaces=False)
 _STABLELM2 = PreTokenizerSpec("stablelm2", (_QWEN2,))
 _QWEN35_SPEC = PreTokenizerSpec("qwen35", (_QWEN35,), clean_spaces=False)
 
+
+def _names(spec: PreTokenizerSpec, *names: str) -> dict[str, PreTokenizerSpec]:
+    return {name: spec for name in names}
+
+
 # `tokenizer.ggml.pre` value -> spec (names and flags as llama.cpp's vocab loader maps them)
 PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
     "default": _DEFAULT,
-    **{n: _GPT2_SPEC for n in ("gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais")},
-    "smollm": _SMOLLM,
-    **{n: _STARCODER for n in ("starcoder", "refact", "codeshell")},
-    **{n: _LLAMA3_SPEC for n in ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")},
-    **{n: _DBRX for n in ("dbrx", "smaug-bpe")},
-    **{n: _QWEN2_SPEC for n in ("qwen2", "deepseek-r1-qwen", "megrez")},
-    "stablelm2": _STABLELM2,
+    **_names(_GPT2_SPEC, "gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4", "gigachat"),
+    **_names(_SMOLLM, "smollm", "command-r"),
+    **_names(_STARCODER, "starcoder", "refact", "codeshell", "exaone", "minerva-7b"),
+    **_names(_LLAMA3_SPEC, "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
+             "midm-2.0", "lfm2"),
+    **_names(_DBRX, "dbrx", "smaug-bpe"),
+    **_names(_QWEN2_SPEC, "qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan",
+             "solar-open", "grok-2"),
+    **_names(_STABLELM2, "stablelm2", "megrez"),
     "qwen35": _QWEN35_SPEC,
 }
 
