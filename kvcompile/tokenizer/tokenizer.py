@@ -22,6 +22,12 @@ _SPECIAL_OR_UNKNOWN = (TokenType.CONTROL, TokenType.UNKNOWN)
 
 
 class Tokenizer:
+    """Text <-> token ids for one vocabulary; build it with `from_metadata` (GGUF key/values)
+    or `kvcompile.tokenizer.load_tokenizer(path)`. `encode` returns llama.cpp's
+    `llama_tokenize` ids; `decode` returns `llama_detokenize`'s text (remove_special =
+    skip_special, unparse_special = not skip_special). Not implemented: per-token lstrip /
+    rstrip attributes (llama.cpp sets them only for Phi-3 and some BERT-style models)."""
+
     def __init__(self, *, model: str, tokens: list[str], types: list[int], scores: list[float],
                  merges: list[str], pre: str | None, bos_id: int | None, eos_id: int | None,
                  add_bos: bool | None, add_eos: bool, add_space_prefix: bool | None,
