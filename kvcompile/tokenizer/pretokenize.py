@@ -4,11 +4,12 @@ llama.cpp applies a list of regexes in turn: each one splits every piece produce
 into its matches *and* the gaps between them (nothing is dropped), and a later regex only
 sees one piece at a time, so its look-arounds and `$` stop at the piece's edges.
 
-The patterns are written for the `regex` package, with every character class spelled out:
-whitespace is llama.cpp's set (the Unicode White_Space property; `\\s` differs between
-engines, e.g. for U+001C..U+001F), and letters / numbers / marks / punctuation are the
-Unicode 15.1 categories L / N / M / P that llama.cpp's tables hold (`\\p{L}` in `regex`
-follows a newer Unicode, where e.g. Egyptian Hieroglyphs Extended-A are letters).
+The regexes run over the collapsed text of `collapse.py` (one stand-in character per class),
+so every character class is small and exact: whitespace is llama.cpp's set (the Unicode
+White_Space property; `\\s` differs between engines, e.g. for U+001C..U+001F), and letters /
+numbers / marks / punctuation are the Unicode 15.1 categories that llama.cpp's tables hold
+(`\\p{L}` in `regex` follows a newer Unicode, where e.g. Egyptian Hieroglyphs Extended-A
+are letters). Pieces are cut from the original text at the same offsets.
 """
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ from dataclasses import dataclass
 import regex
 
 from kvcompile.errors import UnsupportedModelError
-from kvcompile.tokenizer.unicode_tables import LETTER as _L
-from kvcompile.tokenizer.unicode_tables import MARK as _M
-from kvcompile.tokenizer.unicode_tables import NUMBER as _N
-from kvcompile.tokenizer.unicode_tables import PUNCTUATION as _P
-
-_WS = r"\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+from kvcompile.tokenizer.collapse import L as _L
+from kvcompile.tokenizer.collapse import M as _M
+from kvcompile.tokenizer.collapse import N as _N
+from kvcompile.tokenizer.collapse import P as _P
+from kvcompile.tokenizer.collapse import WS as _WS
+from kvcompile.tokenizer.collapse import collapse
 _S = f"[{_WS}]"          # one whitespace character
 _NOT_S = f"[^{_WS}]"     # one non-whitespace character
 
@@ -104,23 +105,27 @@ class PreTokenizer:
         self._compiled = [regex.compile(p) for p in spec.patterns]
 
     def split(self, text: str) -> list[str]:
-        pieces = [text] if text else []
+        collapsed = collapse(text)
+        spans = [(0, len(text))] if text else []
         for pattern in self._compiled:
-            pieces = [part for piece in pieces for part in _split_keep_gaps(pattern, piece)]
-        return pieces
+            spans = [part for span in spans for part in _split_keep_gaps(pattern, collapsed, span)]
+        return [text[a:b] for a, b in spans]
 
 
-def _split_keep_gaps(pattern: regex.Pattern, piece: str) -> list[str]:
-    out: list[str] = []
-    end = 0
-    for m in pattern.finditer(piece):
-        start, stop = m.span()
-        if stop == start:
+def _split_keep_gaps(pattern: regex.Pattern, text: str, span: tuple[int, int]):
+    """Matches of `pattern` inside text[span] and the gaps between them, as spans. The
+    pattern sees text[span] as the whole string (look-arounds stop at its edges)."""
+    start, stop = span
+    out: list[tuple[int, int]] = []
+    end = start
+    for m in pattern.finditer(text[start:stop]):
+        a, b = m.start() + start, m.end() + start
+        if a == b:
             continue
-        if start > end:
-            out.append(piece[end:start])
-        out.append(piece[start:stop])
-        end = stop
-    if end < len(piece):
-        out.append(piece[end:])
+        if a > end:
+            out.append((end, a))
+        out.append((a, b))
+        end = b
+    if end < stop:
+        out.append((end, stop))
     return out
