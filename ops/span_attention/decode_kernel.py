@@ -16,21 +16,23 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, interpreting, launchable,
+from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, interpreting, k_split,
+                                                 launchable, pool_args,
                                                  num_sms, page_geometry)
-from kvcompile.ops.span_attention.paged_tile import load_tile, page_ptr, qk_dot
+from kvcompile.ops.span_attention.paged_tile import load_tile, qk_scores, v_operand
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _decode_split(q_ptr, k_pool, v_pool, page_table, q_pos_ptr, m_ptr, l_ptr, acc_ptr,
-                  stride_qt, stride_qh, n_rows, n_chunks, chunk_len, table_len,
-                  k_page_bytes, v_page_bytes, k_code_bytes, v_code_bytes, qk_scale,
+def _decode_split(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
+                  m_ptr, l_ptr, acc_ptr, stride_qt, stride_qh, n_rows, n_chunks, chunk_len,
+                  table_len, k_page_elems, k_page_halves, k_code_halves, v_page_elems,
+                  v_page_halves, v_code_halves, qk_scale,
                   G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QK_F16: tl.constexpr,
-                  BF16_EMULATE: tl.constexpr):
+                  K_SPLIT: tl.constexpr, BF16_EMULATE: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
     n_kv = tl.num_programs(1)
@@ -56,18 +58,19 @@ def _decode_split(q_ptr, k_pool, v_pool, page_table, q_pos_ptr, m_ptr, l_ptr, ac
         off = n0 % P + tl.arange(0, BLOCK_N)
         pos = n0 + tl.arange(0, BLOCK_N)
         live = pos < end
-        kb = page_ptr(k_pool, page_table, lp, k_page_bytes)
-        k = load_tile(kb, h, off, d, live, k_code_bytes, P, D, K_TYPE, QK_F16)
-        s = qk_dot(q, k, BF16_EMULATE) * qk_scale
+        phys = tl.load(page_table + lp).to(tl.int64)
+        k = load_tile(k_vals, k_scl, phys, h, off, live, k_page_elems, k_page_halves,
+                      k_code_halves, BLOCK_N, P, D, K_TYPE)
+        s = qk_scores(q, k, K_SPLIT, QK_F16, BF16_EMULATE) * qk_scale
         s = tl.where(pos[None, :] <= qp[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        vb = page_ptr(v_pool, page_table, lp, v_page_bytes)
-        v = load_tile(vb, h, off, d, live, v_code_bytes, P, D, V_TYPE, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+        v = load_tile(v_vals, v_scl, phys, h, off, live, v_page_elems, v_page_halves,
+                      v_code_halves, BLOCK_N, P, D, V_TYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v_operand(v, V_TYPE))
         m_i = m_new
     mrows = n_rows * G
     slot = (h * n_chunks + c) * mrows + r
@@ -164,12 +167,14 @@ def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, 
         num_warps = 4
     if num_stages is None:
         num_stages = 2
+    kv, ks, kpe, kph, kch = pool_args(k_pool, kg)
+    vv, vs, vpe, vph, vch = pool_args(v_pool, vg)
     launchable(_decode_split)[(n_chunks, n_kv)](
-        q, k_pool, v_pool, page_table, q_pos, m_buf, l_buf, acc_buf,
+        q, kv, ks, vv, vs, page_table, q_pos, m_buf, l_buf, acc_buf,
         q.stride(0), q.stride(1), n_rows, n_chunks, chunk_len, table_len,
-        kg.page_bytes, vg.page_bytes, kg.code_bytes, vg.code_bytes, scale * LOG2E,
+        kpe, kph, kch, vpe, vph, vch, scale * LOG2E,
         G=group, D=head_dim, P=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16,
+        K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16, K_SPLIT=k_split(kg.kv_type),
         BF16_EMULATE=(qk_f16 == 0 and interpreting()),
         num_warps=num_warps, num_stages=num_stages)
     launchable(_decode_reduce)[(n_kv, mrows)](

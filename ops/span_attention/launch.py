@@ -38,6 +38,21 @@ def dot_mode(q_dtype: torch.dtype, k_type: int) -> int:
     return 0 if (q_dtype == torch.bfloat16 and k_type == F.BF16.ggml_id) else 1
 
 
+def k_split(k_type: int) -> int:
+    """1 when K tiles are fp32 (f32 pages, dequantized q8_0 / q4_0): Q.K as hi + lo."""
+    return int(k_type in (F.F32.ggml_id, F.Q8_0.ggml_id, F.Q4_0.ggml_id))
+
+
+_VIEW = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16, 8: torch.int8, 2: torch.uint8}
+
+
+def pool_args(pool: torch.Tensor, g: PageGeometry):
+    """(typed view, fp16 view, page elems, page halves, code halves) for load_tile."""
+    vals = pool.view(_VIEW[g.kv_type])
+    return (vals, pool.view(torch.float16), g.page_bytes // vals.element_size(),
+            g.page_bytes // 2, g.code_bytes // 2)
+
+
 def check_launch(q, k_pool, v_pool, page_table, q_pos, page_size):
     assert q.dim() == 3 and q.stride(2) == 1, "q must be [T, Hq, D] with a dense last dim"
     assert k_pool.is_contiguous() and v_pool.is_contiguous(), "KV pools must be contiguous"

@@ -5,11 +5,8 @@ the page size, so a tile never crosses a page). The page layout is kv_format's: 
 codes [H, P, D'] first, then fp16 scales [H, P, D/32]. Quantized tiles are dequantized in
 registers; nothing is written back.
 
-Dot operand precision (what `load_tile` returns) is chosen by the launcher:
-  DOT_F16 = 1: fp16. Exact for f16 pages; one round-to-nearest of code * scale for
-               q8_0 / q4_0 (relative error <= 2^-11); exact for bf16 values whose
-               magnitude lies in [2^-14, 65504] (the fp16 normal range).
-  DOT_F16 = 0: bf16 (only used when both the query and the K page are bf16: exact).
+Precision: Q.K is exact up to fp32 accumulation (bf16 x bf16, fp16 x fp16, or fp16 x
+(hi + lo) for fp32 / dequantized K); P and V enter P @ V as fp16 (P in [0, 1]).
 """
 from __future__ import annotations
 
@@ -24,59 +21,74 @@ KV_BF16 = 30
 
 
 @triton.jit
-def page_ptr(pool_ptr, page_table_ptr, logical_page, page_bytes):
-    """uint8 pointer to the first byte of a logical page (scalar)."""
-    phys = tl.load(page_table_ptr + logical_page).to(tl.int64)
-    return pool_ptr + phys * page_bytes
+def load_tile(vals, scl, phys, head, off, mask, page_elems, page_halves, code_halves,
+              BLOCK_N: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+              KV_TYPE: tl.constexpr):
+    """[BLOCK_N, D] values of rows `off` (positions inside physical page `phys`) of one head.
 
-
-@triton.jit
-def load_tile(base, head, off, d, mask, code_bytes,
-              P: tl.constexpr, D: tl.constexpr, KV_TYPE: tl.constexpr,
-              DOT_F16: tl.constexpr):
-    """[BLOCK_N, D] values of rows `off` (positions inside the page) of one head.
-
-    Rows outside `mask` read as 0 (pages may hold garbage, even NaN bit patterns, past the
-    written positions)."""
-    row = head * P + off                                   # [BLOCK_N] row index in page
-    m2 = mask[:, None]
-    if DOT_F16:
-        out_ty = tl.float16
+    `vals` is the pool viewed in the page's value type (f32/f16/bf16, int8 codes for q8_0,
+    uint8 nibbles for q4_0), `scl` the pool viewed as fp16; `page_elems` / `page_halves`
+    are the page size in those units and `code_halves` where the scales start. Float pages
+    come back in their own dtype; quantized pages as exact fp32 code * scale. Rows outside
+    `mask` read as 0 (pages may hold garbage, even NaN bit patterns, past the written
+    positions)."""
+    row = head * P + off                                            # [BLOCK_N]
+    if KV_TYPE == 0 or KV_TYPE == 1 or KV_TYPE == 30:
+        d = tl.arange(0, D)
+        x = tl.load(vals + phys * page_elems + row[:, None] * D + d[None, :],
+                    mask=mask[:, None], other=0.0)
     else:
-        out_ty = tl.bfloat16
-    if KV_TYPE == 0:
-        p = (base + (row[:, None] * D + d[None, :]) * 4).to(tl.pointer_type(tl.float32))
-        x = tl.load(p, mask=m2, other=0.0).to(out_ty)
-    elif KV_TYPE == 1:
-        p = (base + (row[:, None] * D + d[None, :]) * 2).to(tl.pointer_type(tl.float16))
-        x = tl.load(p, mask=m2, other=0.0).to(out_ty)
-    elif KV_TYPE == 30:
-        p = (base + (row[:, None] * D + d[None, :]) * 2).to(tl.pointer_type(tl.bfloat16))
-        x = tl.load(p, mask=m2, other=0.0)
-        if DOT_F16:
-            x = x.to(tl.float32).to(tl.float16)
-    else:
-        sp = base + code_bytes + (row[:, None] * (D // 32) + (d[None, :] // 32)) * 2
-        s = tl.load(sp.to(tl.pointer_type(tl.float16)), mask=m2, other=0.0)
+        NB: tl.constexpr = D // 32
+        b = tl.arange(0, NB)
+        s = tl.load(scl + phys * page_halves + code_halves + row[:, None] * NB + b[None, :],
+                    mask=mask[:, None], other=0.0).to(tl.float32)[:, :, None]
+        m3 = mask[:, None, None]
         if KV_TYPE == 8:
-            cp = (base + row[:, None] * D + d[None, :]).to(tl.pointer_type(tl.int8))
-            c = tl.load(cp, mask=m2, other=0).to(tl.float16)
+            j = tl.arange(0, 32)
+            cp = vals + phys * page_elems + row[:, None, None] * D + b[None, :, None] * 32 \
+                + j[None, None, :]
+            c = tl.load(cp, mask=m3, other=0).to(tl.float32)
+            x = tl.reshape(c * s, (BLOCK_N, D))
         else:
-            cp = base + row[:, None] * (D // 2) + (d[None, :] // 32) * 16 + d[None, :] % 16
-            b = tl.load(cp, mask=m2, other=0).to(tl.int32)
-            c = (((b >> ((d[None, :] // 16) % 2) * 4) & 15) - 8).to(tl.float16)
-        # integer code (exact in fp16) times fp16 scale: one correctly rounded product
-        x = c * s
-        if not DOT_F16:
-            x = x.to(tl.float32).to(out_ty)
+            j = tl.arange(0, 16)
+            cp = vals + phys * page_elems + row[:, None, None] * (D // 2) + b[None, :, None] * 16 \
+                + j[None, None, :]
+            byte = tl.load(cp, mask=m3, other=0).to(tl.int32)
+            lo = ((byte & 15) - 8).to(tl.float32) * s                # values j of each block
+            hi = ((byte >> 4) - 8).to(tl.float32) * s                # values j + 16
+            x = tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)), (BLOCK_N, D))
     return x
 
 
 @triton.jit
-def qk_dot(q, k, BF16_EMULATE: tl.constexpr):
-    """q [M, D] @ k[N, D]^T with fp32 accumulation. The Triton interpreter cannot multiply
-    bf16 tiles (numpy has no bf16), so interpreted runs take the exact fp32 route, which
-    gives the same products as bf16 tensor cores (bf16 * bf16 is exact in fp32)."""
-    if BF16_EMULATE:
+def qk_scores(q, k, K_SPLIT: tl.constexpr, QK_F16: tl.constexpr,
+              BF16_EMULATE: tl.constexpr):
+    """q [M, D] (fp16 or bf16) @ k [N, D]^T with fp32 accumulation.
+
+    K_SPLIT (fp32 tiles: f32 pages, dequantized q8_0 / q4_0): k = hi + lo in two fp16
+    tiles and two dots, so the scores carry no fp16 rounding of K (a dequantized value,
+    <= 8 bits of code times an 11-bit scale, is exactly hi + lo). The Triton interpreter
+    cannot multiply bf16 tiles (numpy has no bf16), so interpreted bf16 runs take the exact
+    fp32 route: bf16 * bf16 products are exact in fp32, as on tensor cores."""
+    if K_SPLIT:
+        hi = k.to(tl.float16)
+        lo = (k - hi.to(tl.float32)).to(tl.float16)
+        return tl.dot(q, tl.trans(hi)) + tl.dot(q, tl.trans(lo))
+    elif QK_F16:
+        return tl.dot(q, tl.trans(k.to(tl.float16)))
+    elif BF16_EMULATE:
         return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    return tl.dot(q, tl.trans(k))
+    else:
+        return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
+def v_operand(v, V_TYPE: tl.constexpr):
+    """The V tile as the fp16 operand of P @ V (exact for f16 pages and for bf16 values in
+    fp16's normal range; one rounding for f32 and dequantized pages)."""
+    if V_TYPE == 1:
+        return v
+    elif V_TYPE == 30:
+        return v.to(tl.float32).to(tl.float16)
+    else:
+        return v.to(tl.float16)

@@ -12,25 +12,28 @@ import triton
 import triton.language as tl
 
 from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, interpreting,
-                                                 launchable, page_geometry)
-from kvcompile.ops.span_attention.paged_tile import load_tile, page_ptr, qk_dot
+                                                 k_split, launchable, page_geometry,
+                                                 pool_args)
+from kvcompile.ops.span_attention.paged_tile import load_tile, qk_scores, v_operand
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tile_step(q, acc, m_i, l_i, n0, qp, k_pool, v_pool, page_table, hk, d, n_ctx,
-               k_page_bytes, v_page_bytes, k_code_bytes, v_code_bytes, qk_scale,
+def _tile_step(q, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_scl, page_table, hk,
+               n_ctx, k_page_elems, k_page_halves, k_code_halves, v_page_elems,
+               v_page_halves, v_code_halves, qk_scale,
                MASKED: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                BLOCK_N: tl.constexpr, K_TYPE: tl.constexpr, V_TYPE: tl.constexpr,
-               QK_F16: tl.constexpr, BF16_EMULATE: tl.constexpr):
+               QK_F16: tl.constexpr, K_SPLIT: tl.constexpr, BF16_EMULATE: tl.constexpr):
     lp = n0 // P
     off = n0 % P + tl.arange(0, BLOCK_N)
     pos = n0 + tl.arange(0, BLOCK_N)
     live = pos < n_ctx
-    k = load_tile(page_ptr(k_pool, page_table, lp, k_page_bytes), hk, off, d, live,
-                  k_code_bytes, P, D, K_TYPE, QK_F16)
-    s = qk_dot(q, k, BF16_EMULATE) * qk_scale
+    phys = tl.load(page_table + lp).to(tl.int64)
+    k = load_tile(k_vals, k_scl, phys, hk, off, live, k_page_elems, k_page_halves,
+                  k_code_halves, BLOCK_N, P, D, K_TYPE)
+    s = qk_scores(q, k, K_SPLIT, QK_F16, BF16_EMULATE) * qk_scale
     if MASKED:
         s = tl.where(pos[None, :] <= qp[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -38,20 +41,21 @@ def _tile_step(q, acc, m_i, l_i, n0, qp, k_pool, v_pool, page_table, hk, d, n_ct
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_tile(page_ptr(v_pool, page_table, lp, v_page_bytes), hk, off, d, live,
-                  v_code_bytes, P, D, V_TYPE, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+    v = load_tile(v_vals, v_scl, phys, hk, off, live, v_page_elems, v_page_halves,
+                  v_code_halves, BLOCK_N, P, D, V_TYPE)
+    acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v_operand(v, V_TYPE))
     return acc, m_new, l_i
 
 
 @triton.jit
-def _prefill(q_ptr, k_pool, v_pool, page_table, q_pos_ptr, out_ptr,
+def _prefill(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr, out_ptr,
              stride_qt, stride_qh, stride_ot, stride_oh, n_rows, table_len,
-             k_page_bytes, v_page_bytes, k_code_bytes, v_code_bytes, qk_scale,
+             k_page_elems, k_page_halves, k_code_halves, v_page_elems, v_page_halves,
+             v_code_halves, qk_scale,
              G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QK_F16: tl.constexpr,
-             BF16_EMULATE: tl.constexpr):
+             K_SPLIT: tl.constexpr, BF16_EMULATE: tl.constexpr):
     # longest query tiles first: they have the most key tiles
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     hq = tl.program_id(1)
@@ -75,15 +79,17 @@ def _prefill(q_ptr, k_pool, v_pool, page_table, q_pos_ptr, out_ptr,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _tile_step(q, acc, m_i, l_i, n0, qp, k_pool, v_pool, page_table,
-                                   hk, d, hi, k_page_bytes, v_page_bytes, k_code_bytes,
-                                   v_code_bytes, qk_scale, False, D, P, BLOCK_N,
-                                   K_TYPE, V_TYPE, QK_F16, BF16_EMULATE)
+        acc, m_i, l_i = _tile_step(q, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_scl,
+                                   page_table, hk, hi, k_page_elems, k_page_halves,
+                                   k_code_halves, v_page_elems, v_page_halves, v_code_halves,
+                                   qk_scale, False, D, P, BLOCK_N, K_TYPE, V_TYPE, QK_F16,
+                                   K_SPLIT, BF16_EMULATE)
     for n0 in range(full_end, hi, BLOCK_N):
-        acc, m_i, l_i = _tile_step(q, acc, m_i, l_i, n0, qp, k_pool, v_pool, page_table,
-                                   hk, d, hi, k_page_bytes, v_page_bytes, k_code_bytes,
-                                   v_code_bytes, qk_scale, True, D, P, BLOCK_N,
-                                   K_TYPE, V_TYPE, QK_F16, BF16_EMULATE)
+        acc, m_i, l_i = _tile_step(q, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_scl,
+                                   page_table, hk, hi, k_page_elems, k_page_halves,
+                                   k_code_halves, v_page_elems, v_page_halves, v_code_halves,
+                                   qk_scale, True, D, P, BLOCK_N, K_TYPE, V_TYPE, QK_F16,
+                                   K_SPLIT, BF16_EMULATE)
     o = acc / l_i[:, None]
     optr = out_ptr + t.to(tl.int64)[:, None] * stride_ot + hq * stride_oh + d[None, :]
     tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -117,12 +123,14 @@ def span_attention_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
     assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
     qk_f16 = dot_mode(q.dtype, kg.kv_type)
     grid = (triton.cdiv(n_rows, block_m), n_q_heads)
+    kv, ks, kpe, kph, kch = pool_args(k_pool, kg)
+    vv, vs, vpe, vph, vch = pool_args(v_pool, vg)
     launchable(_prefill)[grid](
-        q, k_pool, v_pool, page_table, q_pos, out,
+        q, kv, ks, vv, vs, page_table, q_pos, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), n_rows, page_table.shape[0],
-        kg.page_bytes, vg.page_bytes, kg.code_bytes, vg.code_bytes, scale * LOG2E,
+        kpe, kph, kch, vpe, vph, vch, scale * LOG2E,
         G=group, D=head_dim, P=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16,
+        K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16, K_SPLIT=k_split(kg.kv_type),
         BF16_EMULATE=(qk_f16 == 0 and interpreting()),
         num_warps=num_warps or nw, num_stages=num_stages or ns)
     return out
