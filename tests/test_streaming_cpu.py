@@ -1,0 +1,253 @@
+"""The streaming runtime on the CPU backend against an all-resident PagedKvCache.
+
+A tiny random llama model with 16-position pages gives many pages and much streaming in
+little time; the real-weight test runs SmolLM2 at ~1K context.
+"""
+from __future__ import annotations
+
+import os
+import random
+import threading
+
+import pytest
+import torch
+
+from kvcompile.config import ModelConfig
+from kvcompile.errors import KvLayoutError
+from kvcompile.kv_cache import PagedKvCache
+from kvcompile.models.llama import LlamaModel
+from kvcompile.ops import kv_format as F
+from kvcompile.runtime import (CpuBackend, FenceChecker, Instrument, StreamingKvCache, forward,
+                               min_arena_bytes)
+from kvcompile.runtime.arena import MIB
+from kvcompile.runtime.fences import EventFence
+
+SEED = int.from_bytes(os.urandom(4), "little")
+PS = 16
+MAX_TOKENS = 320
+CFG = ModelConfig(arch="llama", n_layers=5, hidden=128, ffn=256, n_heads=4, n_kv_heads=2,
+                  head_dim=64, vocab_size=256, context_length=1024)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matmuls on a shared 2-core machine: one thread is faster and leaves room to others.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(SEED)
+    return LlamaModel(CFG).eval()
+
+
+_REFS = {}
+
+
+def _prompt(seed, n):
+    return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.inference_mode()
+def generate(model, cache, prompt, n_decode, chunk=40, on_step=None):
+    """Greedy: prefill in chunks, then decode; returns (token ids, logits of every forward)."""
+    logits = []
+    for s in range(0, len(prompt), chunk):
+        t = prompt[s:s + chunk]
+        logits.append(forward(model, cache, t, torch.arange(s, s + len(t)), last_only=True))
+        if on_step:
+            on_step(len(logits), cache, s + len(t))
+    ids = [int(logits[-1][-1].argmax())]
+    for pos in range(len(prompt), len(prompt) + n_decode):
+        logits.append(forward(model, cache, torch.tensor([ids[-1]]), torch.tensor([pos]),
+                              last_only=True))
+        ids.append(int(logits[-1][-1].argmax()))
+        if on_step:
+            on_step(len(logits), cache, pos + 1)
+    return ids, torch.cat(logits)
+
+
+def _mib(pages, types=("f32", "f32")):
+    kb, vb = (F.page_bytes(F.kv_type(t), PS, CFG.n_kv_heads, CFG.head_dim) for t in types)
+    return (pages * (kb + vb) + 4096) / MIB
+
+
+def _reference(model, types, prompt, n_decode):
+    """All-resident dense-cache run, memoized per (types, prompt, n_decode)."""
+    key = (types, tuple(prompt.tolist()), n_decode)
+    if key not in _REFS:
+        cache = PagedKvCache(CFG, MAX_TOKENS, k_type=types[0], v_type=types[1], page_size=PS)
+        _REFS[key] = generate(model, cache, prompt, n_decode)
+    return _REFS[key]
+
+
+PROMPT_LEN = random.Random(SEED).randrange(150, 230)
+
+
+F32, QUANT = ("f32", "f32"), ("q8_0", "q4_0")
+
+
+# 20 pages = the minimum (the ring holds one layer's context, nothing resident)
+@pytest.mark.parametrize("types,pages", [(F32, 20), (F32, 44), (F32, 200), (QUANT, 20),
+                                         (QUANT, 60)])
+def test_streamed_output_is_bitwise_the_all_resident_output(model, types, pages):
+    prompt = _prompt(SEED, PROMPT_LEN)
+    ids_ref, ref = _reference(model, types, prompt, 16)
+    cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(pages, types), k_type=types[0],
+                             v_type=types[1], page_size=PS)
+    ids, got = generate(model, cache, prompt, 16)
+    assert ids == ids_ref and torch.equal(got, ref), (SEED, pages)
+    st = cache.stats()
+    for s in cache.telemetry:
+        assert s.resident_pages + s.ring_slots == cache.pool.P
+        assert s.resident_reads + s.streamed_reads == CFG.n_layers * s.context_pages
+        assert s.readiness_misses == 0                  # synchronous copies are always ready
+    if pages == 20:                                     # >= 90% of the KV streamed
+        for s in cache.telemetry[-16:]:
+            assert s.streamed_reads >= 0.9 * (s.streamed_reads + s.resident_reads), s
+    if pages == 200:
+        assert st["streamed_fraction"] == 0 and st["h2d_bytes"] == 0, st
+
+
+def test_copies_are_grouped_runs_of_contiguous_pages(model):
+    prompt = _prompt(SEED, 200)
+    cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(30), page_size=PS)
+    generate(model, cache, prompt, 4)
+    kb = F.page_bytes(F.F32, PS, CFG.n_kv_heads, CFG.head_dim)
+    last = cache.telemetry[-1]
+    streamed_with_rows = last.streamed_reads       # every streamed page has published rows
+    assert last.h2d_bytes == streamed_with_rows * 2 * kb
+    # one copy per run; a run splits only where the ring wraps: <= 2 per layer
+    assert cache.pool.count.copies <= 2 * CFG.n_layers
+    assert cache.pool.count.copies < streamed_with_rows
+
+
+def test_host_history_equals_the_dense_cache_after_every_forward(model):
+    types = ("q8_0", "q4_0")
+    prompt = _prompt(SEED + 7, 170)
+    dense = PagedKvCache(CFG, MAX_TOKENS, k_type=types[0], v_type=types[1], page_size=PS)
+    generate(model, dense, prompt, 8)
+    seen = []
+
+    def check(step, cache, rows):
+        assert cache.host.rows == rows
+        pages = -(-rows // PS)
+        for i in cache.layers:
+            for host, pool, t in ((cache.host.k[i], dense.layer(i).k_pool, cache.k_type),
+                                  (cache.host.v[i], dense.layer(i).v_pool, cache.v_type)):
+                a = F.decode_pages(host[:pages], t, CFG.n_kv_heads, PS, CFG.head_dim)
+                b = F.decode_pages(pool[:pages], t, CFG.n_kv_heads, PS, CFG.head_dim)
+                flat = lambda x: x.permute(1, 0, 2, 3).reshape(CFG.n_kv_heads, -1, CFG.head_dim)
+                assert torch.equal(flat(a)[:, :rows], flat(b)[:, :rows]), (SEED, step, i)
+        seen.append(step)
+
+    cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(24, types), k_type=types[0],
+                             v_type=types[1], page_size=PS)
+    generate(model, cache, prompt, 8, on_step=check)
+    assert len(seen) == len(cache.telemetry)
+
+
+def test_dropping_every_resident_page_mid_generation_changes_nothing(model):
+    prompt = _prompt(SEED, PROMPT_LEN)
+    ids_ref, ref = _reference(model, F32, prompt, 16)
+    drop_at = random.Random(SEED).randrange(6, 14)
+    resident_before = []
+
+    def drop(step, cache, rows):
+        if step == drop_at:
+            resident_before.append(cache.pool.r)
+            cache.drop_resident()
+
+    cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(60), page_size=PS)
+    ids, got = generate(model, cache, prompt, 16, on_step=drop)
+    assert resident_before and resident_before[0] > 0
+    assert ids == ids_ref and torch.equal(got, ref), (SEED, drop_at)
+    after = cache.telemetry[drop_at]                 # the forward after the drop refilled
+    kb = F.page_bytes(F.F32, PS, CFG.n_kv_heads, CFG.head_dim)
+    assert after.h2d_bytes >= after.resident_reads * 2 * kb - CFG.n_layers * 2 * kb
+
+
+def _threaded(pages, checker, copy_ms, compute_ms, unsafe=frozenset(), seed=SEED):
+    rng, lock = random.Random(seed), threading.Lock()
+
+    def delay(ms):
+        def f():
+            with lock:
+                return rng.random() * ms / 1000
+        return f
+    inst = Instrument(checker=checker, copy_delay=delay(copy_ms), compute_delay=delay(compute_ms))
+    return StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(pages), page_size=PS,
+                            backend=CpuBackend(threaded_copies=True, instrument=inst),
+                            unsafe=unsafe)
+
+
+@pytest.mark.parametrize("copy_ms,compute_ms", [(4, 0.5), (0.5, 4)])
+def test_fences_hold_under_injected_delays(model, copy_ms, compute_ms):
+    prompt = _prompt(SEED, PROMPT_LEN)
+    ids_ref, ref = _reference(model, F32, prompt, 16)
+    checker = FenceChecker()
+    cache = _threaded(36, checker, copy_ms, compute_ms)       # ring of ~2 layers: overlap
+    try:
+        ids, got = generate(model, cache, prompt, 16)
+    finally:
+        cache.close()
+    assert checker.violations == [], (SEED, checker.violations[:3])
+    assert checker.events > 100
+    assert ids == ids_ref and torch.equal(got, ref), SEED
+    last = cache.telemetry[-1]
+    assert last.streamed_reads > last.ring_slots > 0     # slots are reused within a forward
+
+
+@pytest.mark.parametrize("unsafe,copy_ms,compute_ms,expect", [
+    ("skip_ready_wait", 15, 0, "read-before-ready"),
+    ("skip_consumed_wait", 0, 5, "overwrite-before-consumed"),
+])
+def test_broken_ordering_is_caught(model, unsafe, copy_ms, compute_ms, expect):
+    checker = FenceChecker()
+    cache = _threaded(20, checker, copy_ms, compute_ms, unsafe={unsafe})
+    try:
+        generate(model, cache, _prompt(SEED + 5, 100), 3)
+    finally:
+        cache.close()
+    assert any(v.startswith(expect) for v in checker.violations), checker.violations[:3]
+
+
+def test_repartition_waits_for_pages_the_device_may_still_use(model):
+    cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(60), page_size=PS)
+    generate(model, cache, _prompt(SEED, 60), 1)
+    r = cache.pool.r
+    page = cache.pool.L * (r - 1)                 # a resident page that becomes a ring slot
+    pending = EventFence("compute still reading")
+    cache.pool.last_use[page] = pending
+    assert page in cache.pool.leased_pages()
+    threading.Timer(0.05, pending.set).start()
+    cache.pool.repartition(r - 1)
+    assert pending.query() and cache.pool.r == r - 1
+
+
+def test_failed_forward_leaves_the_cache_usable(model):
+    prompt = _prompt(SEED, PROMPT_LEN)
+    ids_ref, ref = _reference(model, F32, prompt, 16)
+    cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(30), page_size=PS)
+
+    class Boom(Exception):
+        pass
+
+    def broken(tokens, positions, cache, last_only):
+        cache.layer(0)
+        cache.layer(1)
+        raise Boom
+
+    with torch.inference_mode():
+        forward(model, cache, prompt[:40], torch.arange(40))
+        with pytest.raises(Boom):
+            forward(broken, cache, prompt[40:80], torch.arange(40, 80))
+    assert cache.host.rows == 40
+    with pytest.raises(KvLayoutError):
+        cache.layer(0)                            # only inside a forward
+    cache.reset()
+    ids, got = generate(model, cache, prompt, 16)
+    assert ids == ids_ref and torch.equal(got, ref)
