@@ -39,13 +39,18 @@ def _add_generate(sub) -> None:
 
 def _run_generate(args) -> int:
     from kvcompile.engine import Engine
+    from kvcompile.ops.kv_format import kv_type
+    from kvcompile.sampling import SamplingParams
 
-    engine = Engine(args.model, ctx_size=args.ctx_size, cache_type_k=args.cache_type_k,
-                    cache_type_v=args.cache_type_v, device=args.device, ubatch=args.ubatch_size,
-                    progress=not args.no_progress)
+    # Check what needs no model first: a typo should not cost a model load.
     request = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
                    seed=args.seed, stop=tuple(args.stop))
+    SamplingParams(**request).validated()
+    kv_type(args.cache_type_k), kv_type(args.cache_type_v)
+    engine = Engine(args.model, ctx_size=args.ctx_size, cache_type_k=args.cache_type_k,
+                    cache_type_v=args.cache_type_v, device=args.device, ubatch=args.ubatch_size,
+                    progress=not args.no_progress)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})

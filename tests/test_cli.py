@@ -1,0 +1,43 @@
+"""The CLI as a user runs it: a subprocess, output on stdout, errors without tracebacks."""
+import subprocess
+import sys
+
+import pytest
+
+
+def cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "kvcompile", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_generate_streams_text_and_stats():
+    r = cli("generate", "Once upon a time", "-n", "12", "--temperature", "0", "--no-progress")
+    print(r.stdout, r.stderr)
+    assert r.returncode == 0 and len(r.stdout.strip()) > 0
+    assert "12 generated" in r.stderr and "decode" in r.stderr
+
+
+@pytest.mark.parametrize("args,words", [
+    (["generate", "hi", "--temperature", "-1"], "temperature"),
+    (["generate", "hi", "--top-p", "0"], "top_p"),
+    (["generate", "hi", "--top-k", "-1"], "top_k"),
+    (["generate", "hi", "-m", "/nonexistent/model.gguf"], "does not exist"),
+    (["generate", "hi " * 600, "-c", "256"], "ctx-size"),
+    (["generate", "hi", "-ctk", "q3_k"], "KV cache type"),
+    (["info", __file__], "GGUF"),
+], ids=["temperature", "top-p", "top-k", "missing-model", "too-long", "cache-type", "not-gguf"])
+def test_errors_are_one_clear_line(args, words):
+    r = cli(*args)
+    print(r.stderr)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvcompile: error:") and words in last
+
+
+def test_info_reports_geometry_and_kv_bytes(smollm2_path):
+    r = cli("info", smollm2_path)
+    print(r.stdout)
+    assert r.returncode == 0
+    for word in ("llama", "30", "576", "q8_0", "q4_0"):
+        assert word in r.stdout

@@ -1,0 +1,95 @@
+"""Engine end to end on the default model: greedy output equals llama.cpp's on the exact
+F32 oracle file, streaming equals the final text, stop rules, and bad requests that leave
+the engine serving."""
+import numpy as np
+import pytest
+
+from kvcompile.engine import Engine
+from kvcompile.errors import ContextLengthError, KvcompileError, SamplingError
+
+PROMPT = "The old bridge over the river was built of"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(None, ctx_size=512, progress=False)
+
+
+def llama_cpp_greedy_text(path, prompt_ids, n):
+    from llama_cpp import Llama
+    llm = Llama(model_path=str(path), n_ctx=512, type_k=0, type_v=0, n_threads=2,
+                logits_all=True, verbose=False)
+    llm.eval(prompt_ids)
+    out = []
+    for _ in range(n):
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        if tok == llm.token_eos():
+            break
+        out.append(tok)
+        llm.eval([tok])
+    return out
+
+
+def test_greedy_generate_matches_llama_cpp_on_f32_oracle(engine, smollm2_f32_path):
+    r = engine.generate(PROMPT, max_tokens=24, temperature=0)
+    want = llama_cpp_greedy_text(smollm2_f32_path, engine.tokenizer.encode(PROMPT), 24)
+    print("ours:", repr(r.text), "\nllama.cpp ids equal:", r.token_ids == want)
+    assert r.token_ids == want
+    assert r.prompt_tokens == len(engine.tokenizer.encode(PROMPT))
+    assert r.completion_tokens == 24 and r.finish_reason == "length"
+    assert r.prefill_tok_s > 0 and r.decode_tok_s > 0
+
+
+def test_stream_pieces_join_to_text_and_decode(engine):
+    s = engine.stream(PROMPT, max_tokens=20, temperature=0.9, seed=3)
+    pieces = list(s)
+    assert "".join(pieces) == s.result.text
+    assert s.result.text == engine.tokenizer.decode(s.result.token_ids)
+    again = engine.generate(PROMPT, max_tokens=20, temperature=0.9, seed=3)
+    assert again.token_ids == s.result.token_ids            # same seed, same tokens
+
+
+def test_stop_string_truncates_and_finishes(engine):
+    full = engine.generate(PROMPT, max_tokens=24, temperature=0)
+    words = full.text.split()
+    stop = words[3]                                          # a word that does appear
+    r = engine.generate(PROMPT, max_tokens=24, temperature=0, stop=[stop])
+    assert r.finish_reason == "stop"
+    assert r.text == full.text[: full.text.find(stop)]
+
+
+def test_chat_messages_end_at_end_of_turn(engine):
+    r = engine.generate(messages=[{"role": "user", "content": "Say hello."}], max_tokens=64,
+                        temperature=0)
+    print(repr(r.text), r.finish_reason)
+    assert r.finish_reason == "stop" and "<|im_end|>" not in r.text and r.text.strip()
+
+
+def test_context_fills_up_with_length_finish(engine):
+    ids = engine.tokenizer.encode("word " * 400)[:500]
+    prompt = engine.tokenizer.decode(ids)
+    n_prompt = len(engine.tokenizer.encode(prompt))
+    r = engine.generate(prompt, max_tokens=100, temperature=0)
+    assert r.finish_reason in ("length", "stop")
+    assert n_prompt + r.completion_tokens <= engine.ctx_size
+
+
+@pytest.mark.parametrize("bad,error,words", [
+    (dict(prompt="word " * 1200), ContextLengthError, "ctx-size"),
+    (dict(prompt=PROMPT, temperature=-1.0), SamplingError, "temperature"),
+    (dict(prompt=PROMPT, top_p=1.5), SamplingError, "top_p"),
+    (dict(prompt=PROMPT, top_k=-2), SamplingError, "top_k"),
+    (dict(prompt=""), KvcompileError, "empty"),
+    (dict(messages=[{"content": "no role"}]), KvcompileError, "role"),
+], ids=["too-long", "neg-temperature", "top-p", "top-k", "empty", "bad-message"])
+def test_bad_request_raises_then_engine_keeps_serving(engine, bad, error, words):
+    before = engine.generate(PROMPT, max_tokens=8, temperature=0).token_ids
+    with pytest.raises(error, match=words) as info:
+        engine.generate(**bad)
+    print(type(info.value).__name__, info.value)
+    assert engine.generate(PROMPT, max_tokens=8, temperature=0).token_ids == before
+
+
+def test_ctx_size_beyond_model_limit_is_refused():
+    with pytest.raises(ContextLengthError, match="--ctx-size"):
+        Engine(None, ctx_size=10**6, progress=False)
