@@ -26,8 +26,8 @@ def model_info(path: str | os.PathLike) -> dict:
     quant_types = {name: {"tensors": counts[name], "bytes": type_bytes[name],
                           "params": type_params[name]}
                    for name in sorted(counts, key=lambda n: -type_bytes[n])}
-    # Layers that hold a KV cache; hybrid families may set n_attention_layers on their config.
-    kv_layers = getattr(cfg, "n_attention_layers", cfg.n_layers)
+    # Layers that hold a KV cache (hybrid families have recurrent layers without one).
+    kv_layers = sum(1 for i in range(cfg.n_layers) if cfg.is_attention_layer(i))
     kv_per_token = {}
     for name, t in KV_TYPES.items():
         try:  # K and V pages, every attention layer
