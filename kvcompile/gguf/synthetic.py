@@ -6,21 +6,23 @@ types, byte sizes) is fixed first, headers are written from it, then each tensor
 generated, converted and appended in row chunks, so a 54 GB model never sits in RAM.
 
 Scales keep activations O(1): matrices get std gain / sqrt(fan_in), norms ~1, and the
-recurrent (GDN) gates get decays spanning slow to fast forgetting. Each tensor's values
-depend only on (seed, tensor name), not on the write order.
+recurrent (GDN) gates get decays spanning slow to fast forgetting. Values depend only on
+(seed, tensor name, shape, type), not on the write order or thread count
+(synthetic_values).
 """
 from __future__ import annotations
 
 import math
 import os
-import zlib
 from dataclasses import dataclass
 
 import gguf
 import numpy as np
 
 from kvcompile.errors import UnsupportedModelError
-from kvcompile.gguf.synthetic_presets import SyntheticConfig, preset_config
+from kvcompile.gguf.synthetic_presets import SyntheticConfig, add_model_metadata, preset_config
+from kvcompile.gguf.synthetic_values import stream_chunks
+from kvcompile.gguf.synthetic_vocab import add_tokenizer
 
 __all__ = ["SyntheticConfig", "PlannedTensor", "preset_config", "tensor_plan",
            "write_synthetic_gguf", "WEIGHT_TYPES"]
@@ -32,7 +34,6 @@ WEIGHT_TYPES = {
     "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
     "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0, "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
 }
-_CHUNK_ELEMENTS = 1 << 25  # rows generated per step: ~128 MiB of float32
 
 
 @dataclass(frozen=True)
@@ -135,11 +136,9 @@ def _gdn_tensors(cfg, p, mat, vec, plan):
 
 
 def write_synthetic_gguf(cfg: SyntheticConfig, path, weight_type: str = "f32", seed: int = 0,
-                         progress: bool = False) -> list[PlannedTensor]:
-    """Write the model to `path`, streaming tensor by tensor. Returns the plan written."""
-    from kvcompile.gguf.synthetic_vocab import add_tokenizer
-    from kvcompile.gguf.synthetic_presets import add_model_metadata
-
+                         progress: bool = False, workers: int | None = None) -> list[PlannedTensor]:
+    """Write the model to `path`, streaming chunk by chunk (values made by `workers`
+    threads, default: up to 16 cores). Returns the plan written."""
     plan = tensor_plan(cfg, weight_type)
     tmp = f"{os.fspath(path)}.partial"
     writer = gguf.GGUFWriter(tmp, arch=cfg.arch)
@@ -159,42 +158,16 @@ def write_synthetic_gguf(cfg: SyntheticConfig, path, weight_type: str = "f32", s
         writer.write_ti_data_to_file()
         fout = writer.fout[0]
         writer.write_padding(fout, fout.tell())
-        for t in plan:
-            for chunk in _generate(t, seed):
-                chunk.tofile(fout)
-                bar.update(chunk.nbytes)
-            writer.write_padding(fout, t.n_bytes)
+        for t, chunk, last in stream_chunks(plan, seed, workers):
+            chunk.tofile(fout)
+            bar.update(chunk.nbytes)
+            if last:
+                writer.write_padding(fout, t.n_bytes)
     finally:
         writer.close()
         bar.close()
     os.replace(tmp, path)
     return plan
-
-
-def _generate(t: PlannedTensor, seed: int):
-    """Yield the tensor's bytes in row chunks, already converted to its ggml type."""
-    rng = np.random.default_rng([seed, zlib.crc32(t.name.encode())])
-    rows, cols = (t.shape[0], t.shape[1]) if len(t.shape) == 2 else (1, t.shape[0])
-    step = max(1, _CHUNK_ELEMENTS // cols)
-    for r0 in range(0, rows, step):
-        n = min(step, rows - r0)
-        x = _values(t, rng, (n, cols) if len(t.shape) == 2 else (cols,))
-        if t.ggml_type == gguf.GGMLQuantizationType.F32:
-            yield x
-        else:
-            yield gguf.quants.quantize(x, t.ggml_type)
-
-
-def _values(t: PlannedTensor, rng: np.random.Generator, shape) -> np.ndarray:
-    if t.init == "normal":
-        return rng.standard_normal(shape, dtype=np.float32) * np.float32(t.scale)
-    if t.init == "norm":
-        return 1.0 + rng.standard_normal(shape, dtype=np.float32) * np.float32(t.scale)
-    if t.init == "uniform":
-        return rng.uniform(t.low, t.low + t.scale, shape).astype(np.float32)
-    if t.init == "neg_log_uniform":
-        return -np.exp(rng.uniform(t.low, t.low + t.scale, shape)).astype(np.float32)
-    raise ValueError(f"unknown init {t.init!r} for {t.name}")
 
 
 def _progress_bar(total: int, enabled: bool):
