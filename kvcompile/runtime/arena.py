@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcompile.errors import ArenaError
-from kvcompile.runtime.fences import DONE, Fence
+from kvcompile.runtime.fences import DONE, AllOf, Fence
 
 ALIGN = 256  # bytes; every region starts aligned so typed views (fp16, f32, int32) are legal
 MIB = 1 << 20
@@ -201,23 +201,11 @@ class Arena:
         self._leases[name] -= 1
         prev = self._last_use.get(name)
         # Keep every outstanding fence: the region is free once all its users completed.
-        self._last_use[name] = fence if prev is None or prev.query() else _Both(prev, fence)
+        self._last_use[name] = fence if prev is None or prev.query() else AllOf((prev, fence))
 
     def _next_generation(self) -> int:
         self._generation += 1
         return self._generation
-
-
-class _Both(Fence):
-    def __init__(self, a: Fence, b: Fence):
-        self.a, self.b = a, b
-
-    def query(self) -> bool:
-        return self.a.query() and self.b.query()
-
-    def wait(self) -> None:
-        self.a.wait()
-        self.b.wait()
 
 
 def _describe(sizes: dict[str, int]) -> str:

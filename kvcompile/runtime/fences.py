@@ -54,6 +54,19 @@ class EventFence(Fence):
         return f"EventFence({self.what!r}, done={self.query()})"
 
 
+class AllOf(Fence):
+    """Complete once every fence of a list completed."""
+
+    def __init__(self, fences):
+        self.fences = tuple(fences)
+
+    def query(self) -> bool:
+        return all_done(self.fences)
+
+    def wait(self) -> None:
+        wait_all(self.fences)
+
+
 def all_done(fences) -> bool:
     return all(f.query() for f in fences)
 

@@ -2,8 +2,9 @@
 
 Per layer a K and a V array uint8 [max_pages, page_bytes] in host memory (pinned on
 CUDA), laid out exactly like device pages so a run of contiguous pages is one copy.
-`rows` counts the positions published so far: pages at or past it hold nothing yet and
-need no host->device copy.
+`rows[layer]` counts the positions published for that layer (layers may differ: an MTP
+layer runs its own forwards); pages at or past it hold nothing yet and need no
+host->device copy.
 """
 from __future__ import annotations
 
@@ -19,22 +20,28 @@ class HostHistory:
         self.max_pages = max_pages
         self.k = {i: alloc((max_pages, k_page_bytes)) for i in self.layers}
         self.v = {i: alloc((max_pages, v_page_bytes)) for i in self.layers}
-        self.rows = 0
+        self.rows = {i: 0 for i in self.layers}
 
-    def has_rows(self, logical_page: int) -> bool:
-        return logical_page * self.page_size < self.rows
+    def has_rows(self, layer: int, logical_page: int) -> bool:
+        return logical_page * self.page_size < self.rows[layer]
 
-    @property
-    def rows_pages(self) -> int:
+    def rows_pages(self, layer: int) -> int:
         """Number of logical pages holding at least one published row."""
-        return -(-self.rows // self.page_size)
+        return -(-self.rows[layer] // self.page_size)
 
     def reset(self) -> None:
         """Forget the sequence (contents need no clearing: rows says what is valid)."""
-        self.rows = 0
+        for i in self.layers:
+            self.rows[i] = 0
 
-    def truncate(self, n_rows: int) -> None:
-        self.rows = min(self.rows, n_rows)
+    def truncate(self, n_rows: int, layers=None) -> None:
+        for i in self.layers if layers is None else layers:
+            self.rows[i] = min(self.rows[i], n_rows)
+
+    def publish(self, n_rows: int, layers) -> None:
+        """Record that rows up to n_rows of these layers are now on the host."""
+        for i in layers:
+            self.rows[i] = max(self.rows[i], n_rows)
 
     @property
     def nbytes(self) -> int:

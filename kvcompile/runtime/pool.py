@@ -21,7 +21,7 @@ import torch
 
 from kvcompile.errors import KvLayoutError
 from kvcompile.runtime.copy_engine import CopyNote
-from kvcompile.runtime.fences import DONE, all_done, wait_all
+from kvcompile.runtime.fences import DONE, AllOf, all_done, wait_all
 from kvcompile.span_plan import RESIDENT, Ring, Span, SpanPlan
 
 UNSAFE = frozenset({"skip_ready_wait", "skip_consumed_wait"})  # test-only broken orderings
@@ -33,6 +33,7 @@ class _Issued:
     table: list[int]                 # physical page per logical page
     ring: list[int]                  # ring slots held, in logical order
     ready: list = field(default_factory=list)
+    released: bool = False
 
 
 @dataclass
@@ -66,6 +67,7 @@ class StreamingPool:
         self.issued: dict[int, _Issued] = {}
         self.active = None                       # (n_pages, written logical pages) of a forward
         self.current = None
+        self.order: list[int] = []
         self.count = ForwardCounters()
 
     # ---- layout --------------------------------------------------------------------------
@@ -110,8 +112,11 @@ class StreamingPool:
         wait_all(self.last_use)
 
     # ---- one forward -----------------------------------------------------------------------
-    def begin(self, n_pages: int, written: range) -> None:
+    def begin(self, n_pages: int, written: range, layers=None) -> None:
+        """Start a forward over n_pages per layer that writes logical pages `written`;
+        `layers` (default all) are the layers it will acquire, in this order."""
         self._idle("begin a forward")
+        self.order = [self.index[l] for l in (self.layers if layers is None else layers)]
         if n_pages - self.r > self.ring.n_slots:
             raise KvLayoutError(f"{n_pages} pages per layer need a ring of "
                                 f"{n_pages - self.r} slots; the ring has {self.ring.n_slots}")
@@ -127,7 +132,7 @@ class StreamingPool:
         self._prefetch()
         if li not in self.issued:
             raise KvLayoutError(f"layer {layer} could not get ring slots: layers must be "
-                                f"acquired in order, once per forward")
+                                f"acquired in the order given to begin_forward, once each")
         job = self.issued[li]
         if not all_done(job.ready):
             self.count.misses += 1
@@ -165,18 +170,25 @@ class StreamingPool:
             self.holder[s] = None
         if self.checker is not None:
             self.checker.release(job.ring)
-        self.current = None
+        job.released, self.current = True, None
 
     def end(self) -> None:
         if self.current is not None:
             self.release(self.current)
+        for job in self.issued.values():     # issued but never acquired (a failed forward):
+            if not job.released:             # its slots are free once its copies landed
+                done = AllOf(job.ready)
+                for s in job.ring:
+                    self.holder[s], self.last_use[s] = None, done
+                if self.checker is not None:
+                    self.checker.release(job.ring)
         self.active, self.issued = None, {}
 
     # ---- issuing ---------------------------------------------------------------------------
     def _prefetch(self) -> None:
         """Issue layers in order from the first not issued, as far as the ring allows."""
         nxt = len(self.issued)
-        while nxt < self.L and self._issue(nxt):
+        while nxt < len(self.order) and self._issue(self.order[nxt]):
             nxt += 1
         held = sum(h is not None for h in self.holder)
         self.count.peak_held = max(self.count.peak_held, held)
@@ -202,11 +214,11 @@ class StreamingPool:
         self.cursor = (self.cursor + n_stream) % max(ring.n_slots, 1)
         todo = [(lp, p) for lp, p in enumerate(table) if lp >= r or (li, lp) not in self.valid]
         self.valid.update((li, lp) for lp in range(r))
-        for lp0, p0, n in _runs(todo, cut=self.host.rows_pages):
+        for lp0, p0, n in _runs(todo, cut=self.host.rows_pages(layer)):
             pages = tuple(range(p0, p0 + n))
             owners = tuple((li, lp) for lp in range(lp0, lp0 + n))
             after = [] if ignore_held else [self.last_use[p] for p in pages]
-            if not self.host.has_rows(lp0):
+            if not self.host.has_rows(layer, lp0):
                 # Nothing published for these pages yet: no copy, but the layer's writes
                 # must still wait for the pages' previous users.
                 if self.checker is not None:

@@ -98,26 +98,35 @@ class StreamingKvCache:
                 f"position {hi if hi >= self.capacity else lo} is outside the KV cache of "
                 f"{self.capacity} tokens; raise the context size (--ctx-size) or shorten the "
                 f"prompt / max tokens")
-        if lo > self.host.rows:
-            raise ContextLengthError(f"position {lo} leaves a gap after the {self.host.rows} "
-                                     f"positions already in the cache")
 
     @property
     def nbytes(self) -> int:
         return self.arena.nbytes
 
     # ---- forward bracket ------------------------------------------------------------------
-    def begin_forward(self, positions: torch.Tensor) -> None:
+    def begin_forward(self, positions: torch.Tensor, layers=None) -> None:
+        """Start a forward at these positions that will acquire `layers` (default: all KV
+        layers, in order; an MTP step names only its own layer)."""
+        layers = self.layers if layers is None else tuple(layers)
+        if self._step is not None:
+            raise KvLayoutError("begin_forward called twice without end_forward")
+        missing = [i for i in layers if i not in self._kv]
+        if missing:
+            raise KvLayoutError(f"layers {missing} have no KV in this cache")
         self.check_positions(positions)
         lo, hi = int(positions.min()), int(positions.max())
+        have = min(self.host.rows[i] for i in layers)
+        if lo > have:
+            raise ContextLengthError(f"position {lo} leaves a gap after the {have} "
+                                     f"positions already in the cache")
         n_pages = hi // self.page_size + 1
-        self.host.truncate(lo)            # rows from lo on are rewritten by this forward
+        self.host.truncate(lo, layers)    # rows from lo on are rewritten by this forward
         repart, reason = self._apply_policy(n_pages)
         self._step = dict(t0=time.perf_counter(), busy=self.engine.busy_s, hi=hi,
                           h2d=self.engine.bytes_h2d, d2h=self.engine.bytes_d2h,
                           tokens=int(positions.numel()), pages=n_pages, repart=repart,
-                          reason=reason)
-        self.pool.begin(n_pages, range(lo // self.page_size, n_pages))
+                          reason=reason, layers=layers)
+        self.pool.begin(n_pages, range(lo // self.page_size, n_pages), layers)
 
     def end_forward(self, ok: bool = True) -> None:
         if self._step is None:
@@ -127,7 +136,7 @@ class StreamingKvCache:
         if not ok:                        # rows of a failed forward are not history
             return
         self.engine.synchronize()         # CPU: trivial; the published rows are in place
-        self.host.rows = max(self.host.rows, s["hi"] + 1)
+        self.host.publish(s["hi"] + 1, s["layers"])
         c, ring = self.pool.count, self.pool.ring.n_slots
         wall = max(time.perf_counter() - s["t0"], 1e-9)
         self.telemetry.append(StepStats(
@@ -137,7 +146,7 @@ class StreamingKvCache:
             readiness_misses=c.misses,
             copy_busy_pct=min(100.0, 100.0 * (self.engine.busy_s - s["busy"]) / wall),
             ring_occupancy=c.peak_held / ring if ring else 0.0,
-            resident_reads=c.resident_reads, streamed_reads=c.streamed_reads,
+            resident_reads=c.resident_reads, streamed_reads=c.streamed_reads, layers=len(s["layers"]),
             repartitioned=s["repart"], policy=s["reason"]))
 
     def _apply_policy(self, n_pages: int) -> tuple[bool, str]:
@@ -173,6 +182,10 @@ class StreamingKvCache:
             self.pool.checker.release(range(self.pool.L * self.pool.r))
         self.host.reset()
 
+    def truncate(self, n_tokens: int) -> None:
+        """Keep only positions < n_tokens (e.g. rejected speculative rows)."""
+        self.host.truncate(n_tokens)
+
     def stats(self) -> dict:
         return summarize(self.telemetry)
 
@@ -180,12 +193,12 @@ class StreamingKvCache:
         self.engine.close()
 
 
-def forward(model, cache, tokens, positions, last_only: bool = False):
+def forward(model, cache, tokens, positions, last_only: bool = False, layers=None):
     """model(tokens, positions, cache) with the streaming bracket when the cache has one."""
     begin = getattr(cache, "begin_forward", None)
     if begin is None:
         return model(tokens, positions, cache, last_only=last_only)
-    begin(positions)
+    begin(positions, layers)
     ok = False
     try:
         out = model(tokens, positions, cache, last_only=last_only)

@@ -18,6 +18,7 @@ class StepStats:
     ring_occupancy: float        # peak fraction of ring slots held
     resident_reads: int          # page reads served by resident pages (all layers)
     streamed_reads: int          # page reads served by ring slots
+    layers: int                  # layers this forward acquired
     repartitioned: bool
     policy: str                  # the policy's reason for this step's split
 
