@@ -7,24 +7,26 @@ slots). Only the layers listed in `layers` get KV (hybrid models have recurrent 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+from torch import nn
 
 from kvcompile.config import ModelConfig
 from kvcompile.errors import ContextLengthError, KvLayoutError
 from kvcompile.ops import kv_format as F
 
 
-@dataclass
-class LayerKv:
-    """What one attention layer needs to write and read its KV through the ops."""
-    k_pool: torch.Tensor       # uint8 [num_pages, k page bytes]
-    v_pool: torch.Tensor       # uint8 [num_pages, v page bytes]
-    page_table: torch.Tensor   # int32 [num_logical_pages]
-    k_type: int                # ggml type id
-    v_type: int
-    page_size: int
+class LayerKv(nn.Module):
+    """What one attention layer needs to write and read its KV through the ops. A module
+    (as in gpt-fast) so torch.compile treats the format ints as constants even with
+    dynamic=True, and the pools / page table as buffers."""
+
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
+                 k_type: int, v_type: int, page_size: int):
+        super().__init__()
+        self.register_buffer("k_pool", k_pool)          # uint8 [num_pages, k page bytes]
+        self.register_buffer("v_pool", v_pool)          # uint8 [num_pages, v page bytes]
+        self.register_buffer("page_table", page_table)  # int32 [num_logical_pages]
+        self.k_type, self.v_type, self.page_size = k_type, v_type, page_size  # ggml ids
 
     def slots(self, positions: torch.Tensor) -> torch.Tensor:
         """Physical slot (page * page_size + offset) of each absolute position; tensor ops only."""
