@@ -115,6 +115,60 @@ def test_mtp_forward_matches_fp64_reference(mtp_file):
     assert (alt.double() - ref[:40]).abs().max() > 0.1
 
 
+def llama_cpp_mtp_logits(path, tokens, hidden, positions):
+    """Logits of llama.cpp's own MTP graph (an LLAMA_CONTEXT_TYPE_MTP context): each batch
+    row carries a token id and, through the batch's embd pointer, the hidden-state input."""
+    import ctypes
+
+    import llama_cpp as L
+    n, n_embd = hidden.shape
+    mp = L.llama_model_default_params()
+    mp.load_mtp = True
+    model = L.llama_model_load_from_file(str(path).encode(), mp)
+    cp = L.llama_context_default_params()
+    cp.n_ctx = cp.n_batch = cp.n_ubatch = 256
+    cp.n_threads = cp.n_threads_batch = 2
+    cp.type_k = cp.type_v = 0          # F32 KV
+    cp.flash_attn_type = 0             # the F16 flash-attention path would round Q
+    cp.ctx_type = L.LLAMA_CONTEXT_TYPE_MTP
+    ctx = L.llama_init_from_model(model, cp)
+    try:
+        h = np.ascontiguousarray(hidden.numpy(), dtype=np.float32)
+        seq0 = (L.llama_seq_id * 1)(0)
+        arrays = dict(
+            token=(L.llama_token * n)(*tokens.tolist()), pos=(L.llama_pos * n)(*positions.tolist()),
+            n_seq_id=(ctypes.c_int32 * n)(*[1] * n), logits=(ctypes.c_int8 * n)(*[1] * n),
+            seq_id=(ctypes.POINTER(L.llama_seq_id) * n)(*[ctypes.cast(seq0, ctypes.POINTER(L.llama_seq_id))] * n))
+        batch = L.llama_batch(n_tokens=n, embd=h.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+                              **arrays)
+        assert L.llama_decode(ctx, batch) == 0
+        vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+        rows = [np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(vocab,)).copy()
+                for i in range(n)]
+        return torch.from_numpy(np.stack(rows))
+    finally:
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+
+
+def test_mtp_forward_matches_llama_cpp_mtp_graph(mtp_file):
+    loaded = load_weights(mtp_file, progress=False)
+    model = Qwen35Model.from_weights(loaded.config, loaded.tensors)
+    cache = model.make_cache(256)
+    n = 40
+    tokens = torch.randint(300, loaded.config.vocab_size, (n + 1,),
+                           generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        _, hidden = model(tokens[:n], torch.arange(n), cache, return_hidden=True)
+        ours = model.mtp_forward(tokens[1:], hidden, torch.arange(n), cache)
+    ref = llama_cpp_mtp_logits(mtp_file, tokens[1:], hidden, torch.arange(n))
+    err = (ours - ref).abs().max().item()
+    top1 = (ours.argmax(-1) == ref.argmax(-1)).double().mean().item()
+    print(f"\nMTP vs llama.cpp MTP context: max |dlogit| {err:.2e} (|logit| max "
+          f"{ref.abs().max().item():.2f}), top-1 {top1:.3f}")
+    assert top1 == 1.0 and err < 1e-4 * ref.abs().max().item()
+
+
 def test_mtp_needs_an_mtp_layer(tmp_path):
     path = tmp_path / "no-mtp.gguf"
     write_synthetic_gguf(preset_config("qwen35", "tiny", nextn_layers=0, vocab_size=512,
