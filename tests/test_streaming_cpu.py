@@ -171,7 +171,7 @@ def test_dropping_every_resident_page_mid_generation_changes_nothing(model):
     assert after.h2d_bytes >= after.resident_reads * 2 * kb - CFG.n_layers * 2 * kb
 
 
-def _threaded(pages, checker, copy_ms, compute_ms, unsafe=frozenset(), seed=SEED):
+def _threaded(pages, checker, copy_ms, compute_ms, unsafe=frozenset(), seed=SEED, types=F32):
     rng, lock = random.Random(seed), threading.Lock()
 
     def delay(ms):
@@ -180,17 +180,19 @@ def _threaded(pages, checker, copy_ms, compute_ms, unsafe=frozenset(), seed=SEED
                 return rng.random() * ms / 1000
         return f
     inst = Instrument(checker=checker, copy_delay=delay(copy_ms), compute_delay=delay(compute_ms))
-    return StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(pages), page_size=PS,
-                            backend=CpuBackend(threaded_copies=True, instrument=inst),
-                            unsafe=unsafe)
+    return StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(pages, types), k_type=types[0],
+                            v_type=types[1], page_size=PS, unsafe=unsafe,
+                            backend=CpuBackend(threaded_copies=True, instrument=inst))
 
 
-@pytest.mark.parametrize("copy_ms,compute_ms", [(4, 0.5), (0.5, 4)])
-def test_fences_hold_under_injected_delays(model, copy_ms, compute_ms):
+# Quantized pages also prove kv_write touches only its own pages while copies run.
+@pytest.mark.parametrize("types,copy_ms,compute_ms", [(F32, 4, 0.5), (F32, 0.5, 4),
+                                                      (QUANT, 2, 2)])
+def test_fences_hold_under_injected_delays(model, types, copy_ms, compute_ms):
     prompt = _prompt(SEED, PROMPT_LEN)
-    ids_ref, ref = _reference(model, F32, prompt, 16)
+    ids_ref, ref = _reference(model, types, prompt, 16)
     checker = FenceChecker()
-    cache = _threaded(50, checker, copy_ms, compute_ms)       # ring of ~2 layers: overlap
+    cache = _threaded(50, checker, copy_ms, compute_ms, types=types)  # ring ~2 layers: overlap
     try:
         ids, got = generate(model, cache, prompt, 16)
     finally:

@@ -117,6 +117,8 @@ class StreamingPool:
         `layers` (default all) are the layers it will acquire, in this order."""
         self._idle("begin a forward")
         self.order = [self.index[l] for l in (self.layers if layers is None else layers)]
+        if len(set(self.order)) != len(self.order):
+            raise KvLayoutError(f"a forward acquires each layer once; got {layers}")
         if n_pages - self.r > self.ring.n_slots:
             raise KvLayoutError(f"{n_pages} pages per layer need a ring of "
                                 f"{n_pages - self.r} slots; the ring has {self.ring.n_slots}")
@@ -134,6 +136,9 @@ class StreamingPool:
             raise KvLayoutError(f"layer {layer} could not get ring slots: layers must be "
                                 f"acquired in the order given to begin_forward, once each")
         job = self.issued[li]
+        if job.released:
+            raise KvLayoutError(f"layer {layer} was already acquired in this forward; its "
+                                f"ring slots may be reused by now")
         if not all_done(job.ready):
             self.count.misses += 1
         if "skip_ready_wait" not in self.unsafe:

@@ -22,4 +22,7 @@ def kv_write_naive(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tens
             # misaligned for fp16), so write them back through the byte view.
             scales[page[:, None], heads[None, :], off[:, None]] = enc_scales
             code_bytes = pool.shape[1] - scales[0].numel() * 2
-            pool[:, code_bytes:] = scales.reshape(pool.shape[0], -1).view(torch.uint8)
+            # Write back only the touched pages: other pages may be filled concurrently
+            # (streaming copies into ring slots of the same pool).
+            touched = torch.unique(page)
+            pool[touched, code_bytes:] = scales[touched].reshape(len(touched), -1).view(torch.uint8)
