@@ -6,7 +6,6 @@ per forward, sampled by Sampler) -> stop on EOS / end-of-turn / stop string / ma
 """
 from __future__ import annotations
 
-import codecs
 import time
 from dataclasses import dataclass, fields
 from typing import Iterator
@@ -18,6 +17,7 @@ from kvcompile.kv_cache import PagedKvCache
 from kvcompile.loader import load_model
 from kvcompile.sampling import Sampler, SamplingParams
 from kvcompile.stop_strings import StopStringFilter
+from kvcompile.tokenizer import StreamDecoder
 
 DEFAULT_CTX_SIZE = 4096
 
@@ -121,7 +121,7 @@ class Engine:
     def _run(self, prompt_ids: list[int], sampling: SamplingParams, stream: TokenStream):
         sampler = Sampler(sampling)
         stops = StopStringFilter(sampling.stop)
-        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        text_of = StreamDecoder(self.tokenizer)
         stop_ids = set(self.tokenizer.stop_ids)
         self.cache.reset()
         history, out_ids, text, finish = list(prompt_ids), [], [], "length"
@@ -142,14 +142,14 @@ class Engine:
                 break
             history.append(token)
             out_ids.append(token)
-            piece = stops.feed(utf8.decode(self.tokenizer.token_bytes(token)))
+            piece = stops.feed(text_of.feed(token))
             if piece:
                 text.append(piece)
                 yield piece
             if stops.stopped:
                 finish = "stop"
                 break
-        tail = stops.feed(utf8.decode(b"", final=True)) + stops.flush()
+        tail = stops.feed(text_of.flush()) + stops.flush()
         if tail:
             text.append(tail)
             yield tail
