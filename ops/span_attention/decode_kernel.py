@@ -17,9 +17,10 @@ import triton
 import triton.language as tl
 
 from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, interpreting, k_split,
-                                                 launchable, pool_args,
+                                                 launchable, pool_args, query_operand,
                                                  num_sms, page_geometry)
-from kvcompile.ops.span_attention.paged_tile import load_tile, qk_scores, v_operand
+from kvcompile.ops.span_attention.paged_tile import (load_tile, qk_quantized, qk_scores,
+                                                     v_operand)
 
 LOG2E = 1.4426950408889634
 
@@ -46,10 +47,6 @@ def _decode_split(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
     d = tl.arange(0, D)
     qrow = q_ptr + t.to(tl.int64) * stride_qt + (h * G + r % G) * stride_qh
     q = tl.load(qrow[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-    if QK_F16:
-        q = q.to(tl.float16)
-    else:
-        q = q.to(tl.bfloat16)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -59,9 +56,14 @@ def _decode_split(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
         pos = n0 + tl.arange(0, BLOCK_N)
         live = pos < end
         phys = tl.load(page_table + lp).to(tl.int64)
-        k = load_tile(k_vals, k_scl, phys, h, off, live, k_page_elems, k_page_halves,
-                      k_code_halves, BLOCK_N, P, D, K_TYPE)
-        s = qk_scores(q, k, K_SPLIT, QK_F16, BF16_EMULATE) * qk_scale
+        if K_TYPE == 2 or K_TYPE == 8:
+            s = qk_quantized(qrow, row_ok, k_vals, k_scl, phys, h, off, live, k_page_elems,
+                             k_page_halves, k_code_halves, BLOCK_M, BLOCK_N, P, D, K_TYPE)
+        else:
+            k = load_tile(k_vals, k_scl, phys, h, off, live, k_page_elems, k_page_halves,
+                          k_code_halves, BLOCK_N, P, D, K_TYPE)
+            s = qk_scores(q, k, K_SPLIT, QK_F16, BF16_EMULATE)
+        s = s * qk_scale
         s = tl.where(pos[None, :] <= qp[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -163,6 +165,7 @@ def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, 
     l_buf = torch.empty_like(m_buf)
     acc_buf = torch.empty((n_kv, n_chunks, mrows, head_dim), device=dev, dtype=torch.float32)
     qk_f16 = dot_mode(q.dtype, kg.kv_type)
+    q16 = query_operand(q, qk_f16)
     if num_warps is None:
         num_warps = 4
     if num_stages is None:
@@ -170,8 +173,8 @@ def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, 
     kv, ks, kpe, kph, kch = pool_args(k_pool, kg)
     vv, vs, vpe, vph, vch = pool_args(v_pool, vg)
     launchable(_decode_split)[(n_chunks, n_kv)](
-        q, kv, ks, vv, vs, page_table, q_pos, m_buf, l_buf, acc_buf,
-        q.stride(0), q.stride(1), n_rows, n_chunks, chunk_len, table_len,
+        q16, kv, ks, vv, vs, page_table, q_pos, m_buf, l_buf, acc_buf,
+        q16.stride(0), q16.stride(1), n_rows, n_chunks, chunk_len, table_len,
         kpe, kph, kch, vpe, vph, vch, scale * LOG2E,
         G=group, D=head_dim, P=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
         K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16, K_SPLIT=k_split(kg.kv_type),

@@ -39,8 +39,15 @@ def dot_mode(q_dtype: torch.dtype, k_type: int) -> int:
 
 
 def k_split(k_type: int) -> int:
-    """1 when K tiles are fp32 (f32 pages, dequantized q8_0 / q4_0): Q.K as hi + lo."""
-    return int(k_type in (F.F32.ggml_id, F.Q8_0.ggml_id, F.Q4_0.ggml_id))
+    """1 for f32 K pages: Q.K as fp16 hi + lo."""
+    return int(k_type == F.F32.ggml_id)
+
+
+def query_operand(q: torch.Tensor, qk_f16: int) -> torch.Tensor:
+    """The query as the kernels read it: fp16 (exact for bf16 values in fp16's normal
+    range) unless the Q.K dot runs in bf16."""
+    want = torch.float16 if qk_f16 else torch.bfloat16
+    return q if q.dtype == want else q.to(want)
 
 
 _VIEW = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16, 8: torch.int8, 2: torch.uint8}

@@ -5,8 +5,9 @@ the page size, so a tile never crosses a page). The page layout is kv_format's: 
 codes [H, P, D'] first, then fp16 scales [H, P, D/32]. Quantized tiles are dequantized in
 registers; nothing is written back.
 
-Precision: Q.K is exact up to fp32 accumulation (bf16 x bf16, fp16 x fp16, or fp16 x
-(hi + lo) for fp32 / dequantized K); P and V enter P @ V as fp16 (P in [0, 1]).
+Precision: Q.K is exact up to fp32 accumulation (bf16 x bf16, fp16 x fp16, fp16 x integer
+codes per block then times the block scale for q8_0 / q4_0, fp16 x (hi + lo) for f32 K);
+P and V enter P @ V as fp16 (P in [0, 1]).
 """
 from __future__ import annotations
 
@@ -29,35 +30,63 @@ def load_tile(vals, scl, phys, head, off, mask, page_elems, page_halves, code_ha
     `vals` is the pool viewed in the page's value type (f32/f16/bf16, int8 codes for q8_0,
     uint8 nibbles for q4_0), `scl` the pool viewed as fp16; `page_elems` / `page_halves`
     are the page size in those units and `code_halves` where the scales start. Float pages
-    come back in their own dtype; quantized pages as exact fp32 code * scale. Rows outside
-    `mask` read as 0 (pages may hold garbage, even NaN bit patterns, past the written
-    positions)."""
+    come back in their own dtype; quantized pages as fp16 code * scale (one rounding).
+    Rows outside `mask` read as 0 (pages may hold garbage, even NaN bit patterns, past the
+    written positions)."""
     row = head * P + off                                            # [BLOCK_N]
+    d = tl.arange(0, D)
+    m2 = mask[:, None]
     if KV_TYPE == 0 or KV_TYPE == 1 or KV_TYPE == 30:
-        d = tl.arange(0, D)
-        x = tl.load(vals + phys * page_elems + row[:, None] * D + d[None, :],
-                    mask=mask[:, None], other=0.0)
+        x = tl.load(vals + phys * page_elems + row[:, None] * D + d[None, :], mask=m2,
+                    other=0.0)
     else:
-        NB: tl.constexpr = D // 32
-        b = tl.arange(0, NB)
-        s = tl.load(scl + phys * page_halves + code_halves + row[:, None] * NB + b[None, :],
-                    mask=mask[:, None], other=0.0).to(tl.float32)[:, :, None]
-        m3 = mask[:, None, None]
+        # each value's block scale, read where it lies (neighbours share an L1 line)
+        sp = scl + phys * page_halves + code_halves + row[:, None] * (D // 32) + d[None, :] // 32
+        s = tl.load(sp, mask=m2, other=0.0)
         if KV_TYPE == 8:
+            c = tl.load(vals + phys * page_elems + row[:, None] * D + d[None, :], mask=m2,
+                        other=0).to(tl.float16)
+        else:
+            byte_of = (d // 32) * 16 + d % 16                       # ggml nibble order
+            shift = ((d // 16) % 2) * 4
+            b = tl.load(vals + phys * page_elems + row[:, None] * (D // 2) + byte_of[None, :],
+                        mask=m2, other=0).to(tl.int32)
+            c = (((b >> shift[None, :]) & 15) - 8).to(tl.float16)
+        x = c * s                                  # exact operands: one rounding to fp16
+    return x
+
+
+@triton.jit
+def qk_quantized(q_rows, row_ok, k_vals, k_scl, phys, head, off, mask, page_elems,
+                 page_halves, code_halves, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 P: tl.constexpr, D: tl.constexpr, K_TYPE: tl.constexpr):
+    """Scores [BLOCK_M, BLOCK_N] of fp16 query rows (pointers `q_rows`) against a q8_0 /
+    q4_0 K tile without dequantizing it: for each block of 32 values, a dot of the query
+    slice with the integer codes (exact fp16 operands) times the block scale in fp32."""
+    row = head * P + off
+    base_c = k_vals + phys * page_elems
+    base_s = k_scl + phys * page_halves + code_halves + row * (D // 32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for b in tl.static_range(D // 32):
+        s_b = tl.load(base_s + b, mask=mask, other=0.0).to(tl.float32)
+        if K_TYPE == 8:
             j = tl.arange(0, 32)
-            cp = vals + phys * page_elems + row[:, None, None] * D + b[None, :, None] * 32 \
-                + j[None, None, :]
-            c = tl.load(cp, mask=m3, other=0).to(tl.float32)
-            x = tl.reshape(c * s, (BLOCK_N, D))
+            c = tl.load(base_c + row[:, None] * D + b * 32 + j[None, :], mask=mask[:, None],
+                        other=0).to(tl.float16)
+            qb = tl.load(q_rows[:, None] + b * 32 + j[None, :], mask=row_ok[:, None], other=0.0)
+            t = tl.dot(qb, tl.trans(c))
         else:
             j = tl.arange(0, 16)
-            cp = vals + phys * page_elems + row[:, None, None] * (D // 2) + b[None, :, None] * 16 \
-                + j[None, None, :]
-            byte = tl.load(cp, mask=m3, other=0).to(tl.int32)
-            lo = ((byte & 15) - 8).to(tl.float32) * s                # values j of each block
-            hi = ((byte >> 4) - 8).to(tl.float32) * s                # values j + 16
-            x = tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)), (BLOCK_N, D))
-    return x
+            byte = tl.load(base_c + row[:, None] * (D // 2) + b * 16 + j[None, :],
+                           mask=mask[:, None], other=0).to(tl.int32)
+            lo = ((byte & 15) - 8).to(tl.float16)                  # values b*32 + j
+            hi = ((byte >> 4) - 8).to(tl.float16)                  # values b*32 + 16 + j
+            q_lo = tl.load(q_rows[:, None] + b * 32 + j[None, :], mask=row_ok[:, None], other=0.0)
+            q_hi = tl.load(q_rows[:, None] + b * 32 + 16 + j[None, :], mask=row_ok[:, None],
+                           other=0.0)
+            t = tl.dot(q_lo, tl.trans(lo)) + tl.dot(q_hi, tl.trans(hi))
+        acc += t * s_b[None, :]
+    return acc
 
 
 @triton.jit
@@ -65,9 +94,8 @@ def qk_scores(q, k, K_SPLIT: tl.constexpr, QK_F16: tl.constexpr,
               BF16_EMULATE: tl.constexpr):
     """q [M, D] (fp16 or bf16) @ k [N, D]^T with fp32 accumulation.
 
-    K_SPLIT (fp32 tiles: f32 pages, dequantized q8_0 / q4_0): k = hi + lo in two fp16
-    tiles and two dots, so the scores carry no fp16 rounding of K (a dequantized value,
-    <= 8 bits of code times an 11-bit scale, is exactly hi + lo). The Triton interpreter
+    K_SPLIT (fp32 tiles of f32 pages): k = hi + lo in two fp16 tiles and two dots, so the
+    scores carry (almost) no fp16 rounding of K. The Triton interpreter
     cannot multiply bf16 tiles (numpy has no bf16), so interpreted bf16 runs take the exact
     fp32 route: bf16 * bf16 products are exact in fp32, as on tensor cores."""
     if K_SPLIT:
@@ -85,7 +113,7 @@ def qk_scores(q, k, K_SPLIT: tl.constexpr, QK_F16: tl.constexpr,
 @triton.jit
 def v_operand(v, V_TYPE: tl.constexpr):
     """The V tile as the fp16 operand of P @ V (exact for f16 pages and for bf16 values in
-    fp16's normal range; one rounding for f32 and dequantized pages)."""
+    fp16's normal range; one rounding for f32 pages; quantized tiles already are)."""
     if V_TYPE == 1:
         return v
     elif V_TYPE == 30:

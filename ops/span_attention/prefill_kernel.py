@@ -13,27 +13,33 @@ import triton.language as tl
 
 from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, interpreting,
                                                  k_split, launchable, page_geometry,
-                                                 pool_args)
-from kvcompile.ops.span_attention.paged_tile import load_tile, qk_scores, v_operand
+                                                 pool_args, query_operand)
+from kvcompile.ops.span_attention.paged_tile import (load_tile, qk_quantized, qk_scores,
+                                                     v_operand)
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tile_step(q, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_scl, page_table, hk,
+def _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_scl, page_table, hk,
                n_ctx, k_page_elems, k_page_halves, k_code_halves, v_page_elems,
                v_page_halves, v_code_halves, qk_scale,
                MASKED: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-               BLOCK_N: tl.constexpr, K_TYPE: tl.constexpr, V_TYPE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_TYPE: tl.constexpr, V_TYPE: tl.constexpr,
                QK_F16: tl.constexpr, K_SPLIT: tl.constexpr, BF16_EMULATE: tl.constexpr):
     lp = n0 // P
     off = n0 % P + tl.arange(0, BLOCK_N)
     pos = n0 + tl.arange(0, BLOCK_N)
     live = pos < n_ctx
     phys = tl.load(page_table + lp).to(tl.int64)
-    k = load_tile(k_vals, k_scl, phys, hk, off, live, k_page_elems, k_page_halves,
-                  k_code_halves, BLOCK_N, P, D, K_TYPE)
-    s = qk_scores(q, k, K_SPLIT, QK_F16, BF16_EMULATE) * qk_scale
+    if K_TYPE == 2 or K_TYPE == 8:
+        s = qk_quantized(qrow, row_ok, k_vals, k_scl, phys, hk, off, live, k_page_elems,
+                         k_page_halves, k_code_halves, BLOCK_M, BLOCK_N, P, D, K_TYPE)
+    else:
+        k = load_tile(k_vals, k_scl, phys, hk, off, live, k_page_elems, k_page_halves,
+                      k_code_halves, BLOCK_N, P, D, K_TYPE)
+        s = qk_scores(q, k, K_SPLIT, QK_F16, BF16_EMULATE)
+    s = s * qk_scale
     if MASKED:
         s = tl.where(pos[None, :] <= qp[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -71,24 +77,22 @@ def _prefill(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr, out_ptr
     d = tl.arange(0, D)
     qrow = q_ptr + t.to(tl.int64) * stride_qt + hq * stride_qh
     q = tl.load(qrow[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-    if QK_F16:
-        q = q.to(tl.float16)
-    else:
-        q = q.to(tl.bfloat16)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _tile_step(q, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_scl,
+        acc, m_i, l_i = _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl,
+                                   v_vals, v_scl,
                                    page_table, hk, hi, k_page_elems, k_page_halves,
                                    k_code_halves, v_page_elems, v_page_halves, v_code_halves,
-                                   qk_scale, False, D, P, BLOCK_N, K_TYPE, V_TYPE, QK_F16,
+                                   qk_scale, False, D, P, BLOCK_M, BLOCK_N, K_TYPE, V_TYPE, QK_F16,
                                    K_SPLIT, BF16_EMULATE)
     for n0 in range(full_end, hi, BLOCK_N):
-        acc, m_i, l_i = _tile_step(q, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_scl,
+        acc, m_i, l_i = _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl,
+                                   v_vals, v_scl,
                                    page_table, hk, hi, k_page_elems, k_page_halves,
                                    k_code_halves, v_page_elems, v_page_halves, v_code_halves,
-                                   qk_scale, True, D, P, BLOCK_N, K_TYPE, V_TYPE, QK_F16,
+                                   qk_scale, True, D, P, BLOCK_M, BLOCK_N, K_TYPE, V_TYPE, QK_F16,
                                    K_SPLIT, BF16_EMULATE)
     o = acc / l_i[:, None]
     optr = out_ptr + t.to(tl.int64)[:, None] * stride_ot + hq * stride_oh + d[None, :]
@@ -100,9 +104,9 @@ def prefill_config(head_dim: int, page_size: int) -> tuple[int, int, int, int]:
     if head_dim <= 64:
         cfg = (128, 64, 4, 3)
     elif head_dim <= 128:
-        cfg = (128, 64, 8, 3)
+        cfg = (128, 128, 8, 2)
     else:
-        cfg = (64, 64, 4, 2)
+        cfg = (128, 64, 8, 2)
     return cfg[0], min(cfg[1], page_size), cfg[2], cfg[3]
 
 
@@ -122,12 +126,13 @@ def span_attention_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
     block_n = min(block_n or bn, page_size)
     assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
     qk_f16 = dot_mode(q.dtype, kg.kv_type)
+    q16 = query_operand(q, qk_f16)
     grid = (triton.cdiv(n_rows, block_m), n_q_heads)
     kv, ks, kpe, kph, kch = pool_args(k_pool, kg)
     vv, vs, vpe, vph, vch = pool_args(v_pool, vg)
     launchable(_prefill)[grid](
-        q, kv, ks, vv, vs, page_table, q_pos, out,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), n_rows, page_table.shape[0],
+        q16, kv, ks, vv, vs, page_table, q_pos, out,
+        q16.stride(0), q16.stride(1), out.stride(0), out.stride(1), n_rows, page_table.shape[0],
         kpe, kph, kch, vpe, vph, vch, scale * LOG2E,
         G=group, D=head_dim, P=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
         K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16, K_SPLIT=k_split(kg.kv_type),
