@@ -287,3 +287,19 @@ def test_a_forward_over_one_layer_only(model):
     assert cache.host.rows[layer] == pos and cache.host.rows[0] == 152
     assert cache.telemetry[-1].layers == 1
     assert torch.equal(outs[0], outs[1])
+
+
+def test_make_kv_cache_zero_means_all_on_device_and_bad_sizes_fail_clearly(model):
+    from kvcompile.errors import ArenaError
+    from kvcompile.runtime import make_kv_cache
+    assert isinstance(make_kv_cache(CFG, MAX_TOKENS, 0, page_size=PS), PagedKvCache)
+    streaming = make_kv_cache(CFG, MAX_TOKENS, _mib(20), page_size=PS)
+    assert isinstance(streaming, StreamingKvCache)
+    for bad in (-1, "8"):
+        with pytest.raises(ArenaError, match="kv-stream-arena-mib"):
+            make_kv_cache(CFG, MAX_TOKENS, bad, page_size=PS)
+    # after an error the process (and a cache) stays usable
+    prompt = _prompt(SEED, PROMPT_LEN)
+    ids_ref, ref = _reference(model, F32, prompt, 16)
+    ids, got = generate(model, streaming, prompt, 16)
+    assert ids == ids_ref and torch.equal(got, ref)

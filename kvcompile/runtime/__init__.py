@@ -3,5 +3,6 @@ from kvcompile.runtime.arena import Arena, Lease, Region, Transaction  # noqa: F
 from kvcompile.runtime.backend import CpuBackend  # noqa: F401
 from kvcompile.runtime.checker import FenceChecker  # noqa: F401
 from kvcompile.runtime.copy_engine import Instrument  # noqa: F401
+from kvcompile.runtime.make import make_kv_cache  # noqa: F401
 from kvcompile.runtime.streaming_cache import (StreamingKvCache, forward,  # noqa: F401
                                                min_arena_bytes)

@@ -1,0 +1,25 @@
+"""One entry point for the engine: the reference cache or the streaming one.
+
+`--kv-stream-arena-mib 0` keeps the whole KV on the device (PagedKvCache, the reference
+path); N > 0 streams it through an arena of N MiB (StreamingKvCache).
+"""
+from __future__ import annotations
+
+from kvcompile.errors import ArenaError
+from kvcompile.kv_cache import PagedKvCache
+from kvcompile.runtime.streaming_cache import StreamingKvCache
+
+
+def make_kv_cache(config, max_tokens: int, arena_mib: float = 0, k_type="f32", v_type="f32",
+                  page_size: int = 256, device="cpu", layers=None, backend=None, **kw):
+    if arena_mib is None or arena_mib == 0:
+        return PagedKvCache(config, max_tokens, k_type=k_type, v_type=v_type,
+                            page_size=page_size, device=device, layers=layers)
+    if not isinstance(arena_mib, (int, float)) or arena_mib < 0:
+        raise ArenaError(f"--kv-stream-arena-mib must be 0 (everything on the device) or a "
+                         f"positive size in MiB, got {arena_mib!r}")
+    if backend is None and str(device) != "cpu":
+        raise ArenaError(f"the streaming runtime has only the CPU backend so far; use "
+                         f"--kv-stream-arena-mib 0 on {device}")
+    return StreamingKvCache(config, max_tokens, arena_mib, k_type=k_type, v_type=v_type,
+                            page_size=page_size, layers=layers, backend=backend, **kw)
