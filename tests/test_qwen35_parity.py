@@ -192,3 +192,19 @@ def test_snapshot_restore_replays_exactly(qwen35_file):
           f"in {len(state.layers)} GDN layers, KV pages only for layers {cache.layers}")
     assert moved > 1e-3 and torch.equal(again, first) and state.n_tokens == 74
     assert set(state.layers).isdisjoint(cache.layers)
+
+
+def test_quantized_qwen35_file_is_exact_against_its_f32_export(tmp_path):
+    # llama.cpp rounds activations inside quantized matmuls, so the exact oracle for a
+    # Q4_0 file is llama.cpp on an F32 copy of its dequantized weights
+    from kvcompile.gguf.f32_export import export_f32
+    q4 = tmp_path / "qwen35.q4_0.gguf"
+    write_synthetic_gguf(preset_config("qwen35", "tiny", vocab_size=2048), q4, "q4_0", seed=21)
+    f32 = export_f32(q4, tmp_path / "qwen35.f32.gguf")
+    model = _load_model(q4)
+    tokens = torch.randint(300, 2048, (128,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = model(tokens, torch.arange(128), model.make_cache(128))
+    ref = llama_cpp_logits(llama_cpp(f32, n_ctx=256), tokens.tolist())
+    top1, kl_mean, _, _ = _report("q4_0 qwen35 vs llama.cpp on its F32 export", ours, ref)
+    assert top1 >= 0.99 and kl_mean <= 1e-3
