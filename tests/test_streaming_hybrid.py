@@ -1,0 +1,99 @@
+"""A hybrid qwen35 model (Gated DeltaNet + attention layers + an MTP layer) through the
+streaming cache equals the same model over an all-resident PagedKvCache, bitwise. Main
+forwards acquire only the attention layers, MTP forwards only the MTP layer, whose rows
+the host history tracks separately."""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvcompile.gguf.synthetic import preset_config, write_synthetic_gguf
+from kvcompile.kv_cache import PagedKvCache
+from kvcompile.models.qwen35 import Qwen35Model
+from kvcompile.ops import kv_format as F
+from kvcompile.runtime import StreamingKvCache, forward
+from kvcompile.runtime.arena import MIB, align
+from kvcompile.weights import load_weights
+
+SEED = int.from_bytes(os.urandom(4), "little")
+PS, MAX_TOKENS = 16, 160
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hybrid") / "qwen35-tiny.gguf"
+    write_synthetic_gguf(preset_config("qwen35", "tiny", n_layers=8, vocab_size=512), path,
+                         "f32", seed=SEED % 1000)
+    w = load_weights(path, progress=False)
+    return Qwen35Model.from_weights(w.config, w.tensors)
+
+
+@torch.inference_mode()
+def _run(model, cache, tokens, n_prompt):
+    main = model.kv_layers[:-1]
+    mtp = model.kv_layers[-1:]
+    out = []
+    for s in range(0, n_prompt, 48):
+        t = tokens[s:min(s + 48, n_prompt)]
+        pos = torch.arange(s, s + len(t))
+        cache_begin(cache, pos, main)
+        logits, hidden = model(t, pos, cache, return_hidden=True)
+        cache_end(cache)
+        out.append(logits)
+        nxt = tokens[s + 1:s + 1 + len(t)]
+        cache_begin(cache, pos[:len(nxt)], mtp)
+        out.append(model.mtp_forward(nxt, hidden[:len(nxt)], pos[:len(nxt)], cache))
+        cache_end(cache)
+    for p in range(n_prompt, len(tokens) - 1):
+        pos = torch.tensor([p])
+        cache_begin(cache, pos, main)
+        logits, hidden = model(tokens[p:p + 1], pos, cache, return_hidden=True)
+        cache_end(cache)
+        cache_begin(cache, pos, mtp)
+        out.append(model.mtp_forward(tokens[p + 1:p + 2], hidden, pos, cache))
+        cache_end(cache)
+        out.append(logits)
+    return torch.cat(out)
+
+
+def cache_begin(cache, positions, layers):
+    if isinstance(cache, StreamingKvCache):
+        cache.begin_forward(positions, layers)
+
+
+def cache_end(cache):
+    if isinstance(cache, StreamingKvCache):
+        cache.end_forward()
+
+
+def test_hybrid_model_with_mtp_streams_bitwise(hybrid):
+    c = hybrid.config
+    full = replace(c, n_layers=c.n_layers + c.nextn_layers)
+    gen = torch.Generator().manual_seed(SEED)
+    tokens = torch.randint(0, c.vocab_size, (MAX_TOKENS - 8,), generator=gen)
+    n_prompt = len(tokens) - 12
+    dense = PagedKvCache(full, MAX_TOKENS, page_size=PS, layers=hybrid.kv_layers)
+    ref = _run(hybrid, dense, tokens, n_prompt)
+    kb = F.page_bytes(F.F32, PS, c.n_kv_heads, c.head_dim)
+    pages = -(-MAX_TOKENS // PS) + 2
+    cache = StreamingKvCache(full, MAX_TOKENS, (2 * align(pages * kb)) / MIB, page_size=PS,
+                             layers=hybrid.kv_layers)
+    got = _run(hybrid, cache, tokens, n_prompt)
+    assert torch.equal(got, ref), SEED
+    main_steps = [s for s in cache.telemetry if s.layers == len(hybrid.kv_layers) - 1]
+    mtp_steps = [s for s in cache.telemetry if s.layers == 1]
+    assert main_steps and mtp_steps
+    assert sum(s.streamed_reads for s in main_steps[-4:]) > 0
+    assert cache.host.rows[hybrid.kv_layers[0]] == len(tokens) - 1
+    assert cache.host.rows[hybrid.kv_layers[-1]] == len(tokens) - 1
