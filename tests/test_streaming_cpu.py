@@ -303,3 +303,56 @@ def test_make_kv_cache_zero_means_all_on_device_and_bad_sizes_fail_clearly(model
     ids_ref, ref = _reference(model, F32, prompt, 16)
     ids, got = generate(model, streaming, prompt, 16)
     assert ids == ids_ref and torch.equal(got, ref)
+
+
+def test_a_failed_copy_surfaces_instead_of_being_read(model):
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] == 12:
+            raise OSError("injected copy failure")
+        return 0.0
+    inst = Instrument(checker=FenceChecker(), copy_delay=flaky)
+    cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(24), page_size=PS,
+                             backend=CpuBackend(threaded_copies=True, instrument=inst))
+    try:
+        with pytest.raises(RuntimeError, match="failed") as e:
+            generate(model, cache, _prompt(SEED, PROMPT_LEN), 4)
+        assert isinstance(e.value.__cause__, OSError)
+    finally:
+        cache.close()
+
+
+class _Watched(EventFence):
+    waited = False
+
+    def wait(self):
+        self.waited = True
+        super().wait()
+
+
+def test_forced_repartition_drains_pages_still_in_use(model):
+    from kvcompile.runtime.policy import serves
+    prompt = _prompt(SEED, PROMPT_LEN)
+    ids_ref, ref = _reference(model, F32, prompt, 16)
+    cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(60), page_size=PS)
+    held = []
+
+    def hold(step, cache, rows):
+        # Before the forward whose context the current split cannot serve, pretend the
+        # device still reads the highest resident page (the first to change role).
+        last = min(rows + 40, len(prompt)) if rows < len(prompt) else rows + 1
+        if held or serves(cache.policy_config, cache.pool.r, (last - 1) // PS + 1):
+            return
+        fence = _Watched("device still reading")
+        cache.pool.last_use[cache.pool.L * cache.pool.r - 1] = fence
+        threading.Timer(0.1, fence.set).start()
+        held.append((len(cache.telemetry), fence))
+
+    ids, got = generate(model, cache, prompt, 16, on_step=hold)
+    assert held, "the split never had to shrink"
+    i, fence = held[0]
+    assert cache.telemetry[i].repartitioned and "forced" in cache.telemetry[i].policy
+    assert fence.waited and fence.query()
+    assert ids == ids_ref and torch.equal(got, ref), SEED

@@ -105,14 +105,14 @@ class ThreadedCopyEngine(CopyEngine):
             if item is None:
                 return
             pairs, note, after, fence = item
+            error = self._error
             try:
                 wait_all(after)
-                if self._error is None and note.kind != "sync":
+                if error is None and note.kind != "sync":
                     self._run(pairs, note)
-            except BaseException as e:  # noqa: BLE001 - surfaced on the next copy()
-                self._error = e
-            finally:
-                fence.set()
+            except BaseException as e:  # noqa: BLE001 - every later fence reports it
+                error = self._error = e
+            fence.set(error)
 
     def synchronize(self) -> None:
         done = EventFence("sync")

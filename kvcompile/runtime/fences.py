@@ -40,8 +40,11 @@ class EventFence(Fence):
     def __init__(self, what: str = ""):
         self._event = threading.Event()
         self.what = what
+        self.error: BaseException | None = None
 
-    def set(self) -> None:
+    def set(self, error: BaseException | None = None) -> None:
+        """Complete; with an error, waiters raise instead of reading what never landed."""
+        self.error = error
         self._event.set()
 
     def query(self) -> bool:
@@ -49,6 +52,8 @@ class EventFence(Fence):
 
     def wait(self) -> None:
         self._event.wait()
+        if self.error is not None:
+            raise RuntimeError(f"{self.what} failed on the copy engine") from self.error
 
     def __repr__(self):
         return f"EventFence({self.what!r}, done={self.query()})"
