@@ -186,3 +186,24 @@ def test_make_model_cli(tmp_path, capsys):
         assert msg in err
     with pytest.raises(Exception, match="is a folder"):
         make_model("qwen35", "tiny", tmp_path)
+
+
+@pytest.mark.parametrize("kind,vocab", [("bytes", 1024), ("smollm2", 4096), ("smollm2", 60000)])
+def test_synthetic_tokenizer_agrees_with_llama_cpp(kind, vocab, tmp_path):
+    from llama_cpp import Llama
+
+    from kvcompile.tokenizer import load_tokenizer
+    path = tmp_path / f"tok-{kind}.gguf"
+    write_synthetic_gguf(preset_config("llama", "tiny", vocab_size=vocab, n_layers=1,
+                                       tokenizer=kind), path, "f32", seed=0)
+    llm = Llama(model_path=str(path), n_ctx=64, n_threads=2, verbose=False, vocab_only=True)
+    ours = load_tokenizer(path)
+    texts = ["Hello there, the cat sat on the mat.", "  spaces\tand\nnewlines  ",
+             "Ünïcödé ✓ 日本語 🙂", "<|im_start|>user\nhi<|im_end|>", "x = 3.14159 * (2 ** 10)"]
+    for text in texts:
+        ref = llm.tokenize(text.encode(), add_bos=False, special=True)
+        got = ours.encode(text)
+        assert got == ref, (text, got, ref)
+        assert llm.detokenize(ref, special=True).decode() == text
+    print(f"{kind} vocab {vocab}: {len(texts)} texts, ids equal llama.cpp's, e.g. "
+          f"{ours.encode(texts[0])[:12]}")

@@ -147,7 +147,7 @@ def write_synthetic_gguf(cfg: SyntheticConfig, path, weight_type: str = "f32", s
     writer.add_file_type(WEIGHT_TYPES[weight_type.lower()])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add_model_metadata(writer, cfg)
-    add_tokenizer(writer, cfg.vocab_size)
+    add_tokenizer(writer, cfg.vocab_size, cfg.tokenizer)
     for t in plan:
         writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.n_bytes,
                                raw_dtype=t.ggml_type)

@@ -29,6 +29,7 @@ class SyntheticConfig:
     conv_kernel: int = 4
     nextn_layers: int = 0
     name: str = ""
+    tokenizer: str = "auto"          # synthetic_vocab: auto, smollm2 or bytes
 
     def is_full_attention(self, layer: int) -> bool:
         return self.arch == "llama" or (layer + 1) % self.full_attention_interval == 0
