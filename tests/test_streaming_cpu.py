@@ -356,3 +356,27 @@ def test_forced_repartition_drains_pages_still_in_use(model):
     assert cache.telemetry[i].repartitioned and "forced" in cache.telemetry[i].policy
     assert fence.waited and fence.query()
     assert ids == ids_ref and torch.equal(got, ref), SEED
+
+
+def test_smollm2_tiny_arena_matches_all_resident_at_1k_context(smollm2_path):
+    """Real weights, ~1K context, q8_0/q4_0 KV: a tiny arena (the ring holds one layer's
+    context, nothing resident) gives the same greedy tokens and bitwise the same logits."""
+    from kvcompile.weights import load_weights
+    w = load_weights(smollm2_path, progress=False)
+    smol = LlamaModel.from_weights(w.config, w.tensors)
+    rng = random.Random(SEED)
+    n_prompt, n_decode, max_tokens = rng.randrange(980, 1024), 16, 1100
+    prompt = torch.randint(0, w.config.vocab_size, (n_prompt,),
+                           generator=torch.Generator().manual_seed(SEED))
+    kt, vt = "q8_0", "q4_0"
+    ref_cache = PagedKvCache(w.config, max_tokens, k_type=kt, v_type=vt)
+    ids_ref, ref = generate(smol, ref_cache, prompt, n_decode, chunk=256)
+    tiny = min_arena_bytes(w.config, max_tokens, kt, vt) * 1.2 / MIB
+    cache = StreamingKvCache(w.config, max_tokens, arena_mib=tiny, k_type=kt, v_type=vt)
+    ids, got = generate(smol, cache, prompt, n_decode, chunk=256)
+    assert ids == ids_ref, (SEED, ids, ids_ref)
+    assert torch.equal(got, ref), SEED
+    decode = cache.telemetry[-n_decode:]
+    streamed = sum(s.streamed_reads for s in decode)
+    assert streamed >= 0.9 * sum(s.streamed_reads + s.resident_reads for s in decode)
+    assert all(s.h2d_bytes > 0 for s in decode)
