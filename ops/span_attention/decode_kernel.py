@@ -33,7 +33,7 @@ def _decode_split(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
                   G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QK_F16: tl.constexpr,
-                  K_SPLIT: tl.constexpr, BF16_EMULATE: tl.constexpr):
+                  K_SPLIT: tl.constexpr, INTERP: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
     n_kv = tl.num_programs(1)
@@ -57,12 +57,12 @@ def _decode_split(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
         live = pos < end
         phys = tl.load(page_table + lp).to(tl.int64)
         if K_TYPE == 2 or K_TYPE == 8:
-            s = qk_quantized(qrow, row_ok, k_vals, k_scl, phys, h, off, live, k_page_elems,
-                             k_page_halves, k_code_halves, BLOCK_M, BLOCK_N, P, D, K_TYPE)
+            s = qk_quantized(q, k_vals, k_scl, phys, h, off, live, k_page_elems, k_page_halves,
+                             k_code_halves, P, D, K_TYPE, INTERP)
         else:
             k = load_tile(k_vals, k_scl, phys, h, off, live, k_page_elems, k_page_halves,
                           k_code_halves, BLOCK_N, P, D, K_TYPE)
-            s = qk_scores(q, k, K_SPLIT, QK_F16, BF16_EMULATE)
+            s = qk_scores(q, k, K_SPLIT, QK_F16, INTERP)
         s = s * qk_scale
         s = tl.where(pos[None, :] <= qp[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -178,7 +178,7 @@ def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, 
         kpe, kph, kch, vpe, vph, vch, scale * LOG2E,
         G=group, D=head_dim, P=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
         K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16, K_SPLIT=k_split(kg.kv_type),
-        BF16_EMULATE=(qk_f16 == 0 and interpreting()),
+        INTERP=interpreting(),
         num_warps=num_warps, num_stages=num_stages)
     launchable(_decode_reduce)[(n_kv, mrows)](
         m_buf, l_buf, acc_buf, q_pos, out, out.stride(0), out.stride(1),

@@ -5,9 +5,8 @@ the page size, so a tile never crosses a page). The page layout is kv_format's: 
 codes [H, P, D'] first, then fp16 scales [H, P, D/32]. Quantized tiles are dequantized in
 registers; nothing is written back.
 
-Precision: Q.K is exact up to fp32 accumulation (bf16 x bf16, fp16 x fp16, fp16 x integer
-codes per block then times the block scale for q8_0 / q4_0, fp16 x (hi + lo) for f32 K);
-P and V enter P @ V as fp16 (P in [0, 1]).
+Precision: Q.K is exact up to fp32 accumulation (bf16 x bf16, fp16 x fp16, or fp16 x
+(hi + lo) for q8_0 / q4_0 / f32 K); P and V enter P @ V as fp16 (P in [0, 1]).
 """
 from __future__ import annotations
 
@@ -19,6 +18,26 @@ KV_F16 = 1
 KV_Q4_0 = 2
 KV_Q8_0 = 8
 KV_BF16 = 30
+
+
+@triton.jit
+def load_codes(vals, scl, phys, row, d, m2, page_elems, page_halves, code_halves,
+               D: tl.constexpr, KV_TYPE: tl.constexpr):
+    """(codes, scales) of a q8_0 / q4_0 tile, both fp16 [BLOCK_N, D] (codes are small
+    integers, exact); each value's block scale is read where it lies (the 32 values of a
+    block share one L1 line)."""
+    sp = scl + phys * page_halves + code_halves + row[:, None] * (D // 32) + d[None, :] // 32
+    s = tl.load(sp, mask=m2, other=0.0)
+    if KV_TYPE == 8:
+        c = tl.load(vals + phys * page_elems + row[:, None] * D + d[None, :], mask=m2,
+                    other=0).to(tl.float16)
+    else:
+        byte_of = (d // 32) * 16 + d % 16                           # ggml nibble order
+        shift = ((d // 16) % 2) * 4
+        b = tl.load(vals + phys * page_elems + row[:, None] * (D // 2) + byte_of[None, :],
+                    mask=m2, other=0).to(tl.int32)
+        c = (((b >> shift[None, :]) & 15) - 8).to(tl.float16)
+    return c, s
 
 
 @triton.jit
@@ -40,58 +59,34 @@ def load_tile(vals, scl, phys, head, off, mask, page_elems, page_halves, code_ha
         x = tl.load(vals + phys * page_elems + row[:, None] * D + d[None, :], mask=m2,
                     other=0.0)
     else:
-        # each value's block scale, read where it lies (neighbours share an L1 line)
-        sp = scl + phys * page_halves + code_halves + row[:, None] * (D // 32) + d[None, :] // 32
-        s = tl.load(sp, mask=m2, other=0.0)
-        if KV_TYPE == 8:
-            c = tl.load(vals + phys * page_elems + row[:, None] * D + d[None, :], mask=m2,
-                        other=0).to(tl.float16)
-        else:
-            byte_of = (d // 32) * 16 + d % 16                       # ggml nibble order
-            shift = ((d // 16) % 2) * 4
-            b = tl.load(vals + phys * page_elems + row[:, None] * (D // 2) + byte_of[None, :],
-                        mask=m2, other=0).to(tl.int32)
-            c = (((b >> shift[None, :]) & 15) - 8).to(tl.float16)
+        c, s = load_codes(vals, scl, phys, row, d, m2, page_elems, page_halves, code_halves,
+                          D, KV_TYPE)
         x = c * s                                  # exact operands: one rounding to fp16
     return x
 
 
 @triton.jit
-def qk_quantized(q_rows, row_ok, k_vals, k_scl, phys, head, off, mask, page_elems,
-                 page_halves, code_halves, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 P: tl.constexpr, D: tl.constexpr, K_TYPE: tl.constexpr):
-    """Scores [BLOCK_M, BLOCK_N] of fp16 query rows (pointers `q_rows`) against a q8_0 /
-    q4_0 K tile without dequantizing it: for each block of 32 values, a dot of the query
-    slice with the integer codes (exact fp16 operands) times the block scale in fp32."""
+def qk_quantized(q, k_vals, k_scl, phys, head, off, mask, page_elems, page_halves,
+                 code_halves, P: tl.constexpr, D: tl.constexpr, K_TYPE: tl.constexpr,
+                 INTERP: tl.constexpr):
+    """Scores of fp16 queries against a q8_0 / q4_0 K tile with no rounding of K: the
+    dequantized value code * scale is hi + lo exactly (hi = the fp16 product, lo = its
+    rounding error, an fma), and Q.K = Q.hi + Q.lo in two fp16 dots."""
     row = head * P + off
-    base_c = k_vals + phys * page_elems
-    base_s = k_scl + phys * page_halves + code_halves + row * (D // 32)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for b in tl.static_range(D // 32):
-        s_b = tl.load(base_s + b, mask=mask, other=0.0).to(tl.float32)
-        if K_TYPE == 8:
-            j = tl.arange(0, 32)
-            c = tl.load(base_c + row[:, None] * D + b * 32 + j[None, :], mask=mask[:, None],
-                        other=0).to(tl.float16)
-            qb = tl.load(q_rows[:, None] + b * 32 + j[None, :], mask=row_ok[:, None], other=0.0)
-            t = tl.dot(qb, tl.trans(c))
-        else:
-            j = tl.arange(0, 16)
-            byte = tl.load(base_c + row[:, None] * (D // 2) + b * 16 + j[None, :],
-                           mask=mask[:, None], other=0).to(tl.int32)
-            lo = ((byte & 15) - 8).to(tl.float16)                  # values b*32 + j
-            hi = ((byte >> 4) - 8).to(tl.float16)                  # values b*32 + 16 + j
-            q_lo = tl.load(q_rows[:, None] + b * 32 + j[None, :], mask=row_ok[:, None], other=0.0)
-            q_hi = tl.load(q_rows[:, None] + b * 32 + 16 + j[None, :], mask=row_ok[:, None],
-                           other=0.0)
-            t = tl.dot(q_lo, tl.trans(lo)) + tl.dot(q_hi, tl.trans(hi))
-        acc += t * s_b[None, :]
-    return acc
+    d = tl.arange(0, D)
+    c, s = load_codes(k_vals, k_scl, phys, row, d, mask[:, None], page_elems, page_halves,
+                      code_halves, D, K_TYPE)
+    hi = c * s
+    if INTERP:   # numpy has no fp16 fma: take the residual in fp32 (exact as well)
+        lo = (c.to(tl.float32) * s.to(tl.float32) - hi.to(tl.float32)).to(tl.float16)
+    else:
+        lo = tl.fma(c, s, -hi)
+    return tl.dot(q, tl.trans(hi)) + tl.dot(q, tl.trans(lo))
 
 
 @triton.jit
 def qk_scores(q, k, K_SPLIT: tl.constexpr, QK_F16: tl.constexpr,
-              BF16_EMULATE: tl.constexpr):
+              INTERP: tl.constexpr):
     """q [M, D] (fp16 or bf16) @ k [N, D]^T with fp32 accumulation.
 
     K_SPLIT (fp32 tiles of f32 pages): k = hi + lo in two fp16 tiles and two dots, so the
@@ -104,7 +99,7 @@ def qk_scores(q, k, K_SPLIT: tl.constexpr, QK_F16: tl.constexpr,
         return tl.dot(q, tl.trans(hi)) + tl.dot(q, tl.trans(lo))
     elif QK_F16:
         return tl.dot(q, tl.trans(k.to(tl.float16)))
-    elif BF16_EMULATE:
+    elif INTERP:
         return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         return tl.dot(q, tl.trans(k))

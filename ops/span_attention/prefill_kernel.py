@@ -26,19 +26,19 @@ def _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_
                v_page_halves, v_code_halves, qk_scale,
                MASKED: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_TYPE: tl.constexpr, V_TYPE: tl.constexpr,
-               QK_F16: tl.constexpr, K_SPLIT: tl.constexpr, BF16_EMULATE: tl.constexpr):
+               QK_F16: tl.constexpr, K_SPLIT: tl.constexpr, INTERP: tl.constexpr):
     lp = n0 // P
     off = n0 % P + tl.arange(0, BLOCK_N)
     pos = n0 + tl.arange(0, BLOCK_N)
     live = pos < n_ctx
     phys = tl.load(page_table + lp).to(tl.int64)
     if K_TYPE == 2 or K_TYPE == 8:
-        s = qk_quantized(qrow, row_ok, k_vals, k_scl, phys, hk, off, live, k_page_elems,
-                         k_page_halves, k_code_halves, BLOCK_M, BLOCK_N, P, D, K_TYPE)
+        s = qk_quantized(q, k_vals, k_scl, phys, hk, off, live, k_page_elems, k_page_halves,
+                         k_code_halves, P, D, K_TYPE, INTERP)
     else:
         k = load_tile(k_vals, k_scl, phys, hk, off, live, k_page_elems, k_page_halves,
                       k_code_halves, BLOCK_N, P, D, K_TYPE)
-        s = qk_scores(q, k, K_SPLIT, QK_F16, BF16_EMULATE)
+        s = qk_scores(q, k, K_SPLIT, QK_F16, INTERP)
     s = s * qk_scale
     if MASKED:
         s = tl.where(pos[None, :] <= qp[:, None], s, float("-inf"))
@@ -61,7 +61,7 @@ def _prefill(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr, out_ptr
              G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QK_F16: tl.constexpr,
-             K_SPLIT: tl.constexpr, BF16_EMULATE: tl.constexpr):
+             K_SPLIT: tl.constexpr, INTERP: tl.constexpr):
     # longest query tiles first: they have the most key tiles
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     hq = tl.program_id(1)
@@ -86,14 +86,14 @@ def _prefill(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr, out_ptr
                                    page_table, hk, hi, k_page_elems, k_page_halves,
                                    k_code_halves, v_page_elems, v_page_halves, v_code_halves,
                                    qk_scale, False, D, P, BLOCK_M, BLOCK_N, K_TYPE, V_TYPE, QK_F16,
-                                   K_SPLIT, BF16_EMULATE)
+                                   K_SPLIT, INTERP)
     for n0 in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl,
                                    v_vals, v_scl,
                                    page_table, hk, hi, k_page_elems, k_page_halves,
                                    k_code_halves, v_page_elems, v_page_halves, v_code_halves,
                                    qk_scale, True, D, P, BLOCK_M, BLOCK_N, K_TYPE, V_TYPE, QK_F16,
-                                   K_SPLIT, BF16_EMULATE)
+                                   K_SPLIT, INTERP)
     o = acc / l_i[:, None]
     optr = out_ptr + t.to(tl.int64)[:, None] * stride_ot + hq * stride_oh + d[None, :]
     tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -136,6 +136,6 @@ def span_attention_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
         kpe, kph, kch, vpe, vph, vch, scale * LOG2E,
         G=group, D=head_dim, P=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
         K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16, K_SPLIT=k_split(kg.kv_type),
-        BF16_EMULATE=(qk_f16 == 0 and interpreting()),
+        INTERP=interpreting(),
         num_warps=num_warps or nw, num_stages=num_stages or ns)
     return out
