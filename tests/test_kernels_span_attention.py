@@ -204,3 +204,36 @@ def test_bad_inputs_raise_clear_errors():
         print(f"{name}: KvLayoutError mentioning {text!r}")
     with pytest.raises(KvLayoutError, match="head dim"):
         op(**dict(a, q=torch.randn(2, 4, 96).bfloat16()))
+
+
+# ---- torch.compile sees the ops (CPU: reference ops; GPU: the Triton kernels) ---------------
+
+def _write_then_attend(kp, vp, k, v, slots, q, table, q_pos, page):
+    torch.ops.kvcompile.kv_write(kp, vp, k, v, slots, 8, 2, page)
+    return torch.ops.kvcompile.span_attention(q, kp, vp, table, q_pos, 8, 2, page,
+                                              q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, gpu])])
+def test_compiled_matches_eager(device):
+    gen = torch.Generator().manual_seed(fresh_seed())
+    page, n_kv, d, n_ctx = 256 if device == "cuda" else 16, 2, 128, 700
+    n_pages = math.ceil(n_ctx / page) + 1
+    pools = [F.page_bytes(F.kv_type(t), page, n_kv, d) for t in ("q8_0", "q4_0")]
+    k = torch.randn(n_ctx, n_kv, d, generator=gen).to(device)
+    v = torch.randn(n_ctx, n_kv, d, generator=gen).to(device)
+    q = torch.randn(4, 2 * n_kv, d, generator=gen).bfloat16().to(device)
+    table = torch.randperm(n_pages, generator=gen)[:n_pages - 1].int().to(device)
+    pos = torch.arange(n_ctx, device=device)
+    slots = table[pos // page].long() * page + pos % page
+    q_pos = torch.arange(n_ctx - 4, n_ctx, dtype=torch.int32, device=device)
+    outs, written = [], []
+    for fn in (_write_then_attend, torch.compile(_write_then_attend, fullgraph=True)):
+        kp = torch.zeros(n_pages, pools[0], dtype=torch.uint8, device=device)
+        vp = torch.zeros(n_pages, pools[1], dtype=torch.uint8, device=device)
+        outs.append(fn(kp, vp, k, v, slots, q, table, q_pos, page))
+        written.append((kp, vp))
+    print(f"{device}: compiled == eager: out {torch.equal(*outs)}, "
+          f"pools {torch.equal(written[0][0], written[1][0]) and torch.equal(written[0][1], written[1][1])}")
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(written[0][0], written[1][0]) and torch.equal(written[0][1], written[1][1])
