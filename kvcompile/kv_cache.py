@@ -4,6 +4,7 @@ Pools are uint8 [num_pages, page_bytes] in one of the kv_format page formats. Th
 table (int32, logical page -> physical page) is identity when the cache is made, but the
 model always reads it, so pages can be placed anywhere (later: resident pages + ring
 slots). Only the layers listed in `layers` get KV (hybrid models have recurrent layers).
+Quantized K / V rows are stored Hadamard-rotated (kv_rotation; `rotate=False` turns it off).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 
 from kvcompile.config import ModelConfig
 from kvcompile.errors import ContextLengthError, KvLayoutError
+from kvcompile.kv_rotation import k_rotation, v_rotation
 from kvcompile.ops import kv_format as F
 
 
@@ -21,11 +23,14 @@ class LayerKv(nn.Module):
     dynamic=True, and the pools / page table as buffers."""
 
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
-                 k_type: int, v_type: int, page_size: int):
+                 k_type: int, v_type: int, page_size: int, k_rot: torch.Tensor | None = None,
+                 v_rot: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("k_pool", k_pool)          # uint8 [num_pages, k page bytes]
         self.register_buffer("v_pool", v_pool)          # uint8 [num_pages, v page bytes]
         self.register_buffer("page_table", page_table)  # int32 [num_logical_pages]
+        self.register_buffer("k_rot", k_rot)            # [D, D] for Q and K, or None
+        self.register_buffer("v_rot", v_rot)            # [D, D] for V and the output, or None
         self.k_type, self.v_type, self.page_size = k_type, v_type, page_size  # ggml ids
 
     def slots(self, positions: torch.Tensor) -> torch.Tensor:
@@ -36,7 +41,7 @@ class LayerKv(nn.Module):
 
 class PagedKvCache:
     def __init__(self, config: ModelConfig, max_tokens: int, k_type="f32", v_type="f32",
-                 page_size: int = 256, device="cpu", layers=None):
+                 page_size: int = 256, device="cpu", layers=None, rotate: bool = True):
         if max_tokens <= 0:
             raise ContextLengthError(f"the KV cache needs room for at least one token; "
                                      f"got max_tokens={max_tokens}")
@@ -56,10 +61,14 @@ class PagedKvCache:
         k_bytes = F.page_bytes(self.k_type, page_size, h, d)
         v_bytes = F.page_bytes(self.v_type, page_size, h, d)
         identity = torch.arange(self.num_pages, dtype=torch.int32, device=self.device)
+        k_rot = k_rotation(self.k_type, d) if rotate else None
+        v_rot = v_rotation(self.v_type, d) if rotate else None
         self._kv = {
             i: LayerKv(torch.zeros(self.num_pages, k_bytes, dtype=torch.uint8, device=self.device),
                        torch.zeros(self.num_pages, v_bytes, dtype=torch.uint8, device=self.device),
-                       identity.clone(), self.k_type.ggml_id, self.v_type.ggml_id, page_size)
+                       identity.clone(), self.k_type.ggml_id, self.v_type.ggml_id, page_size,
+                       None if k_rot is None else k_rot.to(self.device),
+                       None if v_rot is None else v_rot.to(self.device))
             for i in self.layers}
 
     def layer(self, i: int) -> LayerKv:

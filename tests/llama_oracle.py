@@ -8,11 +8,13 @@ import torch
 from kvcompile.kv_cache import PagedKvCache
 
 
-def llama_cpp(path, n_ctx: int = 2048):
-    """f32 KV, logits of every row. One thread: the 2 cores are shared with other test
+def llama_cpp(path, n_ctx: int = 2048, type_k: int = 0, type_v: int = 0):
+    """f32 KV unless told (ggml type ids; smaller types need flash attention), logits of
+    every row. One thread: the 2 cores are shared with other test
     processes, and two spinning llama.cpp threads then run ~10x slower than one."""
     from llama_cpp import Llama
-    return Llama(model_path=str(path), n_ctx=n_ctx, type_k=0, type_v=0, logits_all=True,
+    return Llama(model_path=str(path), n_ctx=n_ctx, type_k=type_k, type_v=type_v,
+                 flash_attn=bool(type_k or type_v), logits_all=True,
                  n_threads=1, n_threads_batch=1, n_batch=512, verbose=False)
 
 

@@ -54,3 +54,15 @@ def test_rms_norm_matches_formula():
     err = (norm(x).double() - ref).abs().max().item()
     print(f"rms norm max error {err:.2e}")
     assert err < 1e-5
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 192])
+def test_kv_rotations_are_orthonormal_involutions(head_dim):
+    from kvcompile.kv_rotation import k_rotation, v_rotation
+    from kvcompile.ops.kv_format import kv_type
+    for name, make in (("K", k_rotation), ("V", v_rotation)):
+        r = make(kv_type("q8_0"), head_dim).double()
+        err = (r @ r - torch.eye(head_dim, dtype=torch.float64)).abs().max().item()
+        print(f"{name} rotation, head dim {head_dim}: max |R R - I| = {err:.1e}")
+        assert torch.equal(r, r.T) and err < 1e-6
+        assert make(kv_type("f16"), head_dim) is None      # float pages are stored as is

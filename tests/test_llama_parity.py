@@ -85,8 +85,13 @@ def our_text_logits(smollm2, text_tokens):
     return torch.cat(rows)
 
 
-def test_teacher_forced_matches_llama_cpp_f32(llm_f32, text_tokens, our_text_logits):
-    ref = llama_cpp_logits(llm_f32, text_tokens)
+@pytest.fixture(scope="module")
+def oracle_text_logits(llm_f32, text_tokens):
+    return llama_cpp_logits(llm_f32, text_tokens)
+
+
+def test_teacher_forced_matches_llama_cpp_f32(oracle_text_logits, text_tokens, our_text_logits):
+    ref = oracle_text_logits
     top1, kl, kl_max = agreement(our_text_logits, ref)
     diff = (our_text_logits - ref).abs().max().item()
     print(f"F32 GGUF, {len(text_tokens)} tokens: top-1 {top1:.4%}, mean KL {kl:.3e}, "
@@ -124,6 +129,34 @@ def test_greedy_continuation_matches_llama_cpp_f32(smollm2, llm_f32, kind, promp
             assert gaps[step] < 0.05, f"greedy tokens diverge at step {step} without a near tie"
             return
     print(f"  all {N_GREEDY} tokens identical")
+
+
+@pytest.mark.parametrize("k_type,v_type", [("f16", "f16"), ("q8_0", "q8_0"), ("q8_0", "q4_0")])
+def test_quantized_kv_cache_degrades_like_llama_cpp(smollm2, smollm2_f32_path, text_tokens,
+                                                    oracle_text_logits, k_type, v_type):
+    """Smaller KV types end to end. Against the exact oracle (llama.cpp, f32 KV) our loss must
+    be no worse than llama.cpp's own with the same KV types (both store quantized rows
+    Hadamard-rotated; without the rotation q8_0 K loses about twice as much)."""
+    config, model = smollm2
+    tokens = text_tokens[:600]
+    ids = {"f16": 1, "q8_0": 8, "q4_0": 2}
+    llm = llama_cpp(smollm2_f32_path, type_k=ids[k_type], type_v=ids[v_type])
+    try:
+        theirs = llama_cpp_logits(llm, tokens)
+    finally:
+        llm.close()
+    cache = PagedKvCache(config, len(tokens), k_type=k_type, v_type=v_type)
+    with torch.inference_mode():
+        ours = torch.cat([model(torch.tensor(tokens[a:b]), torch.arange(a, b), cache)
+                          for a, b in ((0, 300), (300, 301), (301, len(tokens)))])
+    exact = oracle_text_logits[: len(tokens)]
+    top1, kl, _ = agreement(ours, exact)
+    top1_cpp, kl_cpp, _ = agreement(theirs, exact)
+    top1_pair, kl_pair, _ = agreement(ours, theirs)
+    print(f"KV {k_type}/{v_type} over {len(tokens)} tokens vs the f32-KV oracle: ours top-1 "
+          f"{top1:.2%} KL {kl:.2e}; llama.cpp top-1 {top1_cpp:.2%} KL {kl_cpp:.2e}; "
+          f"ours vs llama.cpp same KV: top-1 {top1_pair:.2%} KL {kl_pair:.2e}")
+    assert kl <= 1.5 * kl_cpp + 1e-6 and top1 >= top1_cpp - 0.02
 
 
 def test_permuted_page_tables_give_identical_logits(smollm2, text_tokens):

@@ -96,8 +96,14 @@ class PagedAttention(nn.Module):
         v = self.wv(x).view(t, self.n_kv_heads, self.head_dim)
         q = apply_rope(q, cos, sin, self.rope_neox)
         k = apply_rope(k, cos, sin, self.rope_neox)
+        if kv.k_rot is not None:      # quantized K is stored rotated (kvcompile.kv_rotation)
+            q, k = q @ kv.k_rot.to(q.dtype), k @ kv.k_rot.to(k.dtype)
+        if kv.v_rot is not None:
+            v = v @ kv.v_rot.to(v.dtype)
         torch.ops.kvcompile.kv_write(kv.k_pool, kv.v_pool, k, v, slots,
                                      kv.k_type, kv.v_type, kv.page_size)
         out = torch.ops.kvcompile.span_attention(q, kv.k_pool, kv.v_pool, kv.page_table, q_pos,
                                                  kv.k_type, kv.v_type, kv.page_size, self.scale)
+        if kv.v_rot is not None:
+            out = out @ kv.v_rot.to(out.dtype)
         return self.wo(out.reshape(t, self.n_heads * self.head_dim))
