@@ -16,6 +16,7 @@ from kvcompile.runtime.fences import DONE, Fence
 
 class CpuBackend:
     name = "cpu"
+    check_plans = True    # the CI backend validates every span plan it builds
 
     def __init__(self, threaded_copies: bool = False, instrument: Instrument | None = None):
         self.device = torch.device("cpu")

@@ -15,25 +15,17 @@ forward to host history and records each page's consumed fence.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from kvcompile.errors import KvLayoutError
 from kvcompile.runtime.copy_engine import CopyNote
 from kvcompile.runtime.fences import DONE, AllOf, all_done, wait_all
-from kvcompile.span_plan import RESIDENT, Ring, Span, SpanPlan
+from kvcompile.runtime.placement import Placement
+from kvcompile.span_plan import Ring
 
 UNSAFE = frozenset({"skip_ready_wait", "skip_consumed_wait"})  # test-only broken orderings
-
-
-@dataclass
-class _Issued:
-    plan: SpanPlan
-    table: list[int]                 # physical page per logical page
-    ring: list[int]                  # ring slots held, in logical order
-    ready: list = field(default_factory=list)
-    released: bool = False
 
 
 @dataclass
@@ -47,7 +39,7 @@ class ForwardCounters:
 
 class StreamingPool:
     def __init__(self, k_pool, v_pool, host, layers, engine, backend, max_pages: int,
-                 unsafe=frozenset()):
+                 unsafe=frozenset(), check_plans: bool | None = None):
         if set(unsafe) - UNSAFE:
             raise ValueError(f"unknown unsafe switches {set(unsafe) - UNSAFE}")
         self.k_pool, self.v_pool, self.host = k_pool, v_pool, host
@@ -56,15 +48,24 @@ class StreamingPool:
         self.L, self.P = len(self.layers), k_pool.shape[0]
         self.engine, self.backend, self.unsafe = engine, backend, frozenset(unsafe)
         self.checker = engine.instrument.checker
+        # Validate every placement as a SpanPlan (one span per resident page: ~0.5 ms per
+        # layer at 128K context, so the backend decides; the CPU backend checks).
+        self.check_plans = (getattr(backend, "check_plans", False) if check_plans is None
+                            else check_plans)
         self.max_pages = max_pages
-        self.page_tables = {l: torch.zeros(max_pages, dtype=torch.int32, device=k_pool.device)
+        dev = k_pool.device
+        self.page_tables = {l: torch.zeros(max_pages, dtype=torch.int32, device=dev)
                             for l in self.layers}
+        top = self.P // max(self.L, 1) + 1
+        self._resident = [torch.arange(top, dtype=torch.int32, device=dev) * self.L + li
+                          for li in range(self.L)]
         self.r = 0
         self.cursor = 0                          # next ring slot, relative to the ring start
         self.holder: list = [None] * self.P      # ring slot -> layer holding it this forward
+        self.held = 0
         self.last_use: list = [DONE] * self.P    # consumed fence of every physical page
-        self.valid: set = set()                  # (li, lp) resident pages holding host content
-        self.issued: dict[int, _Issued] = {}
+        self.valid_upto = [0] * self.L           # resident pages [0, v) hold host content
+        self.issued: dict[int, Placement] = {}
         self.active = None                       # (n_pages, written logical pages) of a forward
         self.current = None
         self.order: list[int] = []
@@ -75,13 +76,13 @@ class StreamingPool:
     def ring(self) -> Ring:
         return Ring(self.L * self.r, self.P - self.L * self.r)
 
-    def resident_page(self, li: int, lp: int) -> int:
-        return lp * self.L + li
-
     def leased_pages(self) -> frozenset:
         """Pages a layer holds or the device may still touch (consumed fence pending)."""
+        pending = {f for f in set(self.last_use) if not f.query()}
+        if not pending and not self.held:
+            return frozenset()
         return frozenset(p for p in range(self.P)
-                         if self.holder[p] is not None or not self.last_use[p].query())
+                         if self.holder[p] is not None or self.last_use[p] in pending)
 
     def repartition(self, r: int) -> None:
         """Switch to r resident pages per layer; pages changing role must be drained."""
@@ -89,27 +90,26 @@ class StreamingPool:
         if not 0 <= r * self.L <= self.P:
             raise KvLayoutError(f"{r} resident pages for {self.L} layers exceed {self.P} pages")
         lo, hi = sorted((self.r, r))
-        changed = range(lo * self.L, hi * self.L)
-        wait_all(self.last_use[p] for p in changed)
-        self.valid = {(li, lp) for li, lp in self.valid if lp < r}
+        wait_all(set(self.last_use[lo * self.L:hi * self.L]))
+        self.valid_upto = [min(v, r) for v in self.valid_upto]
         if self.checker is not None:
-            self.checker.release(changed)
+            self.checker.release(range(lo * self.L, hi * self.L))
         self.r, self.cursor = r, 0
 
     def drop_resident(self) -> None:
         """Forget every resident page (overwritten with junk): host history must rebuild them."""
         self._idle("drop resident pages")
-        pages = range(self.L * self.r)
-        wait_all(self.last_use[p] for p in pages)
-        self.k_pool[: self.L * self.r].fill_(0x7F)
-        self.v_pool[: self.L * self.r].fill_(0x7F)
-        self.valid.clear()
+        n = self.L * self.r
+        wait_all(set(self.last_use[:n]))
+        self.k_pool[:n].fill_(0x7F)
+        self.v_pool[:n].fill_(0x7F)
+        self.valid_upto = [0] * self.L
         if self.checker is not None:
-            self.checker.release(pages)
+            self.checker.release(range(n))
 
     def drain(self) -> None:
         self.engine.synchronize()
-        wait_all(self.last_use)
+        wait_all(set(self.last_use))
 
     # ---- one forward -----------------------------------------------------------------------
     def begin(self, n_pages: int, written: range, layers=None) -> None:
@@ -132,10 +132,10 @@ class StreamingPool:
         if self.current is not None:
             self.release(self.current)
         self._prefetch()
-        if li not in self.issued:
+        job = self.issued.get(li)
+        if job is None:
             raise KvLayoutError(f"layer {layer} could not get ring slots: layers must be "
                                 f"acquired in the order given to begin_forward, once each")
-        job = self.issued[li]
         if job.released:
             raise KvLayoutError(f"layer {layer} was already acquired in this forward; its "
                                 f"ring slots may be reused by now")
@@ -143,38 +143,40 @@ class StreamingPool:
             self.count.misses += 1
         if "skip_ready_wait" not in self.unsafe:
             wait_all(job.ready)
-        self.page_tables[layer].copy_(job.plan.page_table(self.max_pages))
+        table = self.page_tables[layer]
+        job.write_table(table, self._resident[li])
+        if self.check_plans:
+            plan = job.span_plan(self.P, self.ring)
+            if not torch.equal(plan.page_table(job.n), table[:job.n].cpu()):
+                raise KvLayoutError(f"layer {layer}: page table disagrees with {plan}")
         if self.checker is not None:
-            self.checker.read_start(job.table, [(li, lp) for lp in range(len(job.table))])
+            self.checker.read_start(job.pages(), [(li, lp) for lp in range(job.n)])
         delay = self.engine.instrument.compute_delay
         if delay is not None:
             time.sleep(delay())
-        self.count.resident_reads += len(job.table) - len(job.ring)
-        self.count.streamed_reads += len(job.ring)
+        self.count.resident_reads += job.r
+        self.count.streamed_reads += job.n_streamed
         self.current = layer
-        return self.page_tables[layer]
+        return table
 
     def release(self, layer: int) -> None:
         li = self.index[layer]
         job = self.issued[li]
         if self.checker is not None:
-            self.checker.read_end(job.table)
+            self.checker.read_end(job.pages())
         done = self.backend.compute_fence()
-        for p in job.table:
-            self.last_use[p] = done
+        self.last_use[li:li + job.r * self.L:self.L] = [done] * job.r
+        for s in job.slot_ranges():
+            self.last_use[s.start:s.stop] = [done] * len(s)
         _, written = self.active
-        for lp0, p0, n in _runs([(lp, job.table[lp]) for lp in written]):
+        for lp0, p0, n in job.runs(written.start, min(written.stop, job.n)):
             keys = tuple((li, lp) for lp in range(lp0, lp0 + n))
             f = self.engine.copy([(self.host.k[layer][lp0:lp0 + n], self.k_pool[p0:p0 + n]),
                                   (self.host.v[layer][lp0:lp0 + n], self.v_pool[p0:p0 + n])],
                                  CopyNote("publish", tuple(range(p0, p0 + n)), (), keys),
                                  after=[done])
-            for p in range(p0, p0 + n):
-                self.last_use[p] = f
-        for s in job.ring:
-            self.holder[s] = None
-        if self.checker is not None:
-            self.checker.release(job.ring)
+            self.last_use[p0:p0 + n] = [f] * n
+        self._unhold(job, None)
         job.released, self.current = True, None
 
     def end(self) -> None:
@@ -182,11 +184,7 @@ class StreamingPool:
             self.release(self.current)
         for job in self.issued.values():     # issued but never acquired (a failed forward):
             if not job.released:             # its slots are free once its copies landed
-                done = AllOf(job.ready)
-                for s in job.ring:
-                    self.holder[s], self.last_use[s] = None, done
-                if self.checker is not None:
-                    self.checker.release(job.ring)
+                self._unhold(job, AllOf(job.ready))
         self.active, self.issued = None, {}
 
     # ---- issuing ---------------------------------------------------------------------------
@@ -195,62 +193,61 @@ class StreamingPool:
         nxt = len(self.issued)
         while nxt < len(self.order) and self._issue(self.order[nxt]):
             nxt += 1
-        held = sum(h is not None for h in self.holder)
-        self.count.peak_held = max(self.count.peak_held, held)
+        self.count.peak_held = max(self.count.peak_held, self.held)
 
     def _issue(self, li: int) -> bool:
         n_pages, _ = self.active
         ring, r = self.ring, min(self.r, n_pages)
-        n_stream = n_pages - r
-        slots = [ring.first_physical_page + (self.cursor + k) % max(ring.n_slots, 1)
-                 for k in range(n_stream)]
+        job = Placement.build(li, self.L, r, n_pages, ring, self.cursor)
         ignore_held = "skip_consumed_wait" in self.unsafe
-        if not ignore_held and any(self.holder[s] is not None for s in slots):
+        slots = job.slot_ranges()
+        if not ignore_held and any(self.holder[s.start:s.stop].count(None) != len(s)
+                                   for s in slots):
             return False
         layer = self.layers[li]
-        spans = [Span(lp, self.resident_page(li, lp), 1, RESIDENT) for lp in range(r)]
-        if n_stream:
-            spans += ring.spans(r, n_stream, self.cursor)
-        plan = SpanPlan(spans, self.P, ring)
-        table = [self.resident_page(li, lp) for lp in range(r)] + slots
-        job = _Issued(plan, table, slots)
         for s in slots:
-            self.holder[s] = layer
-        self.cursor = (self.cursor + n_stream) % max(ring.n_slots, 1)
-        todo = [(lp, p) for lp, p in enumerate(table) if lp >= r or (li, lp) not in self.valid]
-        self.valid.update((li, lp) for lp in range(r))
-        for lp0, p0, n in _runs(todo, cut=self.host.rows_pages(layer)):
-            pages = tuple(range(p0, p0 + n))
-            owners = tuple((li, lp) for lp in range(lp0, lp0 + n))
-            after = [] if ignore_held else [self.last_use[p] for p in pages]
-            if not self.host.has_rows(layer, lp0):
-                # Nothing published for these pages yet: no copy, but the layer's writes
-                # must still wait for the pages' previous users.
-                if self.checker is not None:
-                    self.checker.claim(pages, owners)
-                job.ready += after
-                continue
-            job.ready.append(self.engine.copy(
-                [(self.k_pool[p0:p0 + n], self.host.k[layer][lp0:lp0 + n]),
-                 (self.v_pool[p0:p0 + n], self.host.v[layer][lp0:lp0 + n])],
-                CopyNote("fill", pages, owners, owners), after=after))
-            self.count.copies += 1
+            self.held += self.holder[s.start:s.stop].count(None)
+            self.holder[s.start:s.stop] = [layer] * len(s)
+        self.cursor = (self.cursor + job.n_streamed) % max(ring.n_slots, 1)
+        v = self.valid_upto[li]
+        todo = job.runs(min(v, r), r) + job.ring_runs   # stale resident pages, then streamed
+        self.valid_upto[li] = max(v, r)
+        cut = self.host.rows_pages(layer)                # pages from here on have no rows
+        for lp0, p0, n in todo:
+            k = max(0, min(n, cut - lp0))
+            self._fill(job, layer, lp0, p0, k, copy=True, ignore_held=ignore_held)
+            self._fill(job, layer, lp0 + k, p0 + k, n - k, copy=False, ignore_held=ignore_held)
         self.issued[li] = job
         return True
+
+    def _fill(self, job, layer, lp0, p0, n, copy, ignore_held) -> None:
+        if not n:
+            return
+        after = [] if ignore_held else list(set(self.last_use[p0:p0 + n]))
+        owners = tuple((job.li, lp) for lp in range(lp0, lp0 + n)) if self.checker else ()
+        pages = tuple(range(p0, p0 + n)) if self.checker else ()
+        if not copy:
+            # Nothing published for these pages yet: no copy, but the layer's writes must
+            # still wait for the pages' previous users.
+            if self.checker is not None:
+                self.checker.claim(pages, owners)
+            job.ready += after
+            return
+        job.ready.append(self.engine.copy(
+            [(self.k_pool[p0:p0 + n], self.host.k[layer][lp0:lp0 + n]),
+             (self.v_pool[p0:p0 + n], self.host.v[layer][lp0:lp0 + n])],
+            CopyNote("fill", pages, owners, owners), after=after))
+        self.count.copies += 1
+
+    def _unhold(self, job: Placement, fence) -> None:
+        for s in job.slot_ranges():
+            self.held -= len(s) - self.holder[s.start:s.stop].count(None)
+            self.holder[s.start:s.stop] = [None] * len(s)
+            if fence is not None:
+                self.last_use[s.start:s.stop] = [fence] * len(s)
+        if self.checker is not None:
+            self.checker.release([p for s in job.slot_ranges() for p in s])
 
     def _idle(self, what: str) -> None:
         if self.active is not None:
             raise KvLayoutError(f"cannot {what} in the middle of a forward")
-
-
-def _runs(pairs, cut: int = -1):
-    """[(logical, physical)] -> [(first logical, first physical, n)] for consecutive runs
-    (a run never crosses logical page `cut`)."""
-    out = []
-    for lp, p in pairs:
-        if (out and out[-1][0] + out[-1][2] == lp and out[-1][1] + out[-1][2] == p
-                and lp != cut):
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((lp, p, 1))
-    return out

@@ -16,7 +16,7 @@ import time
 import torch
 
 from kvcompile.errors import ArenaError, ContextLengthError, KvLayoutError
-from kvcompile.kv_cache import LayerKv
+from kvcompile.kv_cache import LayerKv, PagedKvCache
 from kvcompile.ops import kv_format as F
 from kvcompile.runtime import policy as P
 from kvcompile.runtime.arena import MIB, Arena, align, mib_for
@@ -73,8 +73,9 @@ class StreamingKvCache:
                                   self.backend, self.num_pages, unsafe)
         self.policy_config = P.PolicyConfig(len(self.layers), n_phys, **(policy or {}))
         self.policy_state = P.PolicyState(depth=self.policy_config.max_depth)
+        extras = _layer_extras(config, self.k_type, self.v_type, page_size, self.layers[0])
         self._kv = {i: LayerKv(k_pool, v_pool, self.pool.page_tables[i], self.k_type.ggml_id,
-                               self.v_type.ggml_id, page_size) for i in self.layers}
+                               self.v_type.ggml_id, page_size, **extras) for i in self.layers}
         self.telemetry: list[StepStats] = []
         self._step = None
 
@@ -206,6 +207,14 @@ def forward(model, cache, tokens, positions, last_only: bool = False, layers=Non
         return out
     finally:
         cache.end_forward(ok)
+
+
+def _layer_extras(config, k_type, v_type, page_size, layer) -> dict:
+    """Whatever else PagedKvCache hands the model per layer (e.g. the rotations quantized
+    KV is stored with), taken from a one-page PagedKvCache so both caches store the same
+    bytes and stay interchangeable."""
+    proto = PagedKvCache(config, 1, k_type, v_type, page_size, layers=(layer,)).layer(layer)
+    return {n: getattr(proto, n) for n in ("k_rot", "v_rot") if getattr(proto, n, None) is not None}
 
 
 def _page_bytes(config, k_type, v_type, page_size) -> tuple[int, int]:
