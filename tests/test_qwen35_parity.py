@@ -208,3 +208,23 @@ def test_quantized_qwen35_file_is_exact_against_its_f32_export(tmp_path):
     ref = llama_cpp_logits(llama_cpp(f32, n_ctx=256), tokens.tolist())
     top1, kl_mean, _, _ = _report("q4_0 qwen35 vs llama.cpp on its F32 export", ours, ref)
     assert top1 >= 0.99 and kl_mean <= 1e-3
+
+
+@pytest.mark.parametrize("k_type,v_type", [("q8_0", "q8_0"), ("q8_0", "q4_0")])
+def test_quantized_kv_degrades_no_more_than_llama_cpp(k_type, v_type, qwen35_file):
+    """Quantized KV on the attention layers (stored Hadamard-rotated, as llama.cpp does):
+    against the exact f32-KV oracle our loss is no worse than llama.cpp's own."""
+    ids = {"q8_0": 8, "q4_0": 2}
+    model = _load_model(qwen35_file)
+    tokens = torch.randint(300, 4096, (N_TOKENS,), generator=torch.Generator().manual_seed(17))
+    ours = _teacher_forced(model, model.make_cache(N_TOKENS, k_type, v_type), tokens)
+    exact = llama_cpp_logits(llama_cpp(qwen35_file, n_ctx=512), tokens.tolist())
+    llm = llama_cpp(qwen35_file, n_ctx=512, type_k=ids[k_type], type_v=ids[v_type])
+    theirs = llama_cpp_logits(llm, tokens.tolist())
+    top1, kl, _ = agreement(ours, exact)
+    top1_cpp, kl_cpp, _ = agreement(theirs, exact)
+    top1_pair, kl_pair, _ = agreement(ours, theirs)
+    print(f"\nqwen35 KV {k_type}/{v_type}: ours vs f32-KV oracle top-1 {top1:.2%} KL {kl:.2e}; "
+          f"llama.cpp top-1 {top1_cpp:.2%} KL {kl_cpp:.2e}; ours vs llama.cpp same KV top-1 "
+          f"{top1_pair:.2%} KL {kl_pair:.2e}")
+    assert kl <= 1.5 * kl_cpp + 1e-6 and top1 >= top1_cpp - 0.02

@@ -44,11 +44,18 @@ class GatedAttention(nn.Module):
         k = self.k_norm(self.wk(x).view(t, self.n_kv_heads, d))
         v = self.wv(x).view(t, self.n_kv_heads, d)
         q, k = apply_rope(q, cos, sin, neox=True), apply_rope(k, cos, sin, neox=True)
+        k_rot, v_rot = getattr(kv, "k_rot", None), getattr(kv, "v_rot", None)
+        if k_rot is not None:         # quantized K is stored rotated (kvcompile.kv_rotation)
+            q, k = q @ k_rot.to(q.dtype), k @ k_rot.to(k.dtype)
+        if v_rot is not None:
+            v = v @ v_rot.to(v.dtype)
         torch.ops.kvcompile.kv_write(kv.k_pool, kv.v_pool, k, v, slots,
                                      kv.k_type, kv.v_type, kv.page_size)
         out = torch.ops.kvcompile.span_attention(q.contiguous(), kv.k_pool, kv.v_pool,
                                                  kv.page_table, q_pos, kv.k_type, kv.v_type,
                                                  kv.page_size, self.scale)
+        if v_rot is not None:
+            out = out @ v_rot.to(out.dtype)
         out = out.to(x.dtype) * torch.sigmoid(gate)
         return self.wo(out.reshape(t, self.n_heads * d))
 
