@@ -256,6 +256,18 @@ def test_failed_forward_leaves_the_cache_usable(model):
     assert ids == ids_ref and torch.equal(got, ref[1:]), SEED
 
 
+def test_reset_between_sequences(model):
+    """A second sequence after reset() sees none of the first one's pages."""
+    first, second = _prompt(SEED + 1, 250), _prompt(SEED, PROMPT_LEN)
+    ids_ref, ref = _reference(model, F32, second, 16)
+    cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(60), page_size=PS)
+    generate(model, cache, first, 8)
+    assert cache.pool.r > 0                   # resident pages hold the first sequence
+    cache.reset()
+    ids, got = generate(model, cache, second, 16)
+    assert ids == ids_ref and torch.equal(got, ref), SEED
+
+
 def test_a_forward_over_one_layer_only(model):
     """An MTP-style forward acquires a single layer; its rows are tracked per layer."""
     g = torch.Generator().manual_seed(SEED)

@@ -107,6 +107,14 @@ class StreamingPool:
         if self.checker is not None:
             self.checker.release(range(n))
 
+    def forget(self) -> None:
+        """A new sequence: no resident page holds host content any more."""
+        self._idle("forget the sequence")
+        self.drain()
+        self.valid_upto = [0] * self.L
+        if self.checker is not None:
+            self.checker.release(range(self.L * self.r))
+
     def drain(self) -> None:
         self.engine.synchronize()
         wait_all(set(self.last_use))

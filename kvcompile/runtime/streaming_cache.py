@@ -177,10 +177,7 @@ class StreamingKvCache:
         """Forget the sequence (the split and the telemetry stay)."""
         if self._step is not None:
             self.end_forward(ok=False)
-        self.pool.drain()
-        self.pool.valid.clear()
-        if self.pool.checker is not None:
-            self.pool.checker.release(range(self.pool.L * self.pool.r))
+        self.pool.forget()
         self.host.reset()
 
     def truncate(self, n_tokens: int) -> None:
