@@ -178,8 +178,9 @@ class Qwen35Model(nn.Module):
                 raise ModelFileError(
                     f"tensor {gguf_name} has shape {tuple(state[key].shape)} but the "
                     f"metadata implies {want}; the file's metadata and tensors disagree")
-        model.load_state_dict({k: state[k].to(device=device, dtype=dtype) for k in expected},
-                              strict=True, assign=True)
+        # vectors (norms, GDN decay/bias) and the conv kernel stay fp32, as GGUF stores them
+        model.load_state_dict({k: state[k].to(device=device, dtype=_param_dtype(k, state[k], dtype))
+                               for k in expected}, strict=True, assign=True)
         if tied:
             model.lm_head.weight = model.embed.weight
         mtp = f"blk.{config.n_layers}.nextn."
@@ -189,6 +190,10 @@ class Qwen35Model(nn.Module):
                 setattr(model, attr, shared[mtp + suffix].to(device=device, dtype=dtype))
         model._set_rope(config, device)
         return model.eval()
+
+
+def _param_dtype(key: str, t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if t.dim() == 1 or key.endswith("conv_weight") else dtype
 
 
 def _module_name(gguf_name: str, c: ModelConfig) -> str | None:
