@@ -41,7 +41,7 @@ class PlannedTensor:
     name: str
     shape: tuple[int, ...]      # PyTorch order [out, in]
     ggml_type: gguf.GGMLQuantizationType
-    init: str                   # see _values
+    init: str                   # see synthetic_values._values
     scale: float                # normal: std; norm: spread around 1; uniform: width
     low: float = 0.0            # uniform, neg_log_uniform: lower end
 
@@ -152,6 +152,7 @@ def write_synthetic_gguf(cfg: SyntheticConfig, path, weight_type: str = "f32", s
         writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.n_bytes,
                                raw_dtype=t.ggml_type)
     bar = _progress_bar(sum(t.n_bytes for t in plan), progress)
+    done = False
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -163,9 +164,12 @@ def write_synthetic_gguf(cfg: SyntheticConfig, path, weight_type: str = "f32", s
             bar.update(chunk.nbytes)
             if last:
                 writer.write_padding(fout, t.n_bytes)
+        done = True
     finally:
         writer.close()
         bar.close()
+        if not done and os.path.exists(tmp):
+            os.remove(tmp)  # never leave tens of GB of a half-written model behind
     os.replace(tmp, path)
     return plan
 
