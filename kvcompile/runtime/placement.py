@@ -22,6 +22,7 @@ class Placement:
     n: int                           # logical pages read
     ring_runs: list                  # [(first logical, first slot, count)], at most 2
     ready: list = field(default_factory=list)
+    claims: list = field(default_factory=list)   # (pages, owners) taken without a copy
     released: bool = False
 
     @classmethod

@@ -158,6 +158,8 @@ class StreamingPool:
             if not torch.equal(plan.page_table(job.n), table[:job.n].cpu()):
                 raise KvLayoutError(f"layer {layer}: page table disagrees with {plan}")
         if self.checker is not None:
+            for pages, owners in job.claims:
+                self.checker.claim(pages, owners)
             self.checker.read_start(job.pages(), [(li, lp) for lp in range(job.n)])
         delay = self.engine.instrument.compute_delay
         if delay is not None:
@@ -236,9 +238,8 @@ class StreamingPool:
         pages = tuple(range(p0, p0 + n)) if self.checker else ()
         if not copy:
             # Nothing published for these pages yet: no copy, but the layer's writes must
-            # still wait for the pages' previous users.
-            if self.checker is not None:
-                self.checker.claim(pages, owners)
+            # still wait for the pages' previous users (the checker hears of it at acquire).
+            job.claims.append((pages, owners))
             job.ready += after
             return
         job.ready.append(self.engine.copy(

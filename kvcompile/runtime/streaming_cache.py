@@ -21,6 +21,7 @@ from kvcompile.ops import kv_format as F
 from kvcompile.runtime import policy as P
 from kvcompile.runtime.arena import MIB, Arena, align, mib_for
 from kvcompile.runtime.backend import CpuBackend
+from kvcompile.runtime.fences import AllOf
 from kvcompile.runtime.host_history import HostHistory
 from kvcompile.runtime.pool import StreamingPool
 from kvcompile.runtime.telemetry import StepStats, summarize
@@ -188,7 +189,17 @@ class StreamingKvCache:
         return summarize(self.telemetry)
 
     def close(self) -> None:
+        """Stop the copy engine and give the KV regions back, fenced by their last use."""
+        if self._step is not None:
+            self.end_forward(ok=False)
+        try:
+            self.pool.drain()
+        except RuntimeError:      # a failed copy was already raised to its forward
+            pass
         self.engine.close()
+        for lease in self._leases:
+            if lease.active:
+                lease.release(AllOf(self.pool.last_use))
 
 
 def forward(model, cache, tokens, positions, last_only: bool = False, layers=None):
