@@ -155,3 +155,13 @@ def test_closing_a_streaming_cache_releases_its_regions():
     assert not a.leased("kv_k") and not a.leased("kv_v")
     a.begin().drop("kv_k").drop("kv_v").reserve("workspace", MIB).commit()
     assert set(a.regions()) == {"workspace"}
+
+
+def test_allocation_failures_are_clear_errors_and_leave_the_process_usable():
+    from kvcompile.runtime import CpuBackend
+    with pytest.raises(ArenaError, match="cannot allocate an arena"):
+        StreamingKvCache(CFG, 512, arena_mib=2 ** 31, page_size=256)   # 2 PiB
+    with pytest.raises(ArenaError, match="host KV history"):
+        CpuBackend().host_buffer((2 ** 40, 2 ** 20))
+    cache = StreamingKvCache(CFG, 512, arena_mib=2, page_size=256)
+    assert cache.pool.P >= cache.num_pages
