@@ -118,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     except KvcompileError as e:
         print(f"kvcompile: error: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:                      # e.g. `kvcompile info x.gguf | head`
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print("\nkvcompile: interrupted", file=sys.stderr)
         return 130

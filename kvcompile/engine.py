@@ -79,8 +79,14 @@ class Engine:
         if ubatch <= 0:
             raise KvcompileError(f"ubatch must be a positive integer, got {ubatch!r}")
         self.ctx_size, self.ubatch = ctx, ubatch
-        self.cache = PagedKvCache(self.config, ctx, k_type=cache_type_k, v_type=cache_type_v,
-                                  device=self.device)
+        # Hybrid models know which of their layers hold KV (and add recurrent state).
+        make_cache = getattr(self.model, "make_cache", None)
+        if make_cache is not None:
+            self.cache = make_cache(ctx, k_type=cache_type_k, v_type=cache_type_v,
+                                    device=self.device)
+        else:
+            self.cache = PagedKvCache(self.config, ctx, k_type=cache_type_k,
+                                      v_type=cache_type_v, device=self.device)
 
     # ---- requests ---------------------------------------------------------------------------
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
