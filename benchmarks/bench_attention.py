@@ -196,7 +196,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="32K decode only, short prefill")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "attention.json"))
     ap.add_argument("--parts", default="decode,prefill,kv_write")
+    ap.add_argument("--pairs", default="q8_0/q4_0,bf16/bf16", help="K/V type pairs")
+    ap.add_argument("--rows", default="1,8", help="decode query rows")
     args = ap.parse_args()
+    KV_PAIRS[:] = [tuple(p.split("/")) for p in args.pairs.split(",")]
     torch.manual_seed(0)
     t0 = time.time()
     bw = hbm_bandwidth()
@@ -209,7 +212,7 @@ def main() -> None:
         ctxs = [32768] if args.quick else [32768, 131072, 262144]
         dcfg = [dict(block_n=b, num_warps=w, programs_per_sm=p)
                 for b, w, p in ((32, 4, 2), (64, 4, 2), (32, 4, 4), (64, 8, 4))]
-        rows += bench_decode(hbm, [1, 8], ctxs, dcfg)
+        rows += bench_decode(hbm, [int(r) for r in args.rows.split(",")], ctxs, dcfg)
     if "prefill" in parts:
         pcfg = {128: [dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
                       dict(block_m=128, block_n=128, num_warps=8, num_stages=2),

@@ -29,7 +29,7 @@ LOG2E = 1.4426950408889634
 def _decode_split(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
                   m_ptr, l_ptr, acc_ptr, stride_qt, stride_qh, n_rows, n_chunks, chunk_len,
                   table_len, k_page_elems, k_page_halves, k_code_halves, v_page_elems,
-                  v_page_halves, v_code_halves, qk_scale,
+                  v_page_halves, v_code_halves, QK_SCALE: tl.constexpr,
                   G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QK_F16: tl.constexpr,
@@ -58,12 +58,12 @@ def _decode_split(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
         phys = tl.load(page_table + lp).to(tl.int64)
         if K_TYPE == 2 or K_TYPE == 8:
             s = qk_quantized(q, k_vals, k_scl, phys, h, off, live, k_page_elems, k_page_halves,
-                             k_code_halves, P, D, K_TYPE, INTERP)
+                             k_code_halves, BLOCK_N, P, D, K_TYPE, INTERP)
         else:
             k = load_tile(k_vals, k_scl, phys, h, off, live, k_page_elems, k_page_halves,
                           k_code_halves, BLOCK_N, P, D, K_TYPE)
             s = qk_scores(q, k, K_SPLIT, QK_F16, INTERP)
-        s = s * qk_scale
+        s = s * QK_SCALE
         s = tl.where(pos[None, :] <= qp[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -175,8 +175,9 @@ def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, 
     launchable(_decode_split)[(n_chunks, n_kv)](
         q16, kv, ks, vv, vs, page_table, q_pos, m_buf, l_buf, acc_buf,
         q16.stride(0), q16.stride(1), n_rows, n_chunks, chunk_len, table_len,
-        kpe, kph, kch, vpe, vph, vch, scale * LOG2E,
-        G=group, D=head_dim, P=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        kpe, kph, kch, vpe, vph, vch,
+        QK_SCALE=scale * LOG2E, G=group, D=head_dim, P=page_size, BLOCK_M=block_m,
+        BLOCK_N=block_n,
         K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16, K_SPLIT=k_split(kg.kv_type),
         INTERP=interpreting(),
         num_warps=num_warps, num_stages=num_stages)

@@ -21,23 +21,40 @@ KV_BF16 = 30
 
 
 @triton.jit
-def load_codes(vals, scl, phys, row, d, m2, page_elems, page_halves, code_halves,
-               D: tl.constexpr, KV_TYPE: tl.constexpr):
-    """(codes, scales) of a q8_0 / q4_0 tile, both fp16 [BLOCK_N, D] (codes are small
-    integers, exact); each value's block scale is read where it lies (the 32 values of a
-    block share one L1 line)."""
-    sp = scl + phys * page_halves + code_halves + row[:, None] * (D // 32) + d[None, :] // 32
-    s = tl.load(sp, mask=m2, other=0.0)
+def load_blocks(vals, scl, phys, row, mask, page_elems, page_halves, code_halves,
+                D: tl.constexpr, KV_TYPE: tl.constexpr):
+    """A q8_0 / q4_0 tile by blocks: (codes A, codes B, scales), fp16, codes [BLOCK_N,
+    D/32, W] (small integers, exact), scales [BLOCK_N, D/32, 1]. q8_0: A = the 32 codes of
+    each block (W = 32), B unused; q4_0: A = values 0..15 of each block, B = 16..31
+    (W = 16, ggml's low and high nibbles). Every load is of whole contiguous runs."""
+    NB: tl.constexpr = D // 32
+    b = tl.arange(0, NB)
+    m3 = mask[:, None, None]
+    s = tl.load(scl + phys * page_halves + code_halves + row[:, None] * NB + b[None, :],
+                mask=mask[:, None], other=0.0)[:, :, None]
     if KV_TYPE == 8:
-        c = tl.load(vals + phys * page_elems + row[:, None] * D + d[None, :], mask=m2,
-                    other=0).to(tl.float16)
+        j = tl.arange(0, 32)
+        cp = vals + phys * page_elems + row[:, None, None] * D + b[None, :, None] * 32 \
+            + j[None, None, :]
+        ca = tl.load(cp, mask=m3, other=0).to(tl.float16)
+        cb = ca
     else:
-        byte_of = (d // 32) * 16 + d % 16                           # ggml nibble order
-        shift = ((d // 16) % 2) * 4
-        b = tl.load(vals + phys * page_elems + row[:, None] * (D // 2) + byte_of[None, :],
-                    mask=m2, other=0).to(tl.int32)
-        c = (((b >> shift[None, :]) & 15) - 8).to(tl.float16)
-    return c, s
+        j = tl.arange(0, 16)
+        cp = vals + phys * page_elems + row[:, None, None] * (D // 2) + b[None, :, None] * 16 \
+            + j[None, None, :]
+        byte = tl.load(cp, mask=m3, other=0).to(tl.int32)
+        ca = ((byte & 15) - 8).to(tl.float16)
+        cb = ((byte >> 4) - 8).to(tl.float16)
+    return ca, cb, s
+
+
+@triton.jit
+def to_rows(xa, xb, BLOCK_N: tl.constexpr, D: tl.constexpr, KV_TYPE: tl.constexpr):
+    """Blocks back to [BLOCK_N, D] rows in value order."""
+    if KV_TYPE == 8:
+        return tl.reshape(xa, (BLOCK_N, D))
+    else:
+        return tl.reshape(tl.permute(tl.join(xa, xb), (0, 1, 3, 2)), (BLOCK_N, D))
 
 
 @triton.jit
@@ -53,34 +70,41 @@ def load_tile(vals, scl, phys, head, off, mask, page_elems, page_halves, code_ha
     Rows outside `mask` read as 0 (pages may hold garbage, even NaN bit patterns, past the
     written positions)."""
     row = head * P + off                                            # [BLOCK_N]
-    d = tl.arange(0, D)
-    m2 = mask[:, None]
     if KV_TYPE == 0 or KV_TYPE == 1 or KV_TYPE == 30:
-        x = tl.load(vals + phys * page_elems + row[:, None] * D + d[None, :], mask=m2,
-                    other=0.0)
+        d = tl.arange(0, D)
+        x = tl.load(vals + phys * page_elems + row[:, None] * D + d[None, :],
+                    mask=mask[:, None], other=0.0)
     else:
-        c, s = load_codes(vals, scl, phys, row, d, m2, page_elems, page_halves, code_halves,
-                          D, KV_TYPE)
-        x = c * s                                  # exact operands: one rounding to fp16
+        ca, cb, s = load_blocks(vals, scl, phys, row, mask, page_elems, page_halves,
+                                code_halves, D, KV_TYPE)
+        x = to_rows(ca * s, cb * s, BLOCK_N, D, KV_TYPE)  # exact operands: one rounding
     return x
 
 
 @triton.jit
+def _residual(c, s, hi, INTERP: tl.constexpr):
+    """c * s - hi exactly (hi = fp16(c * s)); numpy has no fp16 fma, so the interpreter
+    takes it in fp32 (exact as well)."""
+    if INTERP:
+        return (c.to(tl.float32) * s.to(tl.float32) - hi.to(tl.float32)).to(tl.float16)
+    return tl.fma(c, s, -hi)
+
+
+@triton.jit
 def qk_quantized(q, k_vals, k_scl, phys, head, off, mask, page_elems, page_halves,
-                 code_halves, P: tl.constexpr, D: tl.constexpr, K_TYPE: tl.constexpr,
-                 INTERP: tl.constexpr):
+                 code_halves, BLOCK_N: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+                 K_TYPE: tl.constexpr, INTERP: tl.constexpr):
     """Scores of fp16 queries against a q8_0 / q4_0 K tile with no rounding of K: the
     dequantized value code * scale is hi + lo exactly (hi = the fp16 product, lo = its
     rounding error, an fma), and Q.K = Q.hi + Q.lo in two fp16 dots."""
     row = head * P + off
-    d = tl.arange(0, D)
-    c, s = load_codes(k_vals, k_scl, phys, row, d, mask[:, None], page_elems, page_halves,
-                      code_halves, D, K_TYPE)
-    hi = c * s
-    if INTERP:   # numpy has no fp16 fma: take the residual in fp32 (exact as well)
-        lo = (c.to(tl.float32) * s.to(tl.float32) - hi.to(tl.float32)).to(tl.float16)
-    else:
-        lo = tl.fma(c, s, -hi)
+    ca, cb, s = load_blocks(k_vals, k_scl, phys, row, mask, page_elems, page_halves,
+                            code_halves, D, K_TYPE)
+    ha = ca * s
+    hb = cb * s
+    hi = to_rows(ha, hb, BLOCK_N, D, K_TYPE)
+    lo = to_rows(_residual(ca, s, ha, INTERP), _residual(cb, s, hb, INTERP), BLOCK_N, D,
+                 K_TYPE)
     return tl.dot(q, tl.trans(hi)) + tl.dot(q, tl.trans(lo))
 
 

@@ -21,11 +21,12 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_scl, page_table, hk,
-               n_ctx, k_page_elems, k_page_halves, k_code_halves, v_page_elems,
-               v_page_halves, v_code_halves, qk_scale,
+def _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_scl,
+               page_table, hk, n_ctx, k_page_elems, k_page_halves, k_code_halves, v_page_elems,
+               v_page_halves, v_code_halves, QK_SCALE: tl.constexpr,
                MASKED: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_TYPE: tl.constexpr, V_TYPE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_TYPE: tl.constexpr,
+               V_TYPE: tl.constexpr,
                QK_F16: tl.constexpr, K_SPLIT: tl.constexpr, INTERP: tl.constexpr):
     lp = n0 // P
     off = n0 % P + tl.arange(0, BLOCK_N)
@@ -34,12 +35,12 @@ def _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_
     phys = tl.load(page_table + lp).to(tl.int64)
     if K_TYPE == 2 or K_TYPE == 8:
         s = qk_quantized(q, k_vals, k_scl, phys, hk, off, live, k_page_elems, k_page_halves,
-                         k_code_halves, P, D, K_TYPE, INTERP)
+                         k_code_halves, BLOCK_N, P, D, K_TYPE, INTERP)
     else:
         k = load_tile(k_vals, k_scl, phys, hk, off, live, k_page_elems, k_page_halves,
                       k_code_halves, BLOCK_N, P, D, K_TYPE)
         s = qk_scores(q, k, K_SPLIT, QK_F16, INTERP)
-    s = s * qk_scale
+    s = s * QK_SCALE
     if MASKED:
         s = tl.where(pos[None, :] <= qp[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -57,7 +58,7 @@ def _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_
 def _prefill(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr, out_ptr,
              stride_qt, stride_qh, stride_ot, stride_oh, n_rows, table_len,
              k_page_elems, k_page_halves, k_code_halves, v_page_elems, v_page_halves,
-             v_code_halves, qk_scale,
+             v_code_halves, QK_SCALE: tl.constexpr,
              G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QK_F16: tl.constexpr,
@@ -85,14 +86,16 @@ def _prefill(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr, out_ptr
                                    v_vals, v_scl,
                                    page_table, hk, hi, k_page_elems, k_page_halves,
                                    k_code_halves, v_page_elems, v_page_halves, v_code_halves,
-                                   qk_scale, False, D, P, BLOCK_M, BLOCK_N, K_TYPE, V_TYPE, QK_F16,
+                                   QK_SCALE, False, D, P, BLOCK_M, BLOCK_N, K_TYPE, V_TYPE,
+                                   QK_F16,
                                    K_SPLIT, INTERP)
     for n0 in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl,
                                    v_vals, v_scl,
                                    page_table, hk, hi, k_page_elems, k_page_halves,
                                    k_code_halves, v_page_elems, v_page_halves, v_code_halves,
-                                   qk_scale, True, D, P, BLOCK_M, BLOCK_N, K_TYPE, V_TYPE, QK_F16,
+                                   QK_SCALE, True, D, P, BLOCK_M, BLOCK_N, K_TYPE, V_TYPE,
+                                   QK_F16,
                                    K_SPLIT, INTERP)
     o = acc / l_i[:, None]
     optr = out_ptr + t.to(tl.int64)[:, None] * stride_ot + hq * stride_oh + d[None, :]
@@ -133,8 +136,9 @@ def span_attention_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
     launchable(_prefill)[grid](
         q16, kv, ks, vv, vs, page_table, q_pos, out,
         q16.stride(0), q16.stride(1), out.stride(0), out.stride(1), n_rows, page_table.shape[0],
-        kpe, kph, kch, vpe, vph, vch, scale * LOG2E,
-        G=group, D=head_dim, P=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        kpe, kph, kch, vpe, vph, vch,
+        QK_SCALE=scale * LOG2E, G=group, D=head_dim, P=page_size, BLOCK_M=block_m,
+        BLOCK_N=block_n,
         K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16, K_SPLIT=k_split(kg.kv_type),
         INTERP=interpreting(),
         num_warps=num_warps or nw, num_stages=num_stages or ns)
