@@ -12,17 +12,51 @@ from kvcompile.errors import KvLayoutError
 from kvcompile.ops.kv_format import KV_TYPES, bytes_per_token
 
 
-def model_info(path: str | os.PathLike) -> dict:
+def _gguf_listing(path):
+    """(config, file_type, [(type name, n_elements, n_bytes)]) of a GGUF file."""
     from kvcompile.gguf.arch_config import config_from_metadata
     from kvcompile.gguf.reader import open_gguf
 
     f = open_gguf(path)
     cfg = config_from_metadata(f.metadata, f.tensors, path=str(path))
+    listing = [(t.ggml_type, t.n_elements, t.n_bytes) for t in f.tensors.values()]
+    return cfg, f.metadata.get("general.file_type"), listing
+
+
+def _hf_listing(path):
+    """The same for a Hugging Face folder, from safetensors headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    from kvcompile.hf_checkpoint import config_from_hf, read_hf_config
+
+    folder = Path(path) if Path(path).is_dir() else Path(path).parent
+    cfg = config_from_hf(read_hf_config(folder), str(folder / "config.json"))
+    listing = []
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="np") as h:
+            for name in h.keys():
+                sl = h.get_slice(name)
+                n = 1
+                for d in sl.get_shape():
+                    n *= d
+                dtype = sl.get_dtype()  # "BF16", "F32", "F16", ...
+                bits = int("".join(c for c in dtype if c.isdigit()) or 8)
+                listing.append((dtype, n, n * bits // 8))
+    return cfg, None, listing
+
+
+def model_info(path: str | os.PathLike) -> dict:
+    from kvcompile.weights import is_hf_checkpoint
+
+    if is_hf_checkpoint(path) and Path(path).exists():
+        cfg, file_type, listing = _hf_listing(path)
+    else:
+        cfg, file_type, listing = _gguf_listing(path)
     counts, type_bytes, type_params = Counter(), Counter(), Counter()
-    for t in f.tensors.values():
-        counts[t.ggml_type] += 1
-        type_bytes[t.ggml_type] += t.n_bytes
-        type_params[t.ggml_type] += t.n_elements
+    for type_name, n_elements, n_bytes in listing:
+        counts[type_name] += 1
+        type_bytes[type_name] += n_bytes
+        type_params[type_name] += n_elements
     quant_types = {name: {"tensors": counts[name], "bytes": type_bytes[name],
                           "params": type_params[name]}
                    for name in sorted(counts, key=lambda n: -type_bytes[n])}
@@ -38,10 +72,10 @@ def model_info(path: str | os.PathLike) -> dict:
             kv_per_token[name] = None
     return {
         "path": str(path),
-        "file_bytes": Path(path).stat().st_size,
+        "file_bytes": _disk_bytes(Path(path)),
         "architecture": cfg.arch,
         "name": cfg.name,
-        "file_type": f.metadata.get("general.file_type"),
+        "file_type": file_type,
         "layers": cfg.n_layers,
         "kv_layers": kv_layers,
         "hidden": cfg.hidden,
@@ -56,12 +90,18 @@ def model_info(path: str | os.PathLike) -> dict:
                  "scaling": dict(cfg.rope_scaling)},
         "rms_eps": cfg.rms_eps,
         "tie_embeddings": cfg.tie_embeddings,
-        "tensor_count": len(f.tensors),
+        "tensor_count": len(listing),
         "quant_types": quant_types,
         "params": sum(type_params.values()),
         "param_bytes": sum(type_bytes.values()),
         "kv_bytes_per_token": kv_per_token,
     }
+
+
+def _disk_bytes(path: Path) -> int:
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    return path.stat().st_size
 
 
 def _size(n: int) -> str:

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from kvcompile.errors import ModelFileError, UnsupportedModelError
 from kvcompile.hf_checkpoint import _LAYER_NAMES, _TOP_NAMES
 from kvcompile.kv_cache import PagedKvCache
+from kvcompile.model_info import format_model_info, model_info
 from kvcompile.models.llama import LlamaModel
 from kvcompile.weights import load_weights
 from llama_oracle import agreement, llama_cpp, llama_cpp_logits
@@ -108,6 +109,18 @@ def test_hf_config_and_qk_permutation(small_model):
         assert torch.equal(k, gguf_rows_to_hf(ref[f"blk.{i}.attn_k.weight"], c.n_kv_heads))
     for name in ("token_embd.weight", "blk.2.ffn_down.weight", "blk.3.attn_v.weight"):
         assert torch.equal(hf.tensors[name], ref[name])
+
+
+def test_hf_model_info(small_model):
+    gguf_path, hf_dir, ref = small_model
+    hf, gg = model_info(hf_dir), model_info(gguf_path)
+    print(format_model_info(hf))
+    assert hf["params"] == gg["params"] == sum(t.numel() for t in ref.values())
+    assert hf["quant_types"] == gg["quant_types"]  # all float32 in both
+    for key in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab",
+                "kv_bytes_per_token", "tie_embeddings"):
+        assert hf[key] == gg[key], key
+    assert hf["rope"]["layout"] == "neox" and gg["rope"]["layout"] == "adjacent pairs"
 
 
 def test_hf_logits_match_llama_cpp(small_model, smollm2_path):
