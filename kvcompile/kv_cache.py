@@ -53,7 +53,9 @@ class PagedKvCache:
         self.num_pages = -(-max_tokens // page_size)
         self.capacity = self.num_pages * page_size
         self.device = torch.device(device)
-        self.layers = tuple(range(config.n_layers)) if layers is None else tuple(sorted(set(layers)))
+        if layers is None:   # every attention layer (all of them, except in hybrid models)
+            layers = [i for i in range(config.n_layers) if config.is_attention_layer(i)]
+        self.layers = tuple(sorted(set(layers)))
         bad = [i for i in self.layers if not 0 <= i < config.n_layers]
         if bad:
             raise KvLayoutError(f"KV layers {bad} are outside the model's {config.n_layers} layers")
