@@ -93,6 +93,8 @@ def test_from_weights_rejects_incomplete_or_foreign_tensors(gen):
         LlamaModel.from_weights(TINY, {k: v for k, v in w.items() if k != "blk.1.ffn_up.weight"})
     with pytest.raises(ModelFileError, match="shape"):
         LlamaModel.from_weights(TINY, w | {"blk.0.attn_k.weight": torch.randn(64, 128)})
+    with pytest.raises(ModelFileError, match="beyond"):
+        LlamaModel.from_weights(TINY, w | {"blk.2.attn_norm.weight": torch.randn(128)})
     with pytest.raises(UnsupportedModelError, match="no place"):
         LlamaModel.from_weights(TINY, w | {"blk.0.ssm_conv1d.weight": torch.randn(4, 4)})
 

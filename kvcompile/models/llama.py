@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -63,7 +64,7 @@ class LlamaModel(nn.Module):
         means the head is tied to token_embd."""
         tied = "output.weight" not in tensors
         if tied != config.tie_embeddings:
-            config = _with_tie(config, tied)
+            config = replace(config, tie_embeddings=tied)
         qkv_bias = "blk.0.attn_q.bias" in tensors
         state = {}
         for name, t in tensors.items():
@@ -73,7 +74,11 @@ class LlamaModel(nn.Module):
         with torch.device("meta"):
             model = cls(config, qkv_bias)
         expected = dict(model.named_parameters(remove_duplicate=True))
-        missing = sorted(set(expected) - set(state))
+        missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        if extra:
+            raise ModelFileError(f"the model file has tensors {extra[:5]} beyond the "
+                                 f"{config.n_layers} layers its metadata declares; the file's "
+                                 f"metadata and tensors disagree")
         if missing:
             raise ModelFileError(f"the model file lacks tensors for {missing[:5]}"
                                  f"{' ...' if len(missing) > 5 else ''}; it is not a complete "
@@ -90,7 +95,7 @@ class LlamaModel(nn.Module):
         cos, sin = rope_tables(config.rotary_dim, config.context_length, config.rope_theta,
                                config.rope_scaling)
         model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
-        return model.eval()
+        return model.eval().requires_grad_(False)   # inference only: no autograd bookkeeping
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache,
                 last_only: bool = False) -> torch.Tensor:
@@ -107,7 +112,6 @@ class LlamaModel(nn.Module):
         if last_only:
             x = x[-1:]
         return self.lm_head(self.norm(x)).float()
-
 
     def check_positions(self, positions: torch.Tensor, cache) -> None:
         """Host-side range check (eager only: it syncs, so the compiled graph skips it)."""
@@ -131,8 +135,3 @@ def _module_name(gguf_name: str) -> str | None:
                                     "not supported yet; use a model without rope_freqs.weight")
     raise UnsupportedModelError(f"tensor {gguf_name!r} has no place in a llama-family model; "
                                 f"this file needs a different architecture")
-
-
-def _with_tie(config: ModelConfig, tied: bool) -> ModelConfig:
-    from dataclasses import replace
-    return replace(config, tie_embeddings=tied)
