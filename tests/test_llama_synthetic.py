@@ -1,6 +1,6 @@
 """LlamaModel variants that SmolLM2 does not exercise, against llama.cpp on tiny random
 F32 GGUFs written with the gguf package: NEOX rope with Q/K/V biases and an untied head
-(arch qwen2), head dim 128 with 4 query heads per KV head (arch llama).
+(arch qwen2), head dim 128 with 4 query heads per KV head, linear rope scaling (arch llama).
 
 The tokenizer metadata is borrowed from SmolLM2 (llama.cpp needs one to load a file);
 tokens are fresh random ids.
@@ -59,6 +59,9 @@ def write_gguf(path, c: ModelConfig, weights: dict, tokenizer_src) -> None:
     w.add_rope_freq_base(c.rope_theta)
     w.add_layer_norm_rms_eps(c.rms_eps)
     w.add_rope_dimension_count(c.rotary_dim)
+    if c.rope_scaling:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(c.rope_scaling["factor"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     r = gguf.GGUFReader(str(tokenizer_src))
     for key, f in r.fields.items():
@@ -84,6 +87,12 @@ CASES = {
                                      n_kv_heads=1, head_dim=128, vocab_size=49152,
                                      context_length=1024, rope_theta=10000.0,
                                      tie_embeddings=True), False, True),
+    # llama with linear rope scaling (positions divided by the factor)
+    "llama-linear-rope-x4": (ModelConfig(arch="llama", n_layers=2, hidden=256, ffn=512, n_heads=4,
+                                         n_kv_heads=2, head_dim=64, vocab_size=49152,
+                                         context_length=1024, rope_theta=10000.0,
+                                         rope_scaling={"type": "linear", "factor": 4.0}),
+                             False, False),
 }
 
 
