@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from kvcompile.engine import Engine, GenerationResult, TokenStream
 
-_ENGINE_KEYS = ("ctx_size", "cache_type_k", "cache_type_v", "device", "dtype", "ubatch", "progress")
+_ENGINE_KEYS = ("ctx_size", "cache_type_k", "cache_type_v", "device", "dtype", "ubatch", "progress",
+                "kv_stream_arena_mib", "trace")
 _cached: tuple[tuple, Engine] | None = None
 
 
@@ -29,7 +30,7 @@ def generate(prompt: str | None = None, model=None, *, messages: list[dict] | No
              **kwargs) -> GenerationResult:
     """Generate a completion. kwargs: sampling (max_tokens, temperature, top_k, top_p, min_p,
     repeat_penalty, seed, stop) and engine options (ctx_size, cache_type_k, cache_type_v,
-    device, dtype, ubatch, progress). Returns text plus token counts and tok/s."""
+    device, dtype, ubatch, progress, kv_stream_arena_mib, trace). Returns text plus token counts and tok/s."""
     engine_opts, sampling = _split(dict(kwargs))
     return _engine(model, engine_opts).generate(prompt, messages=messages, **sampling)
 

@@ -31,6 +31,10 @@ def _add_generate(sub) -> None:
     p.add_argument("-ctk", "--cache-type-k", default="f32", help="K cache type: f32 f16 bf16 q8_0 q4_0")
     p.add_argument("-ctv", "--cache-type-v", default="f32", help="V cache type: f32 f16 bf16 q8_0 q4_0")
     p.add_argument("-ub", "--ubatch-size", type=int, default=256, help="prefill chunk (256)")
+    p.add_argument("--kv-stream-arena-mib", type=float, default=0,
+                   help="KV history in host RAM, streamed through an arena of this many MiB "
+                        "(0 = whole KV cache on the device, the default)")
+    p.add_argument("--trace", action="store_true", help="print per-step KV telemetry to stderr")
     p.add_argument("--device", default=None, help="cpu (default) or cuda")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     p.add_argument("--no-stats", action="store_true", help="no statistics line at the end")
@@ -50,7 +54,8 @@ def _run_generate(args) -> int:
     kv_type(args.cache_type_k), kv_type(args.cache_type_v)
     engine = Engine(args.model, ctx_size=args.ctx_size, cache_type_k=args.cache_type_k,
                     cache_type_v=args.cache_type_v, device=args.device, ubatch=args.ubatch_size,
-                    progress=not args.no_progress)
+                    progress=not args.no_progress, kv_stream_arena_mib=args.kv_stream_arena_mib,
+                    trace=args.trace)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})
@@ -66,6 +71,10 @@ def _run_generate(args) -> int:
         print(f"[{r.prompt_tokens} prompt tokens, {r.completion_tokens} generated "
               f"({r.finish_reason}); prefill {r.prefill_tok_s:.1f} tok/s, "
               f"decode {r.decode_tok_s:.1f} tok/s]", file=sys.stderr)
+        if r.kv:
+            print(f"[kv streaming: {r.kv['streamed_fraction']:.0%} of page reads from the ring, "
+                  f"{r.kv['h2d_bytes'] / 2**20:.1f} MiB host->device, "
+                  f"{r.kv['readiness_misses']} readiness misses]", file=sys.stderr)
     return 0
 
 

@@ -6,15 +6,18 @@ per forward, sampled by Sampler) -> stop on EOS / end-of-turn / stop string / ma
 """
 from __future__ import annotations
 
+import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Iterator
 
 import torch
 
 from kvcompile.errors import ContextLengthError, KvcompileError
-from kvcompile.kv_cache import PagedKvCache
 from kvcompile.loader import load_model
+from kvcompile.runtime import forward as run_forward
+from kvcompile.runtime import make_kv_cache
+from kvcompile.runtime.telemetry import summarize
 from kvcompile.sampling import Sampler, SamplingParams
 from kvcompile.stop_strings import StopStringFilter
 from kvcompile.tokenizer import StreamDecoder
@@ -31,6 +34,7 @@ class GenerationResult:
     finish_reason: str            # "stop" (EOS / end of turn / stop string) or "length"
     prefill_s: float
     decode_s: float
+    kv: dict = field(default_factory=dict)   # streaming telemetry (empty when all resident)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -64,7 +68,8 @@ class TokenStream:
 class Engine:
     def __init__(self, model=None, *, ctx_size: int | None = None, cache_type_k: str = "f32",
                  cache_type_v: str = "f32", device: str | None = None,
-                 dtype: torch.dtype = torch.float32, ubatch: int = 256, progress: bool = True):
+                 dtype: torch.dtype = torch.float32, ubatch: int = 256, progress: bool = True,
+                 kv_stream_arena_mib: float = 0, trace: bool = False):
         self.device = torch.device(device or "cpu")
         loaded = load_model(model, device=self.device, dtype=dtype, progress=progress)
         self.path, self.config, self.tokenizer, self.model = (
@@ -79,14 +84,20 @@ class Engine:
         if ubatch <= 0:
             raise KvcompileError(f"ubatch must be a positive integer, got {ubatch!r}")
         self.ctx_size, self.ubatch = ctx, ubatch
-        # Hybrid models know which of their layers hold KV (and add recurrent state).
-        make_cache = getattr(self.model, "make_cache", None)
-        if make_cache is not None:
-            self.cache = make_cache(ctx, k_type=cache_type_k, v_type=cache_type_v,
-                                    device=self.device)
-        else:
-            self.cache = PagedKvCache(self.config, ctx, k_type=cache_type_k,
-                                      v_type=cache_type_v, device=self.device)
+        self.trace = trace
+        self.cache = self._make_cache(ctx, cache_type_k, cache_type_v, kv_stream_arena_mib)
+
+    def _make_cache(self, ctx: int, k_type: str, v_type: str, arena_mib: float):
+        """arena_mib 0: every page on the device; else KV history on the host, streamed
+        through an arena of that size. Hybrid models name the layers that hold KV."""
+        make_own = getattr(self.model, "make_cache", None)
+        if not arena_mib and make_own is not None:
+            return make_own(ctx, k_type=k_type, v_type=v_type, device=self.device)
+        config, layers = self.config, getattr(self.model, "kv_layers", None)
+        if layers is not None:      # the MTP layer sits after the trunk's layers
+            config = replace(config, n_layers=config.n_layers + config.nextn_layers)
+        return make_kv_cache(config, ctx, arena_mib, k_type=k_type, v_type=v_type,
+                             device=self.device, layers=layers)
 
     # ---- requests ---------------------------------------------------------------------------
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
@@ -130,6 +141,8 @@ class Engine:
         text_of = StreamDecoder(self.tokenizer)
         stop_ids = set(self.tokenizer.stop_ids)
         self.cache.reset()
+        telemetry = getattr(self.cache, "telemetry", [])
+        first_step = len(telemetry)
         history, out_ids, text, finish = list(prompt_ids), [], [], "length"
         budget = min(sampling.max_tokens, self.ctx_size - len(prompt_ids))
 
@@ -160,7 +173,8 @@ class Engine:
             text.append(tail)
             yield tail
         stream.result = GenerationResult("".join(text), out_ids, len(prompt_ids), len(out_ids),
-                                         finish, prefill_s, decode_s)
+                                         finish, prefill_s, decode_s,
+                                         summarize(telemetry[first_step:]))
 
     def _prefill(self, ids: list[int]) -> torch.Tensor:
         logits = None
@@ -172,4 +186,7 @@ class Engine:
         """Run ids at positions start.. through the model; logits of the last one."""
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
-        return self.model(tokens, positions, self.cache, last_only=True)[-1]
+        logits = run_forward(self.model, self.cache, tokens, positions, last_only=True)[-1]
+        if self.trace and getattr(self.cache, "telemetry", None):
+            print(f"[kv step] {self.cache.telemetry[-1].as_dict()}", file=sys.stderr)
+        return logits

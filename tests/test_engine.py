@@ -93,3 +93,22 @@ def test_bad_request_raises_then_engine_keeps_serving(engine, bad, error, words)
 def test_ctx_size_beyond_model_limit_is_refused():
     with pytest.raises(ContextLengthError, match="--ctx-size"):
         Engine(None, ctx_size=10**6, progress=False)
+
+
+def test_streamed_kv_through_tiny_arena_equals_all_resident(engine):
+    from kvcompile.runtime import min_arena_bytes
+    need = min_arena_bytes(engine.config, 512) / 2**20
+    streamed = Engine(None, ctx_size=512, kv_stream_arena_mib=need * 1.05, progress=False)
+    prompt = "A short story about a lighthouse keeper: " * 6
+    want = engine.generate(prompt, max_tokens=16, temperature=0)
+    got = streamed.generate(prompt, max_tokens=16, temperature=0)
+    print(f"arena {need * 1.05:.2f} MiB:", got.kv)
+    assert got.token_ids == want.token_ids
+    assert got.kv["streamed_fraction"] >= 0.9 and got.kv["h2d_bytes"] > 0
+
+
+def test_arena_too_small_names_the_smallest_that_works():
+    from kvcompile.errors import ArenaError
+    with pytest.raises(ArenaError, match="MiB") as info:
+        Engine(None, ctx_size=512, kv_stream_arena_mib=0.01, progress=False)
+    print(info.value)
