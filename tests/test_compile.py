@@ -2,6 +2,7 @@
 visible in the captured FX graph, inductor compiles the rest, and greedy tokens equal eager."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -25,11 +26,17 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-@torch.inference_mode()
 def greedy(forward, cache, prompt: list[int], n_decode: int):
     """Prefill, then n_decode single-token steps; returns tokens, last-row logits, seconds."""
+    return greedy_from(forward, cache, prompt, 0, n_decode)
+
+
+@torch.inference_mode()
+def greedy_from(forward, cache, prompt: list[int], start: int, n_decode: int):
+    """Prefill prompt[start:] (positions before start already cached), then decode."""
     t0 = time.perf_counter()
-    logits = [forward(torch.tensor(prompt), torch.arange(len(prompt)), cache, last_only=True)[-1]]
+    logits = [forward(torch.tensor(prompt[start:]), torch.arange(start, len(prompt)), cache,
+                      last_only=True)[-1]]
     tokens = [int(logits[-1].argmax())]
     for pos in range(len(prompt), len(prompt) + n_decode):
         logits.append(forward(torch.tensor(tokens[-1:]), torch.tensor([pos]), cache,
@@ -38,19 +45,23 @@ def greedy(forward, cache, prompt: list[int], n_decode: int):
     return tokens, torch.stack(logits), time.perf_counter() - t0
 
 
+def recording_inductor(graphs: list):
+    """A backend that records each captured graph's call_function targets, then hands the
+    graph to inductor (CPU C++ kernels)."""
+    def backend(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return compile_fx(gm, example_inputs)
+    return backend
+
+
 def test_compiled_forward_matches_eager(smollm2_path):
     w = load_weights(smollm2_path, progress=False)
     model = LlamaModel.from_weights(w.config, w.tensors)
     prompt = load_tokenizer(smollm2_path).encode(PROMPT)
 
     graphs = []
-
-    def recording_backend(gm, example_inputs):
-        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
-        return compile_fx(gm, example_inputs)      # inductor (CPU C++ kernels)
-
     torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True, backend=recording_backend)
+    compiled = torch.compile(model, fullgraph=True, backend=recording_inductor(graphs))
 
     eager_tokens, eager_logits, eager_s = greedy(model, PagedKvCache(w.config, 512), prompt, N_DECODE)
     ours_tokens, ours_logits, compiled_s = greedy(compiled, PagedKvCache(w.config, 512), prompt,
@@ -70,3 +81,33 @@ def test_compiled_forward_matches_eager(smollm2_path):
     assert all(c == (n_layers, n_layers) for c in op_counts), "the kvcompile ops must stay in the graph"
     assert ours_tokens == eager_tokens
     assert diff < 1e-3
+
+
+def test_compiled_quantized_kv_with_dynamic_shapes():
+    """q8_0 K / q4_0 V (Hadamard-rotated rows) under dynamic=True on a tiny random model:
+    the page-format ints stay constants (no SymInt reaches the ops' format checks), tokens
+    equal eager, and a second generation reuses the compiled graphs."""
+    from test_kv_cache import TINY, tiny_weights
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    model = LlamaModel.from_weights(TINY, tiny_weights(TINY, g))
+    graphs = []
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=recording_inductor(graphs))
+    prompt = torch.randint(0, TINY.vocab_size, (37,), generator=g).tolist()
+    runs = []
+    for fn in (model, compiled, compiled):
+        cache = PagedKvCache(TINY, 128, k_type="q8_0", v_type="q4_0", page_size=32)
+        with torch.inference_mode():
+            head = fn(torch.tensor(prompt[:20]), torch.arange(20), cache)      # chunk of 20
+        tokens, logits, _ = greedy_from(fn, cache, prompt, start=20, n_decode=N_DECODE)
+        runs.append((tokens, torch.cat([head, logits])))
+        if fn is compiled and len(runs) == 2:
+            n_graphs = len(graphs)      # after the first compiled generation
+    diff = (runs[0][1] - runs[1][1]).abs().max().item()
+    print(f"graphs {len(graphs)}, ops per graph "
+          f"{[(g.count('kvcompile.kv_write'), g.count('kvcompile.span_attention')) for g in graphs]}, "
+          f"max |compiled - eager| logit {diff:.2e}, tokens {runs[1][0]}")
+    assert runs[0][0] == runs[1][0] == runs[2][0] and diff < 1e-3
+    assert all(g.count("kvcompile.kv_write") == TINY.n_layers for g in graphs)
+    assert all(g.count("kvcompile.span_attention") == TINY.n_layers for g in graphs)
+    assert n_graphs == len(graphs), "a second generation must reuse the compiled graphs"
