@@ -22,8 +22,8 @@ DIMS = [64, 128, 256]
 GGUF = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
 CASES = [(d, k, v) for d in DIMS for k, v in PAIRS]
 IDS = [f"D{d}-K{k}-V{v}" for d, k, v in CASES]
-GPU_CASES = [(128, k, v) for k, v in PAIRS] + [(d, k, v) for d in (64, 256)
-                                                for k, v in (("q8_0", "q4_0"), ("q4_0", "bf16"), ("f16", "f32"))]
+SOME = (("q8_0", "q4_0"), ("q4_0", "bf16"), ("f16", "f32"))
+GPU_CASES = [(128, k, v) for k, v in PAIRS] + [(d, k, v) for d in (64, 256) for k, v in SOME]
 GPU_IDS = [f"D{d}-K{k}-V{v}" for d, k, v in GPU_CASES]
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -42,7 +42,8 @@ def make_case(head_dim, k_name, v_name, n_rows, n_kv, page_size, n_pages, gen):
 def ggml_blocks(pool, name, slots, n_kv, page_size, head_dim):
     """Rows at `slots` re-assembled as ggml blocks (fp16 d, then codes): [T*H, bytes]."""
     codes, scales = F.split_pages(pool.cpu(), F.kv_type(name), n_kv, page_size, head_dim)
-    c = codes[slots // page_size, :, slots % page_size].reshape(-1, head_dim // 32, codes.shape[-1] * 32 // head_dim)
+    width = codes.shape[-1] * 32 // head_dim                 # code bytes per block
+    c = codes[slots // page_size, :, slots % page_size].reshape(-1, head_dim // 32, width)
     s = scales[slots // page_size, :, slots % page_size].reshape(-1, head_dim // 32, 1)
     return torch.cat([s.view(torch.uint8), c.view(torch.uint8)], -1).reshape(len(c), -1)
 
@@ -103,19 +104,16 @@ def test_bad_inputs_raise_clear_errors():
     kp, vp = _pools()
     rows = torch.randn(3, 2, 128)
     slots = torch.arange(3)
+    one_head = torch.randn(3, 1, 128)
     cases = {
-        "unknown type": (lambda: torch.ops.kvcompile.kv_write(kp, vp, rows, rows, slots, 3, 2, 16),
-                         "unsupported KV cache type"),
-        "k/v shapes": (lambda: torch.ops.kvcompile.kv_write(kp, vp, rows, rows[:, :1], slots, 8, 2, 16),
-                       "must both be"),
-        "slots length": (lambda: torch.ops.kvcompile.kv_write(kp, vp, rows, rows, slots[:2], 8, 2, 16),
-                         "slots must be"),
-        "heads": (lambda: torch.ops.kvcompile.kv_write(kp, vp, torch.randn(3, 1, 128), torch.randn(3, 1, 128), slots, 8, 2, 16),
-                  "KV heads"),
+        "unknown type": ((rows, rows, slots, 3, 2), "unsupported KV cache type"),
+        "k/v shapes": ((rows, rows[:, :1], slots, 8, 2), "must both be"),
+        "slots length": ((rows, rows, slots[:2], 8, 2), "slots must be"),
+        "heads": ((one_head, one_head, slots, 8, 2), "KV heads"),
     }
-    for name, (call, text) in cases.items():
+    for name, (args, text) in cases.items():
         with pytest.raises(KvLayoutError, match=text):
-            call()
+            torch.ops.kvcompile.kv_write(kp, vp, *args, 16)
         print(f"{name}: raises KvLayoutError mentioning {text!r}")
     kp96, vp96 = _pools("f16", "f16", head_dim=96)       # fine for f16, not for q8_0
     rows96 = torch.randn(3, 2, 96)

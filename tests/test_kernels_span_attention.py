@@ -166,7 +166,8 @@ GPU_EXACT = [(kn, vn, qd, kernel, n_ctx)
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("k_name,v_name,q_dtype,kernel,n_ctx", GPU_EXACT,
-                         ids=[f"K{k}-V{v}-q{str(q)[6:]}-{ker}-ctx{n}" for k, v, q, ker, n in GPU_EXACT])
+                         ids=[f"K{k}-V{v}-q{str(q)[6:]}-{ker}-ctx{n}"
+                              for k, v, q, ker, n in GPU_EXACT])
 def test_gpu_exact_long_context(k_name, v_name, q_dtype, kernel, n_ctx):
     gen = torch.Generator().manual_seed(fresh_seed())
     rows = min(n_ctx, 8 if kernel == "decode" else 200)
@@ -233,7 +234,7 @@ def test_compiled_matches_eager(device):
         vp = torch.zeros(n_pages, pools[1], dtype=torch.uint8, device=device)
         outs.append(fn(kp, vp, k, v, slots, q, table, q_pos, page))
         written.append((kp, vp))
-    print(f"{device}: compiled == eager: out {torch.equal(*outs)}, "
-          f"pools {torch.equal(written[0][0], written[1][0]) and torch.equal(written[0][1], written[1][1])}")
+    same_pools = all(torch.equal(a, b) for a, b in zip(*written))
+    print(f"{device}: compiled == eager: out {torch.equal(*outs)}, pools {same_pools}")
     assert torch.equal(outs[0], outs[1])
-    assert torch.equal(written[0][0], written[1][0]) and torch.equal(written[0][1], written[1][1])
+    assert same_pools
