@@ -24,18 +24,24 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def build(k_name, v_name, n_ctx, n_rows, head_dim, n_kv, group, page_size, q_dtype, gen,
-          plan_names=("resident",), device="cpu"):
-    """Fresh logical KV + queries for the last n_rows positions, written under each plan."""
+          plan_names=("resident",), device="cpu", scattered_rows=False, table_pad=0):
+    """Fresh logical KV + queries for the last n_rows positions (or, scattered_rows, for
+    random distinct positions in random order, the last one included), written under each
+    plan; table_pad extra page-table entries past the plan."""
     n_pages = math.ceil(n_ctx / page_size)
     k = torch.randn(n_ctx, n_kv, head_dim, generator=gen)
     v = torch.randn(n_ctx, n_kv, head_dim, generator=gen)
     q = (torch.randn(n_rows, n_kv * group, head_dim, generator=gen) * 1.5).to(q_dtype)
     q_pos = torch.arange(n_ctx - n_rows, n_ctx, dtype=torch.int32)
+    if scattered_rows:
+        pick = torch.randperm(n_ctx - 1, generator=gen)[:n_rows - 1]
+        q_pos = torch.cat([pick, torch.tensor([n_ctx - 1])]).int()
+        q_pos = q_pos[torch.randperm(n_rows, generator=gen)]
     plans = placements(n_pages, page_size)
     placed = {}
     for name in plan_names:
         plan = plans[name]
-        table = plan.page_table()
+        table = plan.page_table(length=plan.n_logical_pages + table_pad)
         kp, vp = fill_pools(k, v, table, k_name, v_name, page_size, plan.num_physical_pages,
                             gen, device)
         placed[name] = (table.to(device), kp, vp)
@@ -81,6 +87,11 @@ INTERP += [
      torch.bfloat16, ("resident", "ring_wrap"), {}),
     ("prefill-P256-ctx300", "prefill", "bf16", "bf16", 300, 40, 64, 1, 2, 256, torch.bfloat16,
      ("resident", "ring_wrap"), dict(block_m=32, block_n=64)),
+    # rows at scattered positions in any order, and a page table longer than the context
+    ("decode-scattered-rows-long-table", "decode", "q4_0", "f16", 90, 5, 64, 2, 2, 16,
+     torch.float16, ALL3, dict(SMALL, chunk_len=32), dict(scattered_rows=True, table_pad=5)),
+    ("prefill-scattered-rows-long-table", "prefill", "q8_0", "bf16", 90, 24, 64, 2, 2, 16,
+     torch.bfloat16, ALL3, dict(SMALL, block_m=16), dict(scattered_rows=True, table_pad=5)),
 ]
 INTERP_IDS = [c[0] for c in INTERP]
 
@@ -89,8 +100,9 @@ INTERP_IDS = [c[0] for c in INTERP]
 def interp_runs():
     gen = torch.Generator().manual_seed(fresh_seed())
     jobs, keys, inputs = [], [], {}
-    for cid, kernel, kn, vn, n_ctx, rows, d, n_kv, g, p, qd, plans, opts in INTERP:
-        q, q_pos, placed = build(kn, vn, n_ctx, rows, d, n_kv, g, p, qd, gen, plans)
+    for cid, kernel, kn, vn, n_ctx, rows, d, n_kv, g, p, qd, plans, opts, *extra in INTERP:
+        q, q_pos, placed = build(kn, vn, n_ctx, rows, d, n_kv, g, p, qd, gen, plans,
+                                 **(extra[0] if extra else {}))
         inputs[cid] = (kn, vn, q, q_pos, placed, p)
         for name, (table, kp, vp) in placed.items():
             jobs.append({"kind": kernel, "opts": opts,
