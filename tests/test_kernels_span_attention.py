@@ -217,6 +217,10 @@ def test_bad_inputs_raise_clear_errors():
         print(f"{name}: KvLayoutError mentioning {text!r}")
     with pytest.raises(KvLayoutError, match="head dim"):
         op(**dict(a, q=torch.randn(2, 4, 96).bfloat16()))
+    # what only the Triton launchers need (checked before any launch)
+    from kvcompile.ops.span_attention.decode_kernel import span_attention_decode
+    with pytest.raises(KvLayoutError, match="page_table must be contiguous int32.*q_pos must"):
+        span_attention_decode(**dict(a, page_table=table.long(), q_pos=q_pos.long()))
 
 
 # ---- torch.compile sees the ops (CPU: reference ops; GPU: the Triton kernels) ---------------

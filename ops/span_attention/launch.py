@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from triton.runtime.jit import JITFunction
 
+from kvcompile.errors import KvLayoutError
 from kvcompile.ops import kv_format as F
 
 
@@ -61,15 +62,24 @@ def pool_args(pool: torch.Tensor, g: PageGeometry):
 
 
 def check_launch(q, k_pool, v_pool, page_table, q_pos, page_size):
-    assert q.dim() == 3 and q.stride(2) == 1, "q must be [T, Hq, D] with a dense last dim"
-    assert k_pool.is_contiguous() and v_pool.is_contiguous(), "KV pools must be contiguous"
-    assert k_pool.dtype == torch.uint8 and v_pool.dtype == torch.uint8, "pools are uint8"
-    assert page_table.dtype == torch.int32 and page_table.is_contiguous(), \
-        "page_table must be contiguous int32"
-    assert q_pos.dtype == torch.int32 and q_pos.is_contiguous(), "q_pos must be contiguous int32"
-    assert q.device == k_pool.device == v_pool.device == page_table.device == q_pos.device
-    assert page_size & (page_size - 1) == 0 and page_size >= 16, \
-        f"page size {page_size} must be a power of two >= 16"
+    """What the Triton kernels need beyond the op's own checks (KvLayoutError otherwise)."""
+    problems = []
+    if q.dim() != 3 or q.stride(2) != 1:
+        problems.append("q must be [T, Hq, D] with a dense last dim")
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        problems.append("k_pool and v_pool must be contiguous")
+    if k_pool.dtype != torch.uint8 or v_pool.dtype != torch.uint8:
+        problems.append("k_pool and v_pool must be uint8")
+    if page_table.dtype != torch.int32 or not page_table.is_contiguous():
+        problems.append(f"page_table must be contiguous int32, got {page_table.dtype}")
+    if q_pos.dtype != torch.int32 or not q_pos.is_contiguous():
+        problems.append(f"q_pos must be contiguous int32, got {q_pos.dtype}")
+    if not q.device == k_pool.device == v_pool.device == page_table.device == q_pos.device:
+        problems.append("q, the pools, page_table and q_pos must be on one device")
+    if page_size & (page_size - 1) or page_size < 16:
+        problems.append(f"page size {page_size} must be a power of two >= 16")
+    if problems:
+        raise KvLayoutError("span_attention on the GPU: " + "; ".join(problems))
 
 
 def interpreting() -> bool:
