@@ -7,6 +7,7 @@ says what is wrong with which file.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,8 +57,8 @@ class _CheckedReader(gguf.GGUFReader):
                     f"(e.g. Q8_0, Q4_K, F16)")
             qtype = gguf.GGMLQuantizationType(type_id)
             block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-            n_elems = int(np.prod(dims.astype(np.int64))) if len(dims) else 1
-            if int(dims[0]) % block if len(dims) else False:
+            n_elems = math.prod(int(d) for d in dims)  # Python ints: corrupt dims cannot wrap
+            if len(dims) and int(dims[0]) % block:
                 raise ModelFileError(
                     f"{where}: tensor {name!r}: row length {int(dims[0])} is not a multiple of the "
                     f"{qtype.name} block size {block}; the file is corrupt, re-convert it")
