@@ -114,3 +114,22 @@ def test_bf16_model_tracks_fp32(gen):
     top1 = (ref.argmax(-1) == got.argmax(-1)).double().mean().item()
     print(f"bf16 weights vs fp32: dtype {got.dtype}, top-1 {top1:.2%}, mean KL {kl:.2e}")
     assert got.dtype == torch.float32 and kl < 2e-2 and top1 >= 0.8
+
+
+def test_rotation_only_for_quantized_pages_and_can_be_turned_off(gen):
+    """Rotated or not, quantized KV approximates the f32 cache; rotation is never applied to
+    float pages, and rotate=False stores quantized rows as they are."""
+    model = LlamaModel.from_weights(TINY, tiny_weights(TINY, gen))
+    tokens = torch.randint(0, TINY.vocab_size, (50,), generator=gen)
+    logits = {}
+    for name, kwargs in (("f32", {}), ("q8_0 rotated", dict(k_type="q8_0", v_type="q8_0")),
+                         ("q8_0 plain", dict(k_type="q8_0", v_type="q8_0", rotate=False))):
+        cache = PagedKvCache(TINY, 50, **kwargs)
+        rotated = cache.layer(0).k_rot is not None
+        assert rotated == (name == "q8_0 rotated") and (cache.layer(0).v_rot is not None) == rotated
+        with torch.inference_mode():
+            logits[name] = model(tokens, torch.arange(50), cache)
+    for name in ("q8_0 rotated", "q8_0 plain"):
+        err = (logits[name] - logits["f32"]).abs().max().item()
+        print(f"{name} vs f32 KV: max |logit diff| {err:.3e}")
+        assert 0 < err < 0.5
