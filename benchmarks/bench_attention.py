@@ -12,6 +12,7 @@
 - kv_write: 16K rows quantized into pages.
 
 usage: python benchmarks/bench_attention.py [--quick] [--out PATH]
+       python benchmarks/bench_attention.py --decode-only --impls legacy,blocks
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import torch.nn.functional as Fn
 
 import kvcompile.ops  # noqa: F401
 from kvcompile.ops import kv_format as F
-from kvcompile.ops.span_attention.decode_kernel import span_attention_decode
+from kvcompile.ops.span_attention.decode_blocks import DECODE_IMPL, decode_launcher
 from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
 
 GEOMS = [(4, 256, 24), (8, 128, 32)]            # (KV heads, head dim, q heads)
@@ -92,19 +93,20 @@ def make_pools(k_name, v_name, n_ctx, n_kv, d, copies, page=256):
     return kp, vp, tables, kv_bytes
 
 
-def bench_decode(hbm, rows_list, contexts, configs):
+def bench_decode(hbm, rows_list, contexts, configs, impls=(DECODE_IMPL,)):
     out = []
     for n_kv, d, n_q in GEOMS:
         for kn, vn in KV_PAIRS:
             for n_ctx in contexts:
                 kp, vp, tables, kv_bytes = make_pools(kn, vn, n_ctx, n_kv, d, ROT)
-                for rows in rows_list:
+                for rows, impl in [(r, i) for r in rows_list for i in impls]:
+                    decode = decode_launcher(impl)
                     q = torch.randn(rows, n_q, d, device="cuda", dtype=torch.bfloat16)
                     q_pos = torch.arange(n_ctx - rows, n_ctx, device="cuda", dtype=torch.int32)
                     outb = torch.empty_like(q)
                     best = None
-                    for cfg in configs:
-                        calls = [lambda t=t, c=cfg: span_attention_decode(
+                    for cfg in configs[impl]:
+                        calls = [lambda t=t, c=cfg: decode(
                             q, kp, vp, t, q_pos, F.kv_type(kn).ggml_id, F.kv_type(vn).ggml_id,
                             256, d ** -0.5, out=outb, **c) for t in tables] * 5
                         ms = graph_ms(calls)
@@ -112,7 +114,7 @@ def bench_decode(hbm, rows_list, contexts, configs):
                             best = (ms, cfg)
                     ms, cfg = best
                     gbps = kv_bytes / (ms * 1e-3) / 1e9
-                    out.append(dict(kernel="decode", kv_type=f"{kn}/{vn}", context=n_ctx,
+                    out.append(dict(kernel="decode", impl=impl, kv_type=f"{kn}/{vn}", context=n_ctx,
                                     q_rows=rows, n_kv_heads=n_kv, head_dim=d, n_q_heads=n_q,
                                     ms=ms, gbps=gbps, hbm_gbps_measured=hbm,
                                     frac_of_hbm=gbps / hbm, kv_bytes=kv_bytes, config=cfg))
@@ -187,7 +189,7 @@ def fmt(r: dict) -> str:
     val = f"{r['gbps']:8.0f} GB/s" if "gbps" in r else f"{r['tflops']:8.1f} TFLOP/s"
     extra = f" {r['frac_of_hbm']:.2f} of HBM" if "frac_of_hbm" in r else ""
     extra += f" {r['vs_sdpa']:.2f}x SDPA" if "vs_sdpa" in r else ""
-    return (f"{r['kernel']:8s} {r['kv_type']:10s} Hkv{r['n_kv_heads']}xD{r['head_dim']:<4d} "
+    return (f"{r['kernel']:8s} {r.get('impl', ''):6s} {r['kv_type']:10s} Hkv{r['n_kv_heads']}xD{r['head_dim']:<4d} "
             f"ctx {r['context']:7d} rows {r['q_rows']:6d} {r['ms']:9.4f} ms {val}{extra}")
 
 
@@ -198,6 +200,10 @@ def main() -> None:
     ap.add_argument("--parts", default="decode,prefill,kv_write")
     ap.add_argument("--pairs", default="q8_0/q4_0,bf16/bf16", help="K/V type pairs")
     ap.add_argument("--rows", default="1,8", help="decode query rows")
+    ap.add_argument("--impls", default=DECODE_IMPL,
+                    help="decode implementations to time, e.g. legacy,blocks (rows tagged impl)")
+    ap.add_argument("--decode-only", action="store_true", help="same as --parts decode")
+    ap.add_argument("--contexts", default="", help="decode contexts, e.g. 32768,131072")
     args = ap.parse_args()
     KV_PAIRS[:] = [tuple(p.split("/")) for p in args.pairs.split(",")]
     torch.manual_seed(0)
@@ -207,12 +213,17 @@ def main() -> None:
           flush=True)
     hbm = bw["hbm_gbps_measured"]
     rows = []
-    parts = args.parts.split(",")
+    parts = ["decode"] if args.decode_only else args.parts.split(",")
     if "decode" in parts:
         ctxs = [32768] if args.quick else [32768, 131072, 262144]
+        if args.contexts:
+            ctxs = [int(c) for c in args.contexts.split(",")]
         dcfg = [dict(block_n=b, num_warps=w, programs_per_sm=p)
                 for b, w, p in ((32, 4, 2), (64, 4, 2), (32, 4, 4), (64, 8, 4))]
-        rows += bench_decode(hbm, [int(r) for r in args.rows.split(",")], ctxs, dcfg)
+        # blocks: its own defaults first (block_n / warps sized to the batched Q.K partials)
+        dcfg = {"legacy": dcfg, "blocks": [{}] + dcfg[:2] + dcfg[3:]}
+        rows += bench_decode(hbm, [int(r) for r in args.rows.split(",")], ctxs, dcfg,
+                             args.impls.split(","))
     if "prefill" in parts:
         pcfg = {128: [dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
                       dict(block_m=128, block_n=128, num_warps=8, num_stages=2),

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 def run(job: dict) -> dict:
     from kvcompile.ops.kv_write.triton_kernel import kv_write_triton
-    from kvcompile.ops.span_attention.decode_kernel import span_attention_decode
+    from kvcompile.ops.span_attention.decode_blocks import decode_launcher
     from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
 
     a, opts = job["args"], job.get("opts", {})
@@ -25,7 +25,11 @@ def run(job: dict) -> dict:
         kv_write_triton(kp, vp, a["k_new"], a["v_new"], a["slots"], a["k_type"], a["v_type"],
                         a["page_size"])
         return {"k_pool": kp, "v_pool": vp}
-    fn = span_attention_decode if job["kind"] == "decode" else span_attention_prefill
+    if job["kind"] == "decode":
+        opts = dict(opts)
+        fn = decode_launcher(opts.pop("impl", None))
+    else:
+        fn = span_attention_prefill
     out = torch.empty(a["q"].shape, dtype=torch.float32)
     fn(a["q"], a["k_pool"], a["v_pool"], a["page_table"], a["q_pos"], a["k_type"],
        a["v_type"], a["page_size"], a["scale"], out=out, **opts)

@@ -18,6 +18,7 @@ from kernel_oracle import (PAIRS, dense_reference, fill_pools, fresh_seed, place
                            rel_err, run_interpreted)
 from kvcompile.errors import KvLayoutError
 from kvcompile.ops import kv_format as F
+from kvcompile.ops.span_attention.decode_blocks import DECODE_IMPL
 
 TOL = 1e-3
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -93,6 +94,16 @@ INTERP += [
     ("prefill-scattered-rows-long-table", "prefill", "q8_0", "bf16", 90, 24, 64, 2, 2, 16,
      torch.bfloat16, ALL3, dict(SMALL, block_m=16), dict(scattered_rows=True, table_pad=5)),
 ]
+# the "blocks" decode implementation (quantized K / V block by block) on every decode case
+OPTS = 12   # index of the launcher options in a case
+
+
+def _blocks(case):
+    return (case[0] + "-blocks", *case[1:OPTS], dict(case[OPTS], impl="blocks"),
+            *case[OPTS + 1:])
+
+
+INTERP += [_blocks(c) for c in INTERP if c[1] == "decode"]
 INTERP_IDS = [c[0] for c in INTERP]
 
 
@@ -131,14 +142,20 @@ def test_interpreted_kernel_exact_and_placement_independent(interp_runs, case):
 # ---- GPU -----------------------------------------------------------------------------------
 
 def run_gpu(kernel, a, out_dtype=torch.float32):
-    from kvcompile.ops.span_attention.decode_kernel import span_attention_decode
+    """kernel: "decode" (the op's default implementation), "decode-legacy",
+    "decode-blocks" or "prefill"."""
+    from kvcompile.ops.span_attention.decode_blocks import decode_launcher
     from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
-    fn = span_attention_decode if kernel == "decode" else span_attention_prefill
+    if kernel.startswith("decode"):
+        fn = decode_launcher(kernel.partition("-")[2] or None)
+    else:
+        fn = span_attention_prefill
     out = torch.empty(a["q"].shape, dtype=out_dtype, device="cuda")
     return fn(**a, out=out)
 
 
-GPU_PLACE = [(kn, vn, kernel, rows) for kn, vn in PAIRS for kernel in ("decode", "prefill")
+DECODES = ("decode-legacy", "decode-blocks")
+GPU_PLACE = [(kn, vn, kernel, rows) for kn, vn in PAIRS for kernel in DECODES + ("prefill",)
              for rows in (1, 2, 4, 8)]
 
 
@@ -162,7 +179,7 @@ def test_gpu_placement_independence(k_name, v_name, kernel, rows):
     print(f"D{d} ctx {n_ctx} q {qd}: bitwise equal {same}, max rel err vs fp64 {err:.2e}")
     assert all(same.values())
     assert err <= TOL
-    if kernel == "decode":   # the op's own dtype: the fp32 result rounded once
+    if kernel == "decode-" + DECODE_IMPL:   # the op: the fp32 result rounded once
         table, kp, vp = placed["ring_wrap"]
         a = args_of(k_name, v_name, q, q_pos, table, kp, vp, 256)
         assert torch.equal(torch.ops.kvcompile.span_attention(**a), outs["resident"].to(qd))
@@ -171,7 +188,7 @@ def test_gpu_placement_independence(k_name, v_name, kernel, rows):
 GPU_EXACT = [(kn, vn, qd, kernel, n_ctx)
              for kn, vn, qd in (("bf16", "bf16", torch.bfloat16), ("q8_0", "q4_0", torch.bfloat16),
                                 ("f16", "f16", torch.float16), ("q4_0", "q8_0", torch.float16))
-             for kernel in ("decode", "prefill")
+             for kernel in DECODES + ("prefill",)
              for n_ctx in (1, 255, 257, 4109, 32845, 131072)]
 
 
@@ -182,7 +199,7 @@ GPU_EXACT = [(kn, vn, qd, kernel, n_ctx)
                               for k, v, q, ker, n in GPU_EXACT])
 def test_gpu_exact_long_context(k_name, v_name, q_dtype, kernel, n_ctx):
     gen = torch.Generator().manual_seed(fresh_seed())
-    rows = min(n_ctx, 8 if kernel == "decode" else 200)
+    rows = min(n_ctx, 8 if kernel.startswith("decode") else 200)
     d = 128 if "q4_0" in (k_name, v_name) else 256
     q, q_pos, placed = build(k_name, v_name, n_ctx, rows, d, 4, 2, 256, q_dtype, gen,
                              ("ring_wrap",), "cuda")

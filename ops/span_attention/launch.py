@@ -54,9 +54,10 @@ def query_operand(q: torch.Tensor, qk_f16: int) -> torch.Tensor:
 _VIEW = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16, 8: torch.int8, 2: torch.uint8}
 
 
-def pool_args(pool: torch.Tensor, g: PageGeometry):
-    """(typed view, fp16 view, page elems, page halves, code halves) for load_tile."""
-    vals = pool.view(_VIEW[g.kv_type])
+def pool_args(pool: torch.Tensor, g: PageGeometry, raw_codes: bool = False):
+    """(typed view, fp16 view, page elems, page halves, code halves) for load_tile;
+    raw_codes: quantized pools stay uint8 (quant_blocks reads code bytes)."""
+    vals = pool if raw_codes and g.kv_type in (2, 8) else pool.view(_VIEW[g.kv_type])
     return (vals, pool.view(torch.float16), g.page_bytes // vals.element_size(),
             g.page_bytes // 2, g.code_bytes // 2)
 

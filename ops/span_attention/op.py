@@ -15,7 +15,7 @@ import torch
 
 from kvcompile.errors import KvLayoutError
 from kvcompile.ops import kv_format as F
-from kvcompile.ops.span_attention.decode_kernel import span_attention_decode
+from kvcompile.ops.span_attention.decode_blocks import decode_launcher
 from kvcompile.ops.span_attention.naive import span_attention_naive
 from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
 
@@ -71,7 +71,8 @@ def span_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         raise KvLayoutError(f"the CUDA span_attention supports head dims "
                             f"{F.SUPPORTED_HEAD_DIMS}, got {q.shape[2]}")
     if q.shape[0] <= DECODE_MAX_ROWS:
-        return span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
-                                     page_size, scale)
+        # legacy or blocks (KVCOMPILE_DECODE_IMPL, read once at import)
+        return decode_launcher()(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
+                                 page_size, scale)
     return span_attention_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
                                   page_size, scale)

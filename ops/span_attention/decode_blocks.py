@@ -1,0 +1,170 @@
+"""span_attention decode, "blocks" implementation: the split kernel of decode_kernel with
+quantized K / V consumed block by block (quant_blocks), float pages as before.
+
+Same split by logical position and the same reduce kernel, so placement independence and
+chunking are unchanged; only the per-tile math differs (see quant_blocks for why).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcompile.ops.span_attention.decode_kernel import (LOG2E, PROGRAMS_PER_SM, _decode_reduce,
+                                                        decode_chunking, span_attention_decode)
+from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, interpreting, k_split,
+                                                 launchable, num_sms, page_geometry, pool_args,
+                                                 query_operand)
+from kvcompile.ops.span_attention.paged_tile import load_tile, qk_scores, v_operand
+from kvcompile.ops.span_attention.quant_blocks import (load_query_blocks, qk_blocks, v_blocks,
+                                                       value_columns)
+
+
+@triton.jit
+def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
+                         m_ptr, l_ptr, acc_ptr, stride_qt, stride_qh, n_rows, n_chunks,
+                         chunk_len, table_len, k_page_elems, k_page_halves, k_code_halves,
+                         v_page_elems, v_page_halves, v_code_halves, QK_SCALE: tl.constexpr,
+                         G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QK_F16: tl.constexpr,
+                         K_SPLIT: tl.constexpr, INTERP: tl.constexpr):
+    KQ: tl.constexpr = K_TYPE == 2 or K_TYPE == 8
+    V4: tl.constexpr = V_TYPE == 2
+    VQ: tl.constexpr = V_TYPE == 2 or V_TYPE == 8
+    DA: tl.constexpr = D // 2 if V4 else D        # accumulator widths (q4_0: two halves)
+    DB: tl.constexpr = D // 2 if V4 else 16
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    r = tl.arange(0, BLOCK_M)
+    t = r // G
+    row_ok = t < n_rows
+    qp = tl.load(q_pos_ptr + t, mask=row_ok, other=-1)
+    n_ctx = tl.minimum(tl.max(qp, 0) + 1, table_len * P)
+    start = c * chunk_len
+    end = tl.minimum(start + chunk_len, n_ctx)  # start >= end: chunk past the context
+    qrow = q_ptr + t.to(tl.int64) * stride_qt + (h * G + r % G) * stride_qh
+    if KQ:
+        qa = load_query_blocks(qrow, row_ok, D // 32, 32 if K_TYPE == 8 else 16, 0)
+        qb = load_query_blocks(qrow, row_ok, D // 32, 16, 1)
+    else:
+        d = tl.arange(0, D)
+        q = tl.load(qrow[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc_a = tl.zeros([BLOCK_M, DA], tl.float32)
+    acc_b = tl.zeros([BLOCK_M, DB], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        off = n0 % P + tl.arange(0, BLOCK_N)
+        pos = n0 + tl.arange(0, BLOCK_N)
+        live = pos < end
+        phys = tl.load(page_table + n0 // P).to(tl.int64)
+        if KQ:
+            s = qk_blocks(qa, qb, k_vals, k_scl, phys, h * P + off, live, k_page_elems,
+                          k_page_halves, k_code_halves, D, K_TYPE)
+        else:
+            k = load_tile(k_vals, k_scl, phys, h, off, live, k_page_elems, k_page_halves,
+                          k_code_halves, BLOCK_N, P, D, K_TYPE)
+            s = qk_scores(q, k, K_SPLIT, QK_F16, INTERP)
+        s = s * QK_SCALE
+        s = tl.where(pos[None, :] <= qp[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p16 = p.to(tl.float16)
+        if VQ:
+            va, vb = v_blocks(v_vals, v_scl, phys, h * P + off, live, v_page_elems,
+                              v_page_halves, v_code_halves, BLOCK_N, D, V_TYPE)
+            acc_a = tl.dot(p16, va, acc_a * alpha[:, None])
+            if V4:
+                acc_b = tl.dot(p16, vb, acc_b * alpha[:, None])
+        else:
+            v = load_tile(v_vals, v_scl, phys, h, off, live, v_page_elems, v_page_halves,
+                          v_code_halves, BLOCK_N, P, D, V_TYPE)
+            acc_a = tl.dot(p16, v_operand(v, V_TYPE), acc_a * alpha[:, None])
+        m_i = m_new
+    mrows = n_rows * G
+    slot = (h * n_chunks + c) * mrows + r
+    ok = (r < mrows) & (start < n_ctx)
+    tl.store(m_ptr + slot, m_i, mask=ok)
+    tl.store(l_ptr + slot, l_i, mask=ok)
+    base = acc_ptr + slot.to(tl.int64)[:, None] * D
+    tl.store(base + value_columns(DA, 0 if V4 else -1)[None, :], acc_a, mask=ok[:, None])
+    if V4:
+        tl.store(base + value_columns(DB, 1)[None, :], acc_b, mask=ok[:, None])
+
+
+def blocks_config(head_dim: int, block_m: int) -> tuple[int, int]:
+    """(block_n, num_warps): the batched Q.K partials [D/32, M, N] fp32 stay near 64
+    registers a thread."""
+    num_warps = 4 if block_m <= 16 else 8
+    budget = 64 * 32 * num_warps
+    block_n = max(16, min(64, budget // ((head_dim // 32) * block_m)))
+    return block_n, num_warps
+
+
+def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
+                                 page_size, scale, out=None, chunk_len=None, block_n=None,
+                                 num_warps=None, num_stages=None,
+                                 programs_per_sm=PROGRAMS_PER_SM):
+    """Same contract as decode_kernel.span_attention_decode."""
+    check_launch(q, k_pool, v_pool, page_table, q_pos, page_size)
+    n_rows, n_q_heads, head_dim = q.shape
+    kg = page_geometry(k_pool, k_type, page_size, head_dim)
+    vg = page_geometry(v_pool, v_type, page_size, head_dim)
+    n_kv = kg.n_heads
+    group = n_q_heads // n_kv
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(2) == 1, "out must be [T, Hq, D], last dim dense"
+    mrows = n_rows * group
+    block_m = max(16, triton.next_power_of_2(mrows))
+    bn, nw = blocks_config(head_dim, block_m)
+    block_n = min(block_n or bn, page_size)
+    assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
+    table_len = page_table.shape[0]
+    if chunk_len is None:
+        chunk_len, n_chunks = decode_chunking(table_len, page_size, n_kv, block_n,
+                                              num_sms(q.device), programs_per_sm)
+    else:
+        assert chunk_len % block_n == 0, "chunk_len must be a multiple of block_n"
+        n_chunks = math.ceil(table_len * page_size / chunk_len)
+    dev = q.device
+    m_buf = torch.empty((n_kv, n_chunks, mrows), device=dev, dtype=torch.float32)
+    l_buf = torch.empty_like(m_buf)
+    acc_buf = torch.empty((n_kv, n_chunks, mrows, head_dim), device=dev, dtype=torch.float32)
+    qk_f16 = dot_mode(q.dtype, kg.kv_type)
+    q16 = query_operand(q, qk_f16)
+    kv, ks, kpe, kph, kch = pool_args(k_pool, kg, raw_codes=True)
+    vv, vs, vpe, vph, vch = pool_args(v_pool, vg, raw_codes=True)
+    launchable(_decode_split_blocks)[(n_chunks, n_kv)](
+        q16, kv, ks, vv, vs, page_table, q_pos, m_buf, l_buf, acc_buf,
+        q16.stride(0), q16.stride(1), n_rows, n_chunks, chunk_len, table_len,
+        kpe, kph, kch, vpe, vph, vch,
+        QK_SCALE=scale * LOG2E, G=group, D=head_dim, P=page_size, BLOCK_M=block_m,
+        BLOCK_N=block_n, K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16,
+        K_SPLIT=k_split(kg.kv_type), INTERP=interpreting(),
+        num_warps=num_warps or nw, num_stages=num_stages or 2)
+    launchable(_decode_reduce)[(n_kv, mrows)](
+        m_buf, l_buf, acc_buf, q_pos, out, out.stride(0), out.stride(1),
+        n_rows, n_chunks, chunk_len, table_len,
+        G=group, D=head_dim, P=page_size, ROWS_P2=max(2, triton.next_power_of_2(n_rows)),
+        BLOCK_C=16, num_warps=4)
+    return out
+
+
+DECODE_IMPLS = {"legacy": span_attention_decode, "blocks": span_attention_decode_blocks}
+# The op's decode kernel; KVCOMPILE_DECODE_IMPL=legacy|blocks, read once at import.
+DECODE_IMPL = os.environ.get("KVCOMPILE_DECODE_IMPL", "legacy")
+if DECODE_IMPL not in DECODE_IMPLS:
+    raise ValueError(f"KVCOMPILE_DECODE_IMPL={DECODE_IMPL!r}; use one of {sorted(DECODE_IMPLS)}")
+
+
+def decode_launcher(impl: str | None = None):
+    """The decode launcher of `impl` (default: DECODE_IMPL)."""
+    return DECODE_IMPLS[impl or DECODE_IMPL]
