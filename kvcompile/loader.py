@@ -43,6 +43,13 @@ def load_model(model=None, *, device: str | torch.device = "cpu",
         raise UnsupportedModelError(
             f"architecture {weights.config.arch!r} has no model class; supported: "
             f"{', '.join(sorted(classes))}")
-    tokenizer = Tokenizer.from_metadata(weights.metadata)
+    meta = weights.metadata
+    if weights.source == "hf":                # HF folders keep the vocabulary in tokenizer.json
+        from pathlib import Path
+
+        from kvcompile.tokenizer.hf_json import hf_tokenizer_metadata
+        folder = Path(path) if Path(path).is_dir() else Path(path).parent
+        meta = hf_tokenizer_metadata(folder)
+    tokenizer = Tokenizer.from_metadata(meta)
     module = cls.from_weights(weights.config, weights.tensors, dtype=dtype, device=device)
-    return LoadedModel(path, weights.config, weights.metadata, tokenizer, module.eval())
+    return LoadedModel(path, weights.config, meta, tokenizer, module.eval())
