@@ -19,8 +19,7 @@ from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, interpr
                                                  launchable, num_sms, page_geometry, pool_args,
                                                  query_operand)
 from kvcompile.ops.span_attention.paged_tile import load_tile, qk_scores, v_operand
-from kvcompile.ops.span_attention.quant_blocks import (load_query_blocks, qk_blocks, v_blocks,
-                                                       value_columns)
+from kvcompile.ops.span_attention.quant_blocks import qk_blocks, v_blocks, value_columns
 
 
 @triton.jit
@@ -47,10 +46,7 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
     start = c * chunk_len
     end = tl.minimum(start + chunk_len, n_ctx)  # start >= end: chunk past the context
     qrow = q_ptr + t.to(tl.int64) * stride_qt + (h * G + r % G) * stride_qh
-    if KQ:
-        qa = load_query_blocks(qrow, row_ok, D // 32, 32 if K_TYPE == 8 else 16, 0)
-        qb = load_query_blocks(qrow, row_ok, D // 32, 16, 1)
-    else:
+    if not KQ:
         d = tl.arange(0, D)
         q = tl.load(qrow[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -63,8 +59,8 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
         live = pos < end
         phys = tl.load(page_table + n0 // P).to(tl.int64)
         if KQ:
-            s = qk_blocks(qa, qb, k_vals, k_scl, phys, h * P + off, live, k_page_elems,
-                          k_page_halves, k_code_halves, D, K_TYPE)
+            s = qk_blocks(qrow, row_ok, k_vals, k_scl, phys, h * P + off, live, k_page_elems,
+                          k_page_halves, k_code_halves, BLOCK_M, BLOCK_N, D, K_TYPE)
         else:
             k = load_tile(k_vals, k_scl, phys, h, off, live, k_page_elems, k_page_halves,
                           k_code_halves, BLOCK_N, P, D, K_TYPE)

@@ -26,42 +26,6 @@ def byte_to_f16(u, BIAS: tl.constexpr):
 
 
 @triton.jit
-def load_query_blocks(qrow, row_ok, NB: tl.constexpr, W: tl.constexpr, HALF: tl.constexpr):
-    """q [NB, M, W] with [b, m, j] = q[m, 32 b + 16 HALF + j] (qrow: [M] row pointers)."""
-    b = tl.arange(0, NB)
-    j = tl.arange(0, W)
-    ptr = qrow[None, :, None] + (b * 32 + HALF * 16)[:, None, None] + j[None, None, :]
-    return tl.load(ptr, mask=row_ok[None, :, None], other=0.0)
-
-
-@triton.jit
-def qk_blocks(qa, qb, vals, scl, phys, row, mask, page_elems, page_halves, code_halves,
-              D: tl.constexpr, K_TYPE: tl.constexpr):
-    """Scores [M, N] (fp32, before the softmax scale) of the query blocks qa (q8_0: all 32
-    values of each block; q4_0: values 0..15) and qb (q4_0: values 16..31) against the
-    K rows `row` (head * P + position in page) of physical page `phys`. `vals` is the
-    pool as uint8, `scl` as fp16. Masked rows have codes and scales 0."""
-    NB: tl.constexpr = D // 32
-    b = tl.arange(0, NB)
-    m3 = mask[None, None, :]
-    base = vals + phys * page_elems
-    if K_TYPE == 8:
-        j = tl.arange(0, 32)
-        ptr = base + row[None, None, :] * D + (b * 32)[:, None, None] + j[None, :, None]
-        c = tl.load(ptr, mask=m3, other=0)                          # [NB, 32, N]
-        part = tl.dot(qa, byte_to_f16(c ^ 0x80, 128))               # int8 bits: u - 128
-    else:
-        j = tl.arange(0, 16)
-        ptr = base + row[None, None, :] * (D // 2) + (b * 16)[:, None, None] + j[None, :, None]
-        byte = tl.load(ptr, mask=m3, other=0x88)                    # [NB, 16, N]
-        part = tl.dot(qa, byte_to_f16(byte & 15, 8))
-        part = tl.dot(qb, byte_to_f16(byte >> 4, 8), part)
-    s = tl.load(scl + phys * page_halves + code_halves + row[None, None, :] * NB
-                + b[:, None, None], mask=m3, other=0.0)             # [NB, 1, N]
-    return tl.sum(part * s.to(tl.float32), 0)
-
-
-@triton.jit
 def v_blocks(vals, scl, phys, row, mask, page_elems, page_halves, code_halves,
              BLOCK_N: tl.constexpr, D: tl.constexpr, V_TYPE: tl.constexpr):
     """fp16 V operands (a, b): q8_0: a = [N, D] rows in value order, b unused (= a);
@@ -69,20 +33,19 @@ def v_blocks(vals, scl, phys, row, mask, page_elems, page_halves, code_halves,
     high ones (value 32 k + 16 + j). Each is code * scale, one rounding."""
     NB: tl.constexpr = D // 32
     b = tl.arange(0, NB)
-    m3 = mask[:, None, None]
     base = vals + phys * page_elems
     s = tl.load(scl + phys * page_halves + code_halves + row[:, None] * NB + b[None, :],
                 mask=mask[:, None], other=0.0)[:, :, None]          # [N, NB, 1]
     if V_TYPE == 8:
         j = tl.arange(0, 32)
         ptr = base + row[:, None, None] * D + (b * 32)[None, :, None] + j[None, None, :]
-        c = tl.load(ptr, mask=m3, other=0)
+        c = tl.load(ptr)                                            # unmasked: scale 0
         va = tl.reshape(byte_to_f16(c ^ 0x80, 128) * s, (BLOCK_N, D))
         vb = va
     else:
         j = tl.arange(0, 16)
         ptr = base + row[:, None, None] * (D // 2) + (b * 16)[None, :, None] + j[None, None, :]
-        byte = tl.load(ptr, mask=m3, other=0x88)
+        byte = tl.load(ptr)
         va = tl.reshape(byte_to_f16(byte & 15, 8) * s, (BLOCK_N, D // 2))
         vb = tl.reshape(byte_to_f16(byte >> 4, 8) * s, (BLOCK_N, D // 2))
     return va, vb
@@ -97,3 +60,36 @@ def value_columns(W: tl.constexpr, HALF: tl.constexpr):
         return k
     else:
         return (k // 16) * 32 + HALF * 16 + k % 16
+
+
+@triton.jit
+def qk_blocks(qrow, row_ok, vals, scl, phys, row, mask, page_elems, page_halves, code_halves,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+               K_TYPE: tl.constexpr):
+    """Scores [M, N] (fp32, before the softmax scale) of the query rows `qrow` (pointers,
+    fp16) against K rows `row` (head * P + position in page) of physical page `phys`:
+    one dot per 32-value block (the query block is re-read from L1; a batched 3-D dot put
+    the blocks across warps and replicated the softmax), times the block's scale.
+    `vals` is the pool as uint8, `scl` as fp16. Codes are read unmasked (rows past the
+    context lie inside the page and have their scale masked to 0)."""
+    NB: tl.constexpr = D // 32
+    base = vals + phys * page_elems
+    sbase = scl + phys * page_halves + code_halves + row * NB
+    s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for b in tl.static_range(NB):
+        sc = tl.load(sbase + b, mask=mask, other=0.0).to(tl.float32)
+        if K_TYPE == 8:
+            j = tl.arange(0, 32)
+            c = tl.load(base + row[None, :] * D + b * 32 + j[:, None])          # [32, N]
+            qb = tl.load(qrow[:, None] + b * 32 + j[None, :], mask=row_ok[:, None], other=0.0)
+            part = tl.dot(qb, byte_to_f16(c ^ 0x80, 128))
+        else:
+            j = tl.arange(0, 16)
+            byte = tl.load(base + row[None, :] * (D // 2) + b * 16 + j[:, None])
+            qa = tl.load(qrow[:, None] + b * 32 + j[None, :], mask=row_ok[:, None], other=0.0)
+            qb = tl.load(qrow[:, None] + b * 32 + 16 + j[None, :], mask=row_ok[:, None],
+                         other=0.0)
+            part = tl.dot(qa, byte_to_f16(byte & 15, 8))
+            part = tl.dot(qb, byte_to_f16(byte >> 4, 8), part)
+        s += part * sc[None, :]
+    return s
