@@ -60,7 +60,7 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
         phys = tl.load(page_table + n0 // P).to(tl.int64)
         if KQ:
             s = qk_blocks(qrow, row_ok, k_vals, k_scl, phys, h * P + off, live, k_page_elems,
-                          k_page_halves, k_code_halves, BLOCK_M, BLOCK_N, D, K_TYPE)
+                          k_page_halves, k_code_halves, BLOCK_M, BLOCK_N, D, K_TYPE, INTERP)
         else:
             k = load_tile(k_vals, k_scl, phys, h, off, live, k_page_elems, k_page_halves,
                           k_code_halves, BLOCK_N, P, D, K_TYPE)
@@ -75,7 +75,7 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
         p16 = p.to(tl.float16)
         if VQ:
             va, vb = v_blocks(v_vals, v_scl, phys, h * P + off, live, v_page_elems,
-                              v_page_halves, v_code_halves, BLOCK_N, D, V_TYPE)
+                              v_page_halves, v_code_halves, BLOCK_N, D, V_TYPE, INTERP)
             acc_a = tl.dot(p16, va, acc_a * alpha[:, None])
             if V4:
                 acc_b = tl.dot(p16, vb, acc_b * alpha[:, None])
@@ -95,20 +95,19 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
         tl.store(base + value_columns(DB, 1)[None, :], acc_b, mask=ok[:, None])
 
 
-def blocks_config(head_dim: int, block_m: int) -> tuple[int, int]:
-    """(block_n, num_warps): the batched Q.K partials [D/32, M, N] fp32 stay near 64
-    registers a thread."""
+def blocks_config(head_dim: int, block_m: int, k_quantized: bool) -> tuple[int, int]:
+    """(block_n, num_warps): quantized K tiles are 2-4x fewer bytes, so 64 positions a
+    tile amortize the softmax; float K keeps decode_kernel's choice."""
     num_warps = 4 if block_m <= 16 else 8
-    budget = 64 * 32 * num_warps
-    block_n = max(16, min(64, budget // ((head_dim // 32) * block_m)))
-    return block_n, num_warps
+    return (64 if k_quantized or head_dim <= 128 else 32), num_warps
 
 
 def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
                                  page_size, scale, out=None, chunk_len=None, block_n=None,
                                  num_warps=None, num_stages=None,
-                                 programs_per_sm=PROGRAMS_PER_SM):
-    """Same contract as decode_kernel.span_attention_decode."""
+                                 programs_per_sm=PROGRAMS_PER_SM, maxnreg=None):
+    """Same contract as decode_kernel.span_attention_decode; `maxnreg` caps registers a
+    thread (more programs resident per SM)."""
     check_launch(q, k_pool, v_pool, page_table, q_pos, page_size)
     n_rows, n_q_heads, head_dim = q.shape
     kg = page_geometry(k_pool, k_type, page_size, head_dim)
@@ -120,7 +119,7 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
     assert out.shape == q.shape and out.stride(2) == 1, "out must be [T, Hq, D], last dim dense"
     mrows = n_rows * group
     block_m = max(16, triton.next_power_of_2(mrows))
-    bn, nw = blocks_config(head_dim, block_m)
+    bn, nw = blocks_config(head_dim, block_m, kg.kv_type in (2, 8))
     block_n = min(block_n or bn, page_size)
     assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
     table_len = page_table.shape[0]
@@ -145,7 +144,8 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
         QK_SCALE=scale * LOG2E, G=group, D=head_dim, P=page_size, BLOCK_M=block_m,
         BLOCK_N=block_n, K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16,
         K_SPLIT=k_split(kg.kv_type), INTERP=interpreting(),
-        num_warps=num_warps or nw, num_stages=num_stages or 2)
+        num_warps=num_warps or nw, num_stages=num_stages or 2,
+        **({"maxnreg": maxnreg} if maxnreg else {}))
     launchable(_decode_reduce)[(n_kv, mrows)](
         m_buf, l_buf, acc_buf, q_pos, out, out.stride(0), out.stride(1),
         n_rows, n_chunks, chunk_len, table_len,
