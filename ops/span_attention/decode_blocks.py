@@ -97,9 +97,12 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
 
 def blocks_config(head_dim: int, block_m: int, k_quantized: bool) -> tuple[int, int]:
     """(block_n, num_warps): quantized K tiles are 2-4x fewer bytes, so 64 positions a
-    tile amortize the softmax; float K keeps decode_kernel's choice."""
+    tile amortize the softmax, except for wide verify (64 query rows x 64 positions ran
+    out of registers); float K keeps decode_kernel's choice."""
     num_warps = 4 if block_m <= 16 else 8
-    return (64 if k_quantized or head_dim <= 128 else 32), num_warps
+    if k_quantized:
+        return (64 if block_m <= 32 else 32), num_warps
+    return (64 if head_dim <= 128 else 32), num_warps
 
 
 def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
