@@ -27,7 +27,7 @@ import torch.nn.functional as Fn
 
 import kvcompile.ops  # noqa: F401
 from kvcompile.ops import kv_format as F
-from kvcompile.ops.span_attention.decode_blocks import DECODE_IMPL, decode_launcher
+from kvcompile.ops.span_attention.decode_blocks import decode_launcher
 from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
 
 GEOMS = [(4, 256, 24), (8, 128, 32)]            # (KV heads, head dim, q heads)
@@ -93,7 +93,7 @@ def make_pools(k_name, v_name, n_ctx, n_kv, d, copies, page=256):
     return kp, vp, tables, kv_bytes
 
 
-def bench_decode(hbm, rows_list, contexts, configs, impls=(DECODE_IMPL,)):
+def bench_decode(hbm, rows_list, contexts, configs, impls=("legacy", "blocks")):
     out = []
     for n_kv, d, n_q in GEOMS:
         for kn, vn in KV_PAIRS:
@@ -210,7 +210,7 @@ def main() -> None:
     ap.add_argument("--parts", default="decode,prefill,kv_write")
     ap.add_argument("--pairs", default="q8_0/q4_0,bf16/bf16", help="K/V type pairs")
     ap.add_argument("--rows", default="1,8", help="decode query rows")
-    ap.add_argument("--impls", default=DECODE_IMPL,
+    ap.add_argument("--impls", default="legacy,blocks",
                     help="decode implementations to time, e.g. legacy,blocks (rows tagged impl)")
     ap.add_argument("--decode-only", action="store_true", help="same as --parts decode")
     ap.add_argument("--contexts", default="", help="decode contexts, e.g. 32768,131072")

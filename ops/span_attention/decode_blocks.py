@@ -158,12 +158,22 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
 
 
 DECODE_IMPLS = {"legacy": span_attention_decode, "blocks": span_attention_decode_blocks}
-# The op's decode kernel; KVCOMPILE_DECODE_IMPL=legacy|blocks, read once at import.
-DECODE_IMPL = os.environ.get("KVCOMPILE_DECODE_IMPL", "legacy")
-if DECODE_IMPL not in DECODE_IMPLS:
-    raise ValueError(f"KVCOMPILE_DECODE_IMPL={DECODE_IMPL!r}; use one of {sorted(DECODE_IMPLS)}")
+# The op's decode kernel; KVCOMPILE_DECODE_IMPL=auto|legacy|blocks, read once at import.
+DECODE_IMPL = os.environ.get("KVCOMPILE_DECODE_IMPL", "auto")
+if DECODE_IMPL not in (*DECODE_IMPLS, "auto"):
+    raise ValueError(f"KVCOMPILE_DECODE_IMPL={DECODE_IMPL!r}; use auto or one of "
+                     f"{sorted(DECODE_IMPLS)}")
+# auto: blocks while all query rows of a KV head fit one 16-row MMA tile and a page is
+# quantized; measured on the H200 (benchmarks/results/attention_decode.json) it beats legacy
+# there (0.23 -> 0.37 of HBM at 1 row) and loses at 8 rows x 6 heads (0.15 -> 0.08).
+BLOCKS_MAX_ROWS_PER_KV_HEAD = 16
 
 
-def decode_launcher(impl: str | None = None):
-    """The decode launcher of `impl` (default: DECODE_IMPL)."""
-    return DECODE_IMPLS[impl or DECODE_IMPL]
+def decode_launcher(impl: str | None = None, rows_per_kv_head: int = 1,
+                    quantized: bool = True):
+    """The decode launcher of `impl` (default: DECODE_IMPL; auto picks by shape)."""
+    impl = impl or DECODE_IMPL
+    if impl == "auto":
+        fits = rows_per_kv_head <= BLOCKS_MAX_ROWS_PER_KV_HEAD
+        impl = "blocks" if quantized and fits else "legacy"
+    return DECODE_IMPLS[impl]

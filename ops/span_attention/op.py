@@ -71,8 +71,10 @@ def span_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         raise KvLayoutError(f"the CUDA span_attention supports head dims "
                             f"{F.SUPPORTED_HEAD_DIMS}, got {q.shape[2]}")
     if q.shape[0] <= DECODE_MAX_ROWS:
-        # legacy or blocks (KVCOMPILE_DECODE_IMPL, read once at import)
-        return decode_launcher()(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
-                                 page_size, scale)
+        # legacy or blocks by shape (KVCOMPILE_DECODE_IMPL overrides, read once at import)
+        group = q.shape[1] // F.n_kv_heads_of(k_pool, F.kv_type(k_type), page_size, q.shape[2])
+        quantized = F.kv_type(k_type).quantized or F.kv_type(v_type).quantized
+        launch = decode_launcher(rows_per_kv_head=q.shape[0] * group, quantized=quantized)
+        return launch(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, scale)
     return span_attention_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
                                   page_size, scale)
