@@ -85,29 +85,37 @@ def test_compiled_forward_matches_eager(smollm2_path):
 
 def test_compiled_quantized_kv_with_dynamic_shapes():
     """q8_0 K / q4_0 V (Hadamard-rotated rows) under dynamic=True on a tiny random model:
-    the page-format ints stay constants (no SymInt reaches the ops' format checks), tokens
-    equal eager, and a second generation reuses the compiled graphs."""
+    the page-format ints stay constants (no SymInt reaches the ops' format checks), logits
+    equal eager's up to quantization, and a second generation reuses the compiled graphs.
+
+    Teacher-forced (every forward sees the same tokens): inductor's fused rope/matmul can
+    move a K or V value across a q4_0 rounding boundary, which changes its code and the
+    logits by up to a quantization step, so the comparison must not feed back its argmax."""
     from test_kv_cache import TINY, tiny_weights
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
     model = LlamaModel.from_weights(TINY, tiny_weights(TINY, g))
     graphs = []
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=recording_inductor(graphs))
-    prompt = torch.randint(0, TINY.vocab_size, (37,), generator=g).tolist()
+    prompt = torch.randint(0, TINY.vocab_size, (20 + N_DECODE,), generator=g).tolist()
     runs = []
     for fn in (model, compiled, compiled):
         cache = PagedKvCache(TINY, 128, k_type="q8_0", v_type="q4_0", page_size=32)
         with torch.inference_mode():
-            head = fn(torch.tensor(prompt[:20]), torch.arange(20), cache)      # chunk of 20
-        tokens, logits, _ = greedy_from(fn, cache, prompt, start=20, n_decode=N_DECODE)
-        runs.append((tokens, torch.cat([head, logits])))
+            rows = [fn(torch.tensor(prompt[:20]), torch.arange(20), cache)]      # chunk of 20
+            rows += [fn(torch.tensor([t]), torch.tensor([20 + i]), cache)
+                     for i, t in enumerate(prompt[20:])]
+        runs.append(torch.cat(rows))
         if fn is compiled and len(runs) == 2:
             n_graphs = len(graphs)      # after the first compiled generation
-    diff = (runs[0][1] - runs[1][1]).abs().max().item()
-    print(f"graphs {len(graphs)}, ops per graph "
+    diff = (runs[0] - runs[1]).abs().max().item()
+    top1 = (runs[0].argmax(-1) == runs[1].argmax(-1)).float().mean().item()
+    print(f"seed {seed}: graphs {len(graphs)}, ops per graph "
           f"{[(g.count('kvcompile.kv_write'), g.count('kvcompile.span_attention')) for g in graphs]}, "
-          f"max |compiled - eager| logit {diff:.2e}, tokens {runs[1][0]}")
-    assert runs[0][0] == runs[1][0] == runs[2][0] and diff < 1e-3
+          f"max |compiled - eager| logit {diff:.2e}, top-1 agreement {top1:.3f}")
+    assert torch.equal(runs[1], runs[2]), "the same compiled graphs must give the same logits"
+    assert diff < 5e-2 and top1 >= 0.95
     assert all(g.count("kvcompile.kv_write") == TINY.n_layers for g in graphs)
     assert all(g.count("kvcompile.span_attention") == TINY.n_layers for g in graphs)
     assert n_graphs == len(graphs), "a second generation must reuse the compiled graphs"
