@@ -21,3 +21,15 @@ def smollm2_f32_path(smollm2_path, tmp_path_factory):
     session, ~540 MB): llama.cpp on this file is the exact oracle for float32 models."""
     out = tmp_path_factory.mktemp("smollm2_f32") / "SmolLM2-135M-Instruct.F32.gguf"
     return export_f32(smollm2_path, out)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """One intra-op thread for the whole suite: the tests' ops are small and the machines
+    have 2 shared cores; a second OpenMP thread only spin-waits against llama.cpp's threads
+    and other processes (measured up to 30x slower decode steps)."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

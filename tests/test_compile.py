@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 
-import pytest
 import torch
 from torch._inductor.compile_fx import compile_fx
 
@@ -16,14 +15,6 @@ from kvcompile.weights import load_weights
 
 N_DECODE = 20
 PROMPT = "The lighthouse keeper wrote in his notebook that the storm had"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)   # the cores are shared; see test_llama_parity
-    yield
-    torch.set_num_threads(before)
 
 
 def greedy(forward, cache, prompt: list[int], n_decode: int):

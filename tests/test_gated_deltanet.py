@@ -8,15 +8,6 @@ import torch.nn.functional as F
 from kvcompile.models.gated_deltanet import causal_conv, gdn_chunked, gdn_recurrent
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # small ops on a shared 2-core runner: a second OpenMP thread only adds spin-waiting
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _inputs(t, hk, hv, d, seed, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731

@@ -40,16 +40,6 @@ def chatml(user: str) -> str:
             "<|im_end|>\n<|im_start|>assistant\n")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Tests share 2 cores with other work; two OpenMP threads contending for them make
-    # small decode ops orders of magnitude slower, one thread keeps the timing stable.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path):
     w = load_weights(smollm2_path, progress=False)

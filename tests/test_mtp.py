@@ -14,14 +14,6 @@ from kvcompile.models.qwen35 import Qwen35Model
 from kvcompile.weights import load_weights
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def mtp_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("mtp") / "qwen35-mtp.gguf"

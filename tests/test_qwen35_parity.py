@@ -17,15 +17,6 @@ from llama_oracle import agreement, llama_cpp, llama_cpp_logits
 N_TOKENS, N_PREFILL = 256, 192
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # small ops on a shared 2-core runner: a second OpenMP thread only adds spin-waiting
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def qwen35_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen35") / "qwen35-tiny.f32.gguf"

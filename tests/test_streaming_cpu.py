@@ -29,15 +29,6 @@ CFG = ModelConfig(arch="llama", n_layers=5, hidden=128, ffn=256, n_heads=4, n_kv
                   head_dim=64, vocab_size=256, context_length=1024)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls on a shared 2-core machine: one thread is faster and leaves room to others.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(SEED)

@@ -22,14 +22,6 @@ SEED = int.from_bytes(os.urandom(4), "little")
 PS, MAX_TOKENS = 16, 160
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     path = tmp_path_factory.mktemp("hybrid") / "qwen35-tiny.gguf"

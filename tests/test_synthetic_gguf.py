@@ -21,14 +21,6 @@ from kvcompile.make_model import make_model
 F32 = gguf.GGMLQuantizationType.F32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_seed_27b_plan_names_shapes_bytes():
     cfg = preset_config("qwen35", "seed-27b")
     plan = {t.name: t for t in tensor_plan(cfg, "bf16")}
