@@ -2,4 +2,4 @@
 
 Importing this package registers torch.ops.kvcompile.* .
 """
-from kvcompile.ops import kv_write, span_attention  # noqa: F401
+from kvcompile.ops import kv_write, ring, span_attention  # noqa: F401

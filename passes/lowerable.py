@@ -1,0 +1,43 @@
+"""check_lowerable: every custom op left in the graph must have a lowering."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import fx
+
+from kvcompile.passes.pipeline import PassError, op_name
+
+# kvcompile op -> where its CUDA lowering lives (the CPU runs the reference op).
+LOWERINGS = {
+    "kvcompile.kv_write": "ops/kv_write (triton_op: quantize-on-write kernel)",
+    "kvcompile.span_attention": "ops/span_attention (triton_op: decode / prefill kernels)",
+    "kvcompile.ring_acquire": "ops/ring (copy-stream fork, ring page table)",
+    "kvcompile.ring_release": "ops/ring (consumed fence, publish)",
+}
+# namespaces torch itself lowers (inductor / the eager fallback)
+BUILTIN_NAMESPACES = {"aten", "prims", "higher_order", "_c10d_functional", "_dtensor"}
+
+
+def check_lowerable(gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphModule:
+    """Fail at compile time, with the op's name, when the graph calls a custom op nothing
+    lowers (a kvcompile op without an entry in LOWERINGS, or another library's op).
+
+    Why: otherwise the failure shows up at capture or on the device, far from its cause.
+    Runs last, so ops inserted by earlier passes are checked too.
+    """
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        t = n.target
+        if not isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            continue
+        name = op_name(t)
+        ns = name.split(".", 1)[0]
+        if name in LOWERINGS or (ns in BUILTIN_NAMESPACES):
+            continue
+        raise PassError(f"the model calls {name} (graph node {n.name}), which has no kvcompile "
+                        f"lowering; lowered custom ops: {sorted(LOWERINGS)}. Add a lowering "
+                        f"(kvcompile.passes.lowerable.LOWERINGS) or keep the op out of the "
+                        f"compiled forward")
+    return gm

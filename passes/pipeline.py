@@ -1,0 +1,91 @@
+"""An ordered, named pipeline of FX passes, each `(gm, example_inputs) -> gm`.
+
+Any pass can be switched off by name for debugging: `run(gm, inputs, disable={"name"})`
+or the environment variable `KVCOMPILE_DISABLE_PASSES=a,b`. A name that is not in the
+pipeline is an error (a typo must not silently leave a pass on). The names of the passes
+that ran are recorded in `gm.meta["kvcompile_passes"]`.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch import fx
+
+from kvcompile.errors import KvcompileError
+
+DISABLE_ENV = "KVCOMPILE_DISABLE_PASSES"
+
+PassFn = Callable[[fx.GraphModule, Sequence], fx.GraphModule]
+
+
+class PassError(KvcompileError):
+    """A compiler pass cannot handle the graph (or the pipeline was configured wrongly)."""
+
+
+def pass_name(p: PassFn) -> str:
+    return getattr(p, "name", None) or getattr(p, "__name__", None) or type(p).__name__
+
+
+class PassPipeline:
+    """Passes applied in the order given; names must be unique."""
+
+    def __init__(self, passes: Iterable[PassFn]):
+        self.passes = list(passes)
+        self.names = [pass_name(p) for p in self.passes]
+        dup = sorted({n for n in self.names if self.names.count(n) > 1})
+        if dup:
+            raise PassError(f"pass names must be unique in a pipeline; repeated: {dup}")
+
+    def _disabled(self, disable: Iterable[str] | None) -> set[str]:
+        names = set(disable or ())
+        env = os.environ.get(DISABLE_ENV, "")
+        names |= {n.strip() for n in env.split(",") if n.strip()}
+        unknown = sorted(names - set(self.names))
+        if unknown:
+            raise PassError(f"cannot disable unknown pass(es) {unknown} (from the disable "
+                            f"argument or {DISABLE_ENV}); the pipeline's passes are "
+                            f"{self.names}")
+        return names
+
+    def run(self, gm: fx.GraphModule, example_inputs: Sequence,
+            disable: Iterable[str] | None = None) -> fx.GraphModule:
+        off = self._disabled(disable)
+        ran = []
+        for name, p in zip(self.names, self.passes):
+            if name in off:
+                continue
+            out = p(gm, example_inputs)
+            if not isinstance(out, fx.GraphModule):
+                raise PassError(f"pass {name!r} returned {type(out).__name__}, not a "
+                                f"GraphModule (a pass is (gm, example_inputs) -> gm)")
+            gm = out
+            ran.append(name)
+        gm.graph.lint()
+        gm.recompile()
+        gm.meta["kvcompile_passes"] = ran
+        return gm
+
+    __call__ = run
+
+    def backend(self, disable: Iterable[str] | None = None):
+        """A torch.compile backend: run the pipeline, then execute the graph as is (CPU).
+        The CUDA path will hand the result to inductor / CUDA-graph capture instead."""
+        def compile_fn(gm: fx.GraphModule, example_inputs):
+            return self.run(gm, example_inputs, disable=disable).forward
+        return compile_fn
+
+
+def call_targets(gm: fx.GraphModule) -> list[str]:
+    """Names of the call_function targets in graph order (for tests and debugging)."""
+    return [op_name(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def op_name(target) -> str:
+    """'kvcompile.span_attention' for the packet and for any of its overloads."""
+    if isinstance(target, torch._ops.OpOverload):
+        target = target.overloadpacket
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.replace("::", ".")
+    return getattr(target, "__name__", str(target))
