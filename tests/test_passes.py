@@ -364,3 +364,41 @@ def test_tiny_llama_compiled_through_the_pipeline_equals_eager(monkeypatch):
                                        "attention", "release"]
         assert [s[1] for s in seq if s[0] != "attention"] == [0, 1, 0, 1]
         assert [l for _, _, l in gm.meta["kvcompile_checkpoint_sites"]] == [0, 1]
+
+
+def test_ring_ops_survive_aot_and_inductor(monkeypatch):
+    """The CUDA path hands the pipeline's graph to inductor: after functionalization and
+    AOT's dead code elimination the ring ops are still there, in order, around the attention
+    (whose CPU body is the reference op), and the outputs equal eager to fp32 rounding."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from test_kv_cache import TINY, tiny_weights
+    from kvcompile.kv_cache import PagedKvCache
+    from kvcompile.models.llama import LlamaModel
+
+    monkeypatch.delenv(P.DISABLE_ENV, raising=False)
+    model = LlamaModel.from_weights(TINY, tiny_weights(TINY, torch.Generator().manual_seed(7)))
+    pipeline, post_grad = default_pipeline(distance=1), []
+
+    def inner(gm, example_inputs, **kw):
+        post_grad.append([op_name(n.target) for n in gm.graph.nodes
+                          if n.op == "call_function" and "kvcompile" in op_name(n.target)])
+        return compile_fx_inner(gm, example_inputs, **kw)
+
+    def backend(gm, example_inputs):
+        return compile_fx(pipeline.run(gm, example_inputs), example_inputs, inner_compile=inner)
+
+    import torch._functorch.config as aot_config
+    import torch._inductor.config as inductor_config
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)     # inner must run
+    monkeypatch.setattr(aot_config, "enable_autograd_cache", False)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    tokens, positions = torch.arange(5), torch.arange(5)
+    with torch.inference_mode():
+        ours = compiled(tokens, positions, PagedKvCache(TINY, 64, page_size=16))
+        eager = model(tokens, positions, PagedKvCache(TINY, 64, page_size=16))
+    print(post_grad)
+    assert post_grad == [["kvcompile.ring_acquire", "kvcompile.ring_acquire",
+                          "kvcompile.span_attention_reference", "kvcompile.ring_release",
+                          "kvcompile.span_attention_reference", "kvcompile.ring_release"]]
+    torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
