@@ -8,7 +8,8 @@ separate quantize node for a pass to fuse.
 from kvcompile.passes.checkpoint import checkpoint_hook
 from kvcompile.passes.kernels import select_attention_kernel
 from kvcompile.passes.lowerable import LOWERINGS, check_lowerable
-from kvcompile.passes.pipeline import DISABLE_ENV, PassError, PassPipeline, call_targets
+from kvcompile.passes.pipeline import (DISABLE_ENV, PassError, PassPipeline, call_targets,
+                                      compile_model)
 from kvcompile.passes.ring import PlaceRingOps
 
 
@@ -22,4 +23,4 @@ def default_pipeline(distance: int = 1, streamed=None) -> PassPipeline:
 
 __all__ = ["PassPipeline", "PassError", "PlaceRingOps", "select_attention_kernel",
            "checkpoint_hook", "check_lowerable", "default_pipeline", "LOWERINGS",
-           "DISABLE_ENV", "call_targets"]
+           "DISABLE_ENV", "call_targets", "compile_model"]

@@ -89,3 +89,27 @@ def op_name(target) -> str:
     if isinstance(target, torch._ops.OpOverloadPacket):
         return target._qualified_op_name.replace("::", ".")
     return getattr(target, "__name__", str(target))
+
+
+def compile_model(model, pipeline: PassPipeline, disable: Iterable[str] | None = None,
+                  **compile_kwargs):
+    """`torch.compile(model, fullgraph=True)` through `pipeline` (executing the graph as is).
+    A pass's KvcompileError reaches the caller as itself, not wrapped in dynamo's
+    BackendCompilerFailed, so bad input reads like every other kvcompile error."""
+    import functools
+
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    compiled = torch.compile(model, fullgraph=True, backend=pipeline.backend(disable),
+                             **compile_kwargs)
+
+    @functools.wraps(compiled)
+    def run(*args, **kwargs):
+        try:
+            return compiled(*args, **kwargs)
+        except BackendCompilerFailed as e:
+            inner = getattr(e, "inner_exception", None)
+            if isinstance(inner, KvcompileError):
+                raise inner from None
+            raise
+    return run

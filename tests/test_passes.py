@@ -402,3 +402,20 @@ def test_ring_ops_survive_aot_and_inductor(monkeypatch):
                           "kvcompile.span_attention_reference", "kvcompile.ring_release",
                           "kvcompile.span_attention_reference", "kvcompile.ring_release"]]
     torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_model_with_an_unlowered_op_fails_clearly(monkeypatch):
+    """Through torch.compile the pass's error reaches the caller unwrapped."""
+    monkeypatch.delenv(P.DISABLE_ENV, raising=False)
+
+    class Odd(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.kvcompile.test_unlowered(x * 2)
+
+    torch._dynamo.reset()
+    run = P.compile_model(Odd(), default_pipeline())
+    with pytest.raises(PassError, match=r"calls kvcompile.test_unlowered .*no kvcompile lowering"):
+        run(torch.ones(3))
+    torch._dynamo.reset()
+    ok = P.compile_model(Odd(), default_pipeline(), disable={"check_lowerable"})
+    assert torch.equal(ok(torch.ones(3)), torch.full((3,), 2.0))
