@@ -389,13 +389,13 @@ def test_ring_ops_survive_aot_and_inductor(monkeypatch):
 
     import torch._functorch.config as aot_config
     import torch._inductor.config as inductor_config
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)     # inner must run
-    monkeypatch.setattr(aot_config, "enable_autograd_cache", False)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend=backend)
     tokens, positions = torch.arange(5), torch.arange(5)
-    with torch.inference_mode():
+    with torch.inference_mode(), inductor_config.patch(fx_graph_cache=False), \
+            aot_config.patch(enable_autograd_cache=False):          # inner_compile must run
         ours = compiled(tokens, positions, PagedKvCache(TINY, 64, page_size=16))
+    with torch.inference_mode():
         eager = model(tokens, positions, PagedKvCache(TINY, 64, page_size=16))
     print(post_grad)
     assert post_grad == [["kvcompile.ring_acquire", "kvcompile.ring_acquire",
