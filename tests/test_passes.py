@@ -419,3 +419,38 @@ def test_compiled_model_with_an_unlowered_op_fails_clearly(monkeypatch):
     torch._dynamo.reset()
     ok = P.compile_model(Odd(), default_pipeline(), disable={"check_lowerable"})
     assert torch.equal(ok(torch.ones(3)), torch.full((3,), 2.0))
+
+
+def test_dynamic_shapes_and_env_disable_under_compile(monkeypatch):
+    """dynamic=True: one graph serves prefill and decode, so the kernel stays by_shape;
+    KVCOMPILE_DISABLE_PASSES=place_ring_ops leaves the ring ops out; outputs equal eager."""
+    from test_kv_cache import TINY, tiny_weights
+    from kvcompile.kv_cache import PagedKvCache
+    from kvcompile.models.llama import LlamaModel
+
+    monkeypatch.setenv(P.DISABLE_ENV, "place_ring_ops")
+    model = LlamaModel.from_weights(TINY, tiny_weights(TINY, torch.Generator().manual_seed(3)))
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+    record.name = "record"
+    pipeline = PassPipeline([*default_pipeline().passes, record])
+    torch._dynamo.reset()
+    run = P.compile_model(model, pipeline, dynamic=True)
+    prompt = torch.randint(0, TINY.vocab_size, (10,), generator=torch.Generator().manual_seed(4))
+
+    def generate(fn):
+        cache = PagedKvCache(TINY, 64, page_size=16)
+        with torch.inference_mode():
+            rows = [fn(prompt[:6], torch.arange(6), cache), fn(prompt[6:9], torch.arange(6, 9), cache)]
+            rows += [fn(prompt[9:], torch.tensor([9]), cache)]
+        return torch.cat(rows)
+
+    assert torch.equal(generate(run), generate(model))
+    print("graphs", len(graphs), [gm.meta.get("kvcompile_phase") for gm in graphs])
+    assert graphs and all(gm.meta["kvcompile_phase"] in ("by_shape", "decode", "prefill")
+                          for gm in graphs)
+    assert any(gm.meta["kvcompile_phase"] == "by_shape" for gm in graphs)
+    assert all("kvcompile.ring_acquire" not in P.call_targets(gm) for gm in graphs)
