@@ -8,16 +8,17 @@ on a copy stream). The CUDA backend wraps torch.cuda.Event in the same two metho
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 
 
-class Fence:
+class Fence(ABC):
+    @abstractmethod
     def query(self) -> bool:
         """True once the operation completed (never blocks)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def wait(self) -> None:
         """Block until the operation completed."""
-        raise NotImplementedError
 
 
 class DoneFence(Fence):
