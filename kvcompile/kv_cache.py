@@ -39,6 +39,17 @@ class LayerKv(nn.Module):
         return page * self.page_size + positions % self.page_size
 
 
+def check_positions(positions: torch.Tensor, capacity: int) -> None:
+    """Raise ContextLengthError if a position does not fit (host-side check, eager only)."""
+    if positions.numel() == 0:
+        raise ContextLengthError("nothing to evaluate: pass at least one token")
+    lo, hi = int(positions.min()), int(positions.max())
+    if lo < 0 or hi >= capacity:
+        raise ContextLengthError(
+            f"position {hi if hi >= capacity else lo} is outside the KV cache of {capacity} "
+            f"tokens; raise the context size (--ctx-size) or shorten the prompt / max tokens")
+
+
 class PagedKvCache:
     def __init__(self, config: ModelConfig, max_tokens: int, k_type="f32", v_type="f32",
                  page_size: int = 256, device="cpu", layers=None, rotate: bool = True):
@@ -94,15 +105,7 @@ class PagedKvCache:
             self._kv[i].page_table.copy_(table)
 
     def check_positions(self, positions: torch.Tensor) -> None:
-        """Raise ContextLengthError if a position does not fit (host-side check, eager only)."""
-        if positions.numel() == 0:
-            raise ContextLengthError("nothing to evaluate: pass at least one token")
-        lo, hi = int(positions.min()), int(positions.max())
-        if lo < 0 or hi >= self.capacity:
-            raise ContextLengthError(
-                f"position {hi if hi >= self.capacity else lo} is outside the KV cache of "
-                f"{self.capacity} tokens; raise the context size (--ctx-size) or shorten the "
-                f"prompt / max tokens")
+        check_positions(positions, self.capacity)
 
     def reset(self) -> None:
         """Start a new sequence: identity page tables again. The pools are not cleared (that

@@ -8,12 +8,12 @@ delays on the copy side and prove that the pool waits on the right fences.
 from __future__ import annotations
 
 import queue
+from abc import ABC, abstractmethod
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 
 from kvcompile.runtime.fences import DONE, EventFence, Fence, wait_all
 
@@ -35,16 +35,16 @@ class Instrument:
     compute_delay: Callable[[], float] | None = None
 
 
-class CopyEngine:
+class CopyEngine(ABC):
     def __init__(self, instrument: Instrument | None = None):
         self.instrument = instrument or Instrument()
         self.busy_s = 0.0
         self.bytes_h2d = 0
         self.bytes_d2h = 0
 
+    @abstractmethod
     def copy(self, pairs, note: CopyNote, after=()) -> Fence:
         """pairs: [(dst, src)] tensors copied as one operation (K and V runs of a group)."""
-        raise NotImplementedError
 
     def synchronize(self) -> None:
         pass

@@ -16,7 +16,7 @@ import time
 import torch
 
 from kvcompile.errors import ArenaError, ContextLengthError, KvLayoutError
-from kvcompile.kv_cache import LayerKv, PagedKvCache
+from kvcompile.kv_cache import LayerKv, PagedKvCache, check_positions
 from kvcompile.ops import kv_format as F
 from kvcompile.runtime import policy as P
 from kvcompile.runtime.arena import MIB, Arena, align, mib_for
@@ -92,14 +92,7 @@ class StreamingKvCache:
         return i in self._kv
 
     def check_positions(self, positions: torch.Tensor) -> None:
-        if positions.numel() == 0:
-            raise ContextLengthError("nothing to evaluate: pass at least one token")
-        lo, hi = int(positions.min()), int(positions.max())
-        if lo < 0 or hi >= self.capacity:
-            raise ContextLengthError(
-                f"position {hi if hi >= self.capacity else lo} is outside the KV cache of "
-                f"{self.capacity} tokens; raise the context size (--ctx-size) or shorten the "
-                f"prompt / max tokens")
+        check_positions(positions, self.capacity)
 
     @property
     def nbytes(self) -> int:
