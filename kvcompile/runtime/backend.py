@@ -6,17 +6,21 @@ DONE as soon as the Python call returned (CUDA: an event recorded on the compute
 """
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 
 from kvcompile.errors import ArenaError
 from kvcompile.runtime.copy_engine import (CopyEngine, Instrument, SyncCopyEngine,
                                            ThreadedCopyEngine)
-from kvcompile.runtime.fences import DONE, Fence
+from kvcompile.runtime.fences import DONE, Fence, all_done
 
 
 class CpuBackend:
     name = "cpu"
     check_plans = True    # the CI backend validates every span plan it builds
+    sync_each_forward = True   # copies finish before end_forward returns (cheap here)
 
     def __init__(self, threaded_copies: bool = False, instrument: Instrument | None = None):
         self.device = torch.device("cpu")
@@ -44,3 +48,33 @@ class CpuBackend:
     def compute_fence(self) -> Fence:
         """Completion of everything the compute side issued so far."""
         return DONE
+
+    def readiness_miss(self, fences) -> bool:
+        """Would the compute side stall on these copies? Here: they are not done yet."""
+        return not all_done(fences)
+
+    def compute_delay(self, seconds: float) -> None:
+        """Test hook: pretend the compute side is busy for this long."""
+        time.sleep(seconds)
+
+    def check_host_bytes(self, nbytes: int) -> None:
+        check_host_bytes(nbytes, pinned=False)
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this machine (0 when the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def check_host_bytes(nbytes: int, pinned: bool) -> None:
+    """KV history that cannot fit in host memory fails now, with what to change, instead of
+    swapping or dying part way through allocating it."""
+    have = host_memory_bytes()
+    if have and nbytes > have:
+        kind = "pinned host memory" if pinned else "host memory"
+        raise ArenaError(f"the KV history needs {nbytes / 2**30:.1f} GiB of {kind}; this "
+                         f"machine has {have / 2**30:.1f} GiB; lower --ctx-size or use a "
+                         f"smaller KV type (--cache-type-k/-v q8_0)")

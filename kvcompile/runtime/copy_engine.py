@@ -38,13 +38,22 @@ class Instrument:
 class CopyEngine(ABC):
     def __init__(self, instrument: Instrument | None = None):
         self.instrument = instrument or Instrument()
-        self.busy_s = 0.0
+        self._busy_s = 0.0
         self.bytes_h2d = 0
         self.bytes_d2h = 0
 
     @abstractmethod
     def copy(self, pairs, note: CopyNote, after=()) -> Fence:
         """pairs: [(dst, src)] tensors copied as one operation (K and V runs of a group)."""
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds the engine spent copying so far (those it can tell without waiting)."""
+        self._harvest()
+        return self._busy_s
+
+    def _harvest(self) -> None:
+        """Account finished copies whose timing is known only later (CUDA events)."""
 
     def synchronize(self) -> None:
         pass
@@ -64,7 +73,7 @@ class CopyEngine(ABC):
         for dst, src in pairs:
             dst.copy_(src)
             n += dst.nbytes
-        self.busy_s += time.perf_counter() - t0
+        self._busy_s += time.perf_counter() - t0
         if note.kind == "fill":
             self.bytes_h2d += n
         else:

@@ -3,7 +3,12 @@
 A lease says "someone still wants this memory"; only a fence says "the device stopped
 touching it". On the CPU backend synchronous work returns DONE (trivially complete); the
 threaded CPU copy engine returns EventFence (set by its worker, like a CUDA event recorded
-on a copy stream). The CUDA backend wraps torch.cuda.Event in the same two methods.
+on a copy stream). The CUDA backend wraps torch.cuda.Event in the same methods.
+
+`device_wait(stream)` orders later work of a device stream after the fence without blocking
+the host (CUDA: a stream wait on the event). The default blocks the host, which is the
+only option for fences the device cannot see (a CPU thread's event) and is exact on the
+CPU backend, where "the device" is the calling thread.
 """
 from __future__ import annotations
 
@@ -20,12 +25,19 @@ class Fence(ABC):
     def wait(self) -> None:
         """Block until the operation completed."""
 
+    def device_wait(self, stream=None) -> None:
+        """Order work issued later on `stream` (default: the current one) after this fence."""
+        self.wait()
+
 
 class DoneFence(Fence):
     def query(self) -> bool:
         return True
 
     def wait(self) -> None:
+        return None
+
+    def device_wait(self, stream=None) -> None:
         return None
 
     def __repr__(self):
@@ -72,6 +84,9 @@ class AllOf(Fence):
     def wait(self) -> None:
         wait_all(self.fences)
 
+    def device_wait(self, stream=None) -> None:
+        device_wait_all(self.fences, stream)
+
 
 def all_done(fences) -> bool:
     return all(f.query() for f in fences)
@@ -80,3 +95,8 @@ def all_done(fences) -> bool:
 def wait_all(fences) -> None:
     for f in fences:
         f.wait()
+
+
+def device_wait_all(fences, stream=None) -> None:
+    for f in fences:
+        f.device_wait(stream)

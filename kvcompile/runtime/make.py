@@ -1,9 +1,12 @@
 """One entry point for the engine: the reference cache or the streaming one.
 
 `--kv-stream-arena-mib 0` keeps the whole KV on the device (PagedKvCache, the reference
-path); N > 0 streams it through an arena of N MiB (StreamingKvCache).
+path); N > 0 streams it through an arena of N MiB (StreamingKvCache), with the CPU backend or,
+for a cuda device, the CUDA backend (side-stream copies, event fences).
 """
 from __future__ import annotations
+
+import torch
 
 from kvcompile.errors import ArenaError
 from kvcompile.kv_cache import PagedKvCache
@@ -18,8 +21,13 @@ def make_kv_cache(config, max_tokens: int, arena_mib: float = 0, k_type="f32", v
     if not isinstance(arena_mib, (int, float)) or arena_mib < 0:
         raise ArenaError(f"--kv-stream-arena-mib must be 0 (everything on the device) or a "
                          f"positive size in MiB, got {arena_mib!r}")
-    if backend is None and str(device) != "cpu":
-        raise ArenaError(f"the streaming runtime has only the CPU backend so far; use "
-                         f"--kv-stream-arena-mib 0 on {device}")
+    if backend is None:
+        kind = torch.device(device).type
+        if kind == "cuda":
+            from kvcompile.runtime.cuda_backend import CudaBackend
+            backend = CudaBackend(device)
+        elif kind != "cpu":
+            raise ArenaError(f"the streaming runtime has CPU and CUDA backends, not {kind}; "
+                             f"use --kv-stream-arena-mib 0 on {device}")
     return StreamingKvCache(config, max_tokens, arena_mib, k_type=k_type, v_type=v_type,
                             page_size=page_size, layers=layers, backend=backend, **kw)

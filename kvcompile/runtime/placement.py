@@ -69,7 +69,8 @@ class Placement:
         """table[:n] = physical pages; `resident` holds lp * L + li for lp < r (cached)."""
         table[: self.r].copy_(resident[: self.r])
         for lp0, p0, c in self.ring_runs:
-            table[lp0:lp0 + c] = torch.arange(p0, p0 + c, dtype=table.dtype)
+            table[lp0:lp0 + c] = torch.arange(p0, p0 + c, dtype=table.dtype,
+                                                 device=table.device)  # no host copy
 
     def span_plan(self, num_physical_pages: int, ring: Ring) -> SpanPlan:
         spans = [Span(lp, lp * self.L + self.li, 1, RESIDENT) for lp in range(self.r)]

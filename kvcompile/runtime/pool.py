@@ -14,14 +14,13 @@ forward to host history and records each page's consumed fence.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from kvcompile.errors import KvLayoutError
 from kvcompile.runtime.copy_engine import CopyNote
-from kvcompile.runtime.fences import DONE, AllOf, all_done, wait_all
+from kvcompile.runtime.fences import DONE, AllOf, device_wait_all, wait_all
 from kvcompile.runtime.placement import Placement
 from kvcompile.span_plan import Ring
 
@@ -147,10 +146,11 @@ class StreamingPool:
         if job.released:
             raise KvLayoutError(f"layer {layer} was already acquired in this forward; its "
                                 f"ring slots may be reused by now")
-        if not all_done(job.ready):
+        if self.backend.readiness_miss(job.ready):
             self.count.misses += 1
         if "skip_ready_wait" not in self.unsafe:
-            wait_all(job.ready)
+            # The compute side waits for the copies; on CUDA a stream wait, no host sync.
+            device_wait_all(job.ready)
         table = self.page_tables[layer]
         job.write_table(table, self._resident[li])
         if self.check_plans:
@@ -163,7 +163,7 @@ class StreamingPool:
             self.checker.read_start(job.pages(), [(li, lp) for lp in range(job.n)])
         delay = self.engine.instrument.compute_delay
         if delay is not None:
-            time.sleep(delay())
+            self.backend.compute_delay(delay())
         self.count.resident_reads += job.r
         self.count.streamed_reads += job.n_streamed
         self.current = layer
@@ -172,8 +172,9 @@ class StreamingPool:
     def release(self, layer: int) -> None:
         li = self.index[layer]
         job = self.issued[li]
-        if self.checker is not None:
+        if self.checker is not None:     # before the consumed fence: its waiters follow these
             self.checker.read_end(job.pages())
+            self.checker.release([p for s in job.slot_ranges() for p in s])
         done = self.backend.compute_fence()
         self.last_use[li:li + job.r * self.L:self.L] = [done] * job.r
         for s in job.slot_ranges():
@@ -195,6 +196,8 @@ class StreamingPool:
         for job in self.issued.values():     # issued but never acquired (a failed forward):
             if not job.released:             # its slots are free once its copies landed
                 self._unhold(job, AllOf(job.ready))
+                if self.checker is not None:
+                    self.checker.release([p for s in job.slot_ranges() for p in s])
         self.active, self.issued = None, {}
 
     # ---- issuing ---------------------------------------------------------------------------
@@ -254,8 +257,6 @@ class StreamingPool:
             self.holder[s.start:s.stop] = [None] * len(s)
             if fence is not None:
                 self.last_use[s.start:s.stop] = [fence] * len(s)
-        if self.checker is not None:
-            self.checker.release([p for s in job.slot_ranges() for p in s])
 
     def _idle(self, what: str) -> None:
         if self.active is not None:

@@ -59,6 +59,7 @@ class StreamingKvCache:
                 f"{self.k_type.name}/{self.v_type.name} KV (the ring must hold one layer's "
                 f"whole context); use --kv-stream-arena-mib {mib_for(need)} or more, or "
                 f"lower --ctx-size")
+        self.backend.check_host_bytes(len(self.layers) * self.num_pages * (kb + vb))
         n_phys = _fit_pages(nbytes - align(workspace_bytes), kb, vb)
         self.arena = Arena(nbytes, self.backend.device_buffer(nbytes))
         with self.arena.begin() as tx:
@@ -74,7 +75,9 @@ class StreamingKvCache:
                                   self.backend, self.num_pages, unsafe)
         self.policy_config = P.PolicyConfig(len(self.layers), n_phys, **(policy or {}))
         self.policy_state = P.PolicyState(depth=self.policy_config.max_depth)
-        extras = _layer_extras(config, self.k_type, self.v_type, page_size, self.layers[0])
+        extras = {n: t.to(self.device) for n, t in
+                  _layer_extras(config, self.k_type, self.v_type, page_size,
+                                self.layers[0]).items()}
         self._kv = {i: LayerKv(k_pool, v_pool, self.pool.page_tables[i], self.k_type.ggml_id,
                                self.v_type.ggml_id, page_size, **extras) for i in self.layers}
         self.telemetry: list[StepStats] = []
@@ -130,7 +133,10 @@ class StreamingKvCache:
         self.pool.end()
         if not ok:                        # rows of a failed forward are not history
             return
-        self.engine.synchronize()         # CPU: trivial; the published rows are in place
+        if self.backend.sync_each_forward:
+            self.engine.synchronize()     # CPU: trivial; the published rows are in place
+        # CUDA: no host sync; the next forward's fills follow these publishes on the same
+        # in-order copy stream, and host readers call synchronize() first.
         self.host.publish(s["hi"] + 1, s["layers"])
         c, ring = self.pool.count, self.pool.ring.n_slots
         wall = max(time.perf_counter() - s["t0"], 1e-9)
@@ -177,6 +183,10 @@ class StreamingKvCache:
     def truncate(self, n_tokens: int) -> None:
         """Keep only positions < n_tokens (e.g. rejected speculative rows)."""
         self.host.truncate(n_tokens)
+
+    def synchronize(self) -> None:
+        """Wait for every copy issued so far (before reading host history on the host)."""
+        self.engine.synchronize()
 
     def stats(self) -> dict:
         return summarize(self.telemetry)

@@ -1,0 +1,224 @@
+"""CUDA backend: the arena on the device, host history in pinned memory, copies on a side
+stream, fences as CUDA events.
+
+Nothing here blocks the host inside a forward: a layer's attention waits for its copies by
+a stream wait on their events (`CudaFence.device_wait`), and a copy into a page waits for
+the page's consumed fence (an event recorded on the compute stream at release) the same
+way. The pool only ever waits on events already recorded (docs/streaming.md, "the rule that
+keeps them deadlock-free"): a CUDA stream wait on an event not yet recorded would not wait.
+
+Copy-busy time comes from timing events around each copy, read when they are done (never
+synchronizing for it), so a step's copies may be counted in the next step's telemetry.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvcompile.errors import ArenaError
+from kvcompile.runtime.backend import check_host_bytes
+from kvcompile.runtime.checker import FenceChecker
+from kvcompile.runtime.copy_engine import CopyEngine, CopyNote, Instrument
+from kvcompile.runtime.fences import Fence, all_done
+
+# torch.cuda._sleep spins for a number of GPU clock cycles; only test delays use it, so a
+# rough clock (an H200 runs at ~1.5-2 GHz) is enough.
+SLEEP_CYCLES_PER_S = 1.5e9
+
+
+class CudaFence(Fence):
+    """An event recorded on a stream: complete once the stream passed that point."""
+
+    __slots__ = ("event", "device", "what")
+
+    def __init__(self, event: torch.cuda.Event, device: torch.device, what: str = ""):
+        self.event, self.device, self.what = event, device, what
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+    def device_wait(self, stream=None) -> None:
+        (torch.cuda.current_stream(self.device) if stream is None else stream).wait_event(self.event)
+
+    def __repr__(self):
+        return f"CudaFence({self.what!r}, done={self.query()})"
+
+
+def record(stream: torch.cuda.Stream, device, what: str, timing: bool = False) -> CudaFence:
+    ev = torch.cuda.Event(enable_timing=timing)
+    ev.record(stream)
+    return CudaFence(ev, device, what)
+
+
+def device_sleep(seconds: float, stream=None) -> None:
+    """Keep a stream busy for about `seconds` (a test delay that the fences must absorb)."""
+    cycles = int(seconds * SLEEP_CYCLES_PER_S)
+    if cycles > 0:
+        with torch.cuda.stream(torch.cuda.current_stream() if stream is None else stream):
+            torch.cuda._sleep(cycles)
+
+
+class CudaCopyEngine(CopyEngine):
+    """Copies on one side stream, in issue order (a FIFO, like the CPU's threaded engine)."""
+
+    def __init__(self, device: torch.device, instrument: Instrument | None = None):
+        super().__init__(instrument)
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._timed: list = []          # (start, end) timing events of copies not yet counted
+
+    def copy(self, pairs, note: CopyNote, after=()) -> Fence:
+        s, chk, delay = self.stream, self.instrument.checker, self.instrument.copy_delay
+        fill = note.kind == "fill"
+        n = 0
+        with torch.cuda.stream(s):
+            for f in after:
+                f.device_wait(s)            # a stream wait; a CPU fence blocks the host
+            if delay is not None:
+                device_sleep(delay(), s)
+            if chk is not None:             # TimelineChecker: stamps this point of the stream
+                (chk.fill_start(note.pages, note.owners, note.host_keys) if fill
+                 else chk.publish_start(note.pages, note.host_keys))
+            start = record(s, self.device, "copy start", timing=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+                n += dst.nbytes
+            if chk is not None:             # before the fence, so its waiters come later
+                (chk.fill_end(note.pages) if fill
+                 else chk.publish_end(note.pages, note.host_keys))
+            end = record(s, self.device, note.kind, timing=True)
+        self._timed.append((start.event, end.event))
+        if fill:
+            self.bytes_h2d += n
+        else:
+            self.bytes_d2h += n
+        return end
+
+    def _harvest(self) -> None:
+        done = 0
+        for a, b in self._timed:            # one in-order stream: stop at the first pending
+            if not b.query():
+                break
+            self._busy_s += a.elapsed_time(b) / 1000
+            done += 1
+        del self._timed[:done]
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+        self._harvest()
+
+    def close(self) -> None:
+        self.synchronize()
+
+
+class CudaBackend:
+    name = "cuda"
+    check_plans = False        # validating plans costs a host sync per layer; CI checks them
+    sync_each_forward = False  # publishes finish on the copy stream, ahead of the next fills
+
+    def __init__(self, device="cuda", instrument: Instrument | None = None):
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ArenaError(f"the CUDA streaming backend needs a cuda device, got {device}")
+        if not torch.cuda.is_available():
+            raise ArenaError("the CUDA streaming backend needs CUDA, which is not available; "
+                             "use --device cpu")
+        self.device = torch.device("cuda", device.index if device.index is not None
+                                   else torch.cuda.current_device())
+        self.instrument = instrument or Instrument()
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            free, total = torch.cuda.mem_get_info(self.device)
+            raise ArenaError(f"cannot allocate an arena of {nbytes / 2**20:g} MiB on "
+                             f"{self.device} ({free / 2**20:.0f} of {total / 2**20:.0f} MiB "
+                             f"free); use a smaller --kv-stream-arena-mib") from e
+
+    def host_buffer(self, shape) -> torch.Tensor:
+        try:
+            return torch.zeros(shape, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as e:
+            n = 1
+            for d in (shape if isinstance(shape, (tuple, list)) else (shape,)):
+                n *= int(d)
+            raise ArenaError(f"cannot pin {n / 2**20:.0f} MiB of host memory for the KV "
+                             f"history ({e}); lower --ctx-size or use a smaller KV type "
+                             f"(--cache-type-k/-v q8_0)") from e
+
+    def check_host_bytes(self, nbytes: int) -> None:
+        check_host_bytes(nbytes, pinned=True)
+
+    def copy_engine(self) -> CopyEngine:
+        return CudaCopyEngine(self.device, self.instrument)
+
+    def compute_fence(self) -> Fence:
+        return record(torch.cuda.current_stream(self.device), self.device, "compute")
+
+    def readiness_miss(self, fences) -> bool:
+        """The compute stream would stall: the copies are pending and it has nothing else
+        queued (the host runs ahead, so "pending" alone would count nearly every layer)."""
+        return not all_done(fences) and torch.cuda.current_stream(self.device).query()
+
+    def compute_delay(self, seconds: float) -> None:
+        device_sleep(seconds, torch.cuda.current_stream(self.device))
+
+
+class TimelineChecker:
+    """FenceChecker for the device: every event is stamped on the stream that performs it
+    (a timing event at that point of the stream) and `replay()` feeds the checker in device
+    time order. Ties keep issue order, which respects every fence: the pool only waits on
+    events recorded before the waiter is issued. Markers sit inside the fences (a copy's
+    end marker before its completion event, a layer's read end and release before its
+    consumed event), so correct ordering never looks like a violation."""
+
+    def __init__(self, checker: FenceChecker | None = None):
+        self.checker = checker or FenceChecker()
+        self._log: list = []
+
+    def _mark(self, name, *args):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()                              # the current stream: copy or compute
+        self._log.append((ev, len(self._log), name, args))
+
+    def fill_start(self, *a):
+        self._mark("fill_start", *a)
+
+    def fill_end(self, *a):
+        self._mark("fill_end", *a)
+
+    def publish_start(self, *a):
+        self._mark("publish_start", *a)
+
+    def publish_end(self, *a):
+        self._mark("publish_end", *a)
+
+    def claim(self, *a):
+        self._mark("claim", *a)
+
+    def read_start(self, *a):
+        self._mark("read_start", *a)
+
+    def read_end(self, *a):
+        self._mark("read_end", *a)
+
+    def release(self, *a):
+        self._mark("release", *a)
+
+    def replay(self) -> FenceChecker:
+        """Wait for the device, then run the recorded events through the checker."""
+        torch.cuda.synchronize()
+        if self._log:
+            base = self._log[0][0]
+            for _, _, name, args in sorted(self._log,
+                                           key=lambda e: (base.elapsed_time(e[0]), e[1])):
+                getattr(self.checker, name)(*args)
+        self._log = []
+        return self.checker
+
+    @property
+    def violations(self) -> list[str]:
+        return self.checker.violations
