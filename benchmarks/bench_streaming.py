@@ -1,0 +1,718 @@
+"""Streaming KV runtime on the device: decode/prefill tok/s against the PCIe bound and HF.
+
+    python benchmarks/bench_streaming.py [--contexts 32768,65536,131072]
+        [--systems ours,ours-resident,hf-offload,hf-dynamic] [--kv q8_0/q4_0,bf16/bf16]
+        [--arena-mib 2048] [--decode-steps 16] [--quick] [--out PATH]
+    python benchmarks/bench_streaming.py --device cpu --tiny     # the logic, on a CPU, seconds
+
+Llama-3-8B geometry with random bf16 weights made on the device (no file): one set of tensors,
+shared by our LlamaModel and Hugging Face's LlamaForCausalLM, so a short-prompt sanity check
+compares the two implementations on the same weights. Systems:
+
+  ours            KV history on the host, streamed through an arena of --arena-mib MiB
+  ours-resident   the whole KV on the device (arena 0, PagedKvCache)
+  hf-offload      transformers DynamicCache(offloading=True), bf16 KV
+  hf-dynamic      transformers DynamicCache(), bf16 KV
+
+`ours*` run once per --kv entry. Every system prefills the context in --ubatch chunks (timed:
+prefill_tok_s), then decodes greedily (1 warm-up step, then --decode-steps timed steps). When
+hf-dynamic runs too, hf-offload decodes from the same prefilled KV moved to the state an
+offloaded prefill leaves (layer 0 on the device, the rest on the host), which saves one long
+prefill; --hf-offload-prefill times its own offloaded prefill instead.
+
+The PCIe bound: pcie_bound_tok_s = pcie_gbps_measured / (KV bytes of the context - arena
+bytes), the decode rate of a perfect system that streams only what does not fit in the
+arena (pinned host -> device bandwidth measured in the same run). Rows go to --out as soon as
+each finishes (merged with rows already there, same key replaced), so a run split over several
+calls, or cut by a time limit, keeps what it measured.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from kvcompile.config import ModelConfig
+from kvcompile.errors import KvcompileError
+from kvcompile.hf_checkpoint import gguf_name
+from kvcompile.models.llama import LlamaModel
+from kvcompile.ops import kv_format as F
+from kvcompile.runtime import forward as run_forward
+from kvcompile.runtime import make_kv_cache, min_arena_bytes
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "streaming.json")
+SYSTEMS = ("ours", "ours-resident", "hf-offload", "hf-dynamic")
+MB = 1e6
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Geometry:
+    name: str
+    n_layers: int
+    hidden: int
+    ffn: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab: int
+    rope_theta: float
+    rms_eps: float = 1e-5
+
+
+LLAMA3_8B = Geometry("llama-3-8b (random weights)", 32, 4096, 14336, 32, 8, 128, 128256, 500000.0)
+TINY = Geometry("tiny (random weights)", 4, 128, 256, 4, 2, 64, 512, 10000.0)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+# ---- weights: one seeded set, HF names, shared by both models --------------------------------
+def hf_shapes(g: Geometry) -> dict[str, tuple[int, ...]]:
+    kv = g.n_kv_heads * g.head_dim
+    shapes = {"model.embed_tokens.weight": (g.vocab, g.hidden), "model.norm.weight": (g.hidden,),
+              "lm_head.weight": (g.vocab, g.hidden)}
+    for i in range(g.n_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (g.hidden,),
+            p + "post_attention_layernorm.weight": (g.hidden,),
+            p + "self_attn.q_proj.weight": (g.n_heads * g.head_dim, g.hidden),
+            p + "self_attn.k_proj.weight": (kv, g.hidden),
+            p + "self_attn.v_proj.weight": (kv, g.hidden),
+            p + "self_attn.o_proj.weight": (g.hidden, g.n_heads * g.head_dim),
+            p + "mlp.gate_proj.weight": (g.ffn, g.hidden),
+            p + "mlp.up_proj.weight": (g.ffn, g.hidden),
+            p + "mlp.down_proj.weight": (g.hidden, g.ffn)})
+    return shapes
+
+
+def fill_weights(tensors: dict[str, torch.Tensor], seed: int) -> None:
+    """In place: norms 1, matrices normal * 0.02 (a trained model's scale, so activations
+    stay finite through 32 layers); tensor k of the sorted names from seed + k, so the
+    weights do not depend on which model allocated them."""
+    for k, name in enumerate(sorted(tensors)):
+        t = tensors[name]
+        if name.endswith("norm.weight"):
+            t.fill_(1.0)
+            continue
+        gen = torch.Generator(device=t.device).manual_seed(seed + k)
+        t.normal_(0.0, 0.02, generator=gen)
+
+
+def our_config(g: Geometry, context_length: int) -> ModelConfig:
+    # HF keeps q/k rows in the NEOX rope layout; rope_neox=True reads them as stored.
+    return ModelConfig(arch="llama", n_layers=g.n_layers, hidden=g.hidden, ffn=g.ffn,
+                       n_heads=g.n_heads, n_kv_heads=g.n_kv_heads, head_dim=g.head_dim,
+                       vocab_size=g.vocab, context_length=context_length, rms_eps=g.rms_eps,
+                       rope_theta=g.rope_theta, rope_neox=True, name=g.name)
+
+
+def hf_available() -> str | None:
+    try:
+        import transformers
+        return transformers.__version__
+    except ImportError:
+        return None
+
+
+def build_hf(g: Geometry, context_length: int, dtype, device):
+    """LlamaForCausalLM allocated on the device in dtype (its own init is overwritten)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=g.vocab, hidden_size=g.hidden, intermediate_size=g.ffn,
+                      num_hidden_layers=g.n_layers, num_attention_heads=g.n_heads,
+                      num_key_value_heads=g.n_kv_heads, head_dim=g.head_dim,
+                      max_position_embeddings=context_length, rms_norm_eps=g.rms_eps,
+                      rope_theta=g.rope_theta, tie_word_embeddings=False, attention_bias=False,
+                      mlp_bias=False, attn_implementation="sdpa")
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    return model.eval().requires_grad_(False), cfg
+
+
+def build_models(g: Geometry, context_length: int, dtype, device, seed: int, want_hf: bool):
+    """(ours, hf or None, hf_config or None, hf_reason): the same weight tensors in both."""
+    hf, hf_cfg, reason = None, None, None
+    if want_hf:
+        if hf_available() is None:
+            reason = "transformers is not installed"
+        else:
+            hf, hf_cfg = build_hf(g, context_length, dtype, device)
+    if hf is not None:
+        tensors = dict(hf.state_dict())
+        missing = set(hf_shapes(g)) - set(tensors)
+        if missing:
+            raise RuntimeError(f"HF model lacks {sorted(missing)[:3]}: update hf_shapes()")
+        tensors = {n: tensors[n] for n in hf_shapes(g)}
+    else:
+        tensors = {n: torch.empty(s, dtype=dtype, device=device) for n, s in hf_shapes(g).items()}
+    with torch.no_grad():
+        fill_weights(tensors, seed)
+    named = {gguf_name(n): t for n, t in tensors.items()}
+    # same device and dtype: from_weights assigns the tensors themselves (no second copy)
+    ours = LlamaModel.from_weights(our_config(g, context_length), named, dtype=dtype,
+                                   device=device)
+    return ours, hf, hf_cfg, reason
+
+
+# ---- measurements --------------------------------------------------------------------------
+def measure_h2d_gbps(device: torch.device, nbytes: int, reps: int = 5) -> dict:
+    """Pinned host -> device copy bandwidth (GB/s, 1e9); on a CPU run a plain memcpy."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    src.random_(0, 255)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)          # warm-up (driver mappings, clocks)
+    sync(device)
+    rates = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        sync(device)
+        rates.append(nbytes / (time.perf_counter() - t) / GB)
+    del src, dst
+    rates.sort()
+    return dict(pcie_gbps_measured=rates[len(rates) // 2], pcie_gbps_max=rates[-1],
+                pcie_copy_bytes=nbytes, pcie_kind="pinned h2d" if device.type == "cuda"
+                else "cpu memcpy (no PCIe)")
+
+
+def kv_bytes_per_token(g: Geometry, k_type: str, v_type: str, page_size: int = 256) -> int:
+    kb = F.page_bytes(F.kv_type(k_type), page_size, g.n_kv_heads, g.head_dim)
+    vb = F.page_bytes(F.kv_type(v_type), page_size, g.n_kv_heads, g.head_dim)
+    return g.n_layers * (kb + vb) // page_size
+
+
+def pcie_bound(gbps: float, kv_bytes: int, arena_bytes: int) -> float | None:
+    """None: the whole KV fits, nothing must cross PCIe per token (no bound)."""
+    streamed = kv_bytes - arena_bytes
+    return gbps * GB / streamed if streamed > 0 else None
+
+
+def random_ids(n: int, vocab: int, seed: int, device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=gen).to(device)
+
+
+# ---- our model -----------------------------------------------------------------------------
+def ours_prefill(model, cache, ids: torch.Tensor, ubatch: int, device, desc: str):
+    logits = None
+    for start in tqdm(range(0, ids.numel(), ubatch), desc=desc, unit="chunk", file=sys.stderr,
+                      mininterval=10, disable=ids.numel() <= ubatch):
+        chunk = ids[start:start + ubatch]
+        pos = torch.arange(start, start + chunk.numel(), device=device)
+        logits = run_forward(model, cache, chunk, pos, last_only=True)
+    return logits[-1]
+
+
+def ours_decode(model, cache, first: int, start: int, n: int, device) -> list[int]:
+    toks, tok = [], first
+    for i in range(n):
+        t = torch.tensor([tok], device=device)
+        pos = torch.tensor([start + i], device=device)
+        tok = int(run_forward(model, cache, t, pos, last_only=True)[-1].argmax())
+        toks.append(tok)
+    return toks
+
+
+def run_ours(model, g, ctx, kv, arena_mib, args, device, ids) -> dict:
+    k_type, v_type = kv.split("/")
+    steps = args.decode_steps
+    cache = make_kv_cache(model.config, ctx + steps + 1, arena_mib, k_type=k_type,
+                          v_type=v_type, device=device)
+    try:
+        sync(device)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            last = ours_prefill(model, cache, ids, args.ubatch, device, f"prefill {ctx}")
+            first = int(last.argmax())
+        sync(device)
+        prefill_s = time.perf_counter() - t
+        tel = getattr(cache, "telemetry", None)
+        with torch.inference_mode():
+            warm = ours_decode(model, cache, first, ctx, 1, device)   # first step: excluded
+            n_before = len(tel) if tel is not None else 0
+            sync(device)
+            t = time.perf_counter()
+            toks = ours_decode(model, cache, warm[-1], ctx + 1, steps, device)
+            sync(device)
+            decode_s = time.perf_counter() - t
+        row = dict(prefill_s=prefill_s, decode_s=decode_s, decode_tokens=toks[:8])
+        if tel is not None:
+            from kvcompile.runtime.telemetry import summarize
+            dec = tel[n_before:]
+            row["h2d_bytes_per_token"] = sum(s.h2d_bytes for s in dec) / max(len(dec), 1)
+            row["h2d_source"] = "telemetry"
+            row["telemetry"] = summarize(dec)
+            row["telemetry"]["prefill"] = summarize(tel[:n_before - 1])
+        else:
+            row["h2d_bytes_per_token"] = 0
+            row["h2d_source"] = "all resident"
+        return row
+    finally:
+        close = getattr(cache, "close", None)
+        if close is not None:
+            close()
+        del cache
+
+
+# ---- Hugging Face --------------------------------------------------------------------------
+def hf_cache_kwarg(hf) -> str:
+    """The forward's name for the cache: `cache` in recent transformers 5.x releases,
+    `past_key_values` before."""
+    import inspect
+    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+
+
+def hf_step(hf, cache, ids: torch.Tensor):
+    kw = {hf_cache_kwarg(hf): cache}
+    out = hf(input_ids=ids[None], use_cache=True, logits_to_keep=1, **kw)
+    return out.logits[0, -1]
+
+
+def hf_prefill(hf, cache, ids, ubatch, desc):
+    logits = None
+    for start in tqdm(range(0, ids.numel(), ubatch), desc=desc, unit="chunk", file=sys.stderr,
+                      mininterval=10, disable=ids.numel() <= ubatch):
+        logits = hf_step(hf, cache, ids[start:start + ubatch])
+    return logits
+
+
+def hf_decode(hf, cache, first: int, n: int, device) -> list[int]:
+    toks, tok = [], first
+    for _ in range(n):
+        tok = int(hf_step(hf, cache, torch.tensor([tok], device=device)).argmax())
+        toks.append(tok)
+    return toks
+
+
+def hf_timed_decode(hf, cache, first, steps, device) -> tuple[float, list[int]]:
+    warm = hf_decode(hf, cache, first, 1, device)
+    sync(device)
+    t = time.perf_counter()
+    toks = hf_decode(hf, cache, warm[-1], steps, device)
+    sync(device)
+    return time.perf_counter() - t, toks
+
+
+def to_offloaded(cache, hf_cfg):
+    """The prefilled DynamicCache as an offloading one in the state an offloaded prefill
+    leaves: every layer on the host except layer 0, which the last layer prefetched back."""
+    from transformers import DynamicCache
+
+    data = [(layer.keys, layer.values) for layer in cache.layers]
+    off = DynamicCache(data, config=hf_cfg, offloading=True)
+    del data
+    for i in range(1, len(off.layers)):
+        off.offload(i, off.only_non_sliding)
+    return off
+
+
+def run_hf(hf, hf_cfg, systems, ctx, args, device, ids) -> dict[str, dict]:
+    """hf-dynamic and/or hf-offload; returns {system: measurements}."""
+    from transformers import DynamicCache
+
+    out = {}
+    steps = args.decode_steps
+    own_offload_prefill = "hf-offload" in systems and (
+        args.hf_offload_prefill or "hf-dynamic" not in systems)
+    if "hf-dynamic" in systems or not own_offload_prefill:
+        cache = DynamicCache(config=hf_cfg)
+        sync(device)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            first = int(hf_prefill(hf, cache, ids, args.ubatch, f"hf prefill {ctx}").argmax())
+        sync(device)
+        prefill_s = time.perf_counter() - t
+        with torch.inference_mode():
+            off = to_offloaded(cache, hf_cfg) if "hf-offload" in systems and \
+                not own_offload_prefill else None
+            if off is not None:             # the offloaded copy first: dynamic decode grows KV
+                decode_s, toks = hf_timed_decode(hf, off, first, steps, device)
+                out["hf-offload"] = dict(prefill_s=None, decode_s=decode_s, decode_tokens=toks[:8],
+                                         note="KV from the hf-dynamic prefill, then offloaded")
+                del off
+                free_memory(device)
+            if "hf-dynamic" in systems:
+                decode_s, toks = hf_timed_decode(hf, cache, first, steps, device)
+                out["hf-dynamic"] = dict(prefill_s=prefill_s, decode_s=decode_s,
+                                         decode_tokens=toks[:8])
+            if "hf-offload" in out:
+                out["hf-offload"]["prefill_s_dynamic"] = prefill_s
+        del cache
+        free_memory(device)
+    if own_offload_prefill:
+        cache = DynamicCache(config=hf_cfg, offloading=True)
+        sync(device)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            first = int(hf_prefill(hf, cache, ids, args.ubatch, f"hf-offload prefill {ctx}")
+                        .argmax())
+        sync(device)
+        prefill_s = time.perf_counter() - t
+        with torch.inference_mode():
+            decode_s, toks = hf_timed_decode(hf, cache, first, steps, device)
+        out["hf-offload"] = dict(prefill_s=prefill_s, decode_s=decode_s, decode_tokens=toks[:8])
+        del cache
+        free_memory(device)
+    return out
+
+
+# ---- sanity: ours against HF (and streaming against resident) on a short prompt ------------
+def sanity(ours, hf, g, args, device, kvs) -> dict:
+    n, steps = 48, 8
+    ids = random_ids(n, g.vocab, args.seed + 1, device)
+    pos = torch.arange(n, device=device)
+    res = {"prompt_tokens": n, "greedy_steps": steps}
+    with torch.inference_mode():
+        ref = None
+        if hf is not None:
+            ref = hf(input_ids=ids[None], use_cache=False).logits[0].float()
+            from transformers import DynamicCache
+            c = DynamicCache()
+            first = int(hf_prefill(hf, c, ids, n, "").argmax())
+            res["hf_greedy"] = [first] + hf_decode(hf, c, first, steps - 1, device)
+            del c
+        for kv in dict.fromkeys(["bf16/bf16", *kvs]):   # bf16 KV: the one nearest HF's
+            k_type, v_type = kv.split("/")
+            # the smallest arena (a ring of one layer's pages): every layer streams
+            need = min_arena_bytes(ours.config, n + steps + 1, k_type, v_type)
+            for name, arena in (("resident", 0), ("stream", (need + 256) / 2**20)):
+                cache = make_kv_cache(ours.config, n + steps + 1, arena, k_type=k_type,
+                                      v_type=v_type, device=device)
+                try:
+                    logits = run_forward(ours, cache, ids, pos, last_only=False).float()
+                    first = int(logits[-1].argmax())
+                    greedy = [first] + ours_decode(ours, cache, first, n, steps - 1, device)
+                finally:
+                    if hasattr(cache, "close"):
+                        cache.close()
+                key = f"ours {kv} {name}"
+                entry = {"greedy": greedy}
+                if name == "resident":
+                    base = (logits, greedy)
+                else:
+                    entry["bitwise_equal_resident"] = bool(torch.equal(logits, base[0]))
+                    entry["greedy_equal_resident"] = greedy == base[1]
+                if ref is not None:
+                    entry["rel_max_diff_vs_hf"] = float((logits - ref).abs().max() / ref.abs().max())
+                    entry["top1_agree_vs_hf"] = float((logits.argmax(-1) == ref.argmax(-1))
+                                                      .float().mean())
+                    entry["greedy_equal_hf"] = sum(a == b for a, b in zip(greedy, res["hf_greedy"]))
+                res[key] = entry
+    return res
+
+
+# ---- rows, table, JSON -------------------------------------------------------------------------
+def row_key(r: dict) -> tuple:
+    return (r["system"], r["context"], r["kv_type"], r["arena_mib"], r.get("geometry"))
+
+
+def save(rows: list[dict], meta: dict, path: str) -> None:
+    old = []
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                old = json.load(f).get("rows", [])
+        except (json.JSONDecodeError, AttributeError):
+            old = []
+    keys = {row_key(r) for r in rows}
+    merged = [r for r in old if row_key(r) not in keys] + rows
+    merged.sort(key=lambda r: (r["context"], SYSTEMS.index(r["system"])
+                               if r["system"] in SYSTEMS else 9, r["kv_type"]))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"meta": meta, "rows": merged, "targets": targets(merged)}, f, indent=2)
+    os.replace(tmp, path)
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """Per context and KV type: ours-streaming decode / PCIe bound and / hf-offload decode."""
+    out = []
+    ok = [r for r in rows if r.get("status") == "ok"]
+    for r in ok:
+        if r["system"] != "ours":
+            continue
+        hf = [h for h in ok if h["system"] == "hf-offload" and h["context"] == r["context"]
+              and h.get("geometry") == r.get("geometry")]
+        t = dict(context=r["context"], kv_type=r["kv_type"], arena_mib=r["arena_mib"],
+                 decode_vs_pcie_bound=r.get("decode_vs_bound"),
+                 decode_vs_hf_offload=(r["decode_tok_s"] / hf[0]["decode_tok_s"]) if hf else None)
+        t["meets_0.8x_bound"] = (t["decode_vs_pcie_bound"] >= 0.8
+                                 if t["decode_vs_pcie_bound"] is not None else None)
+        t["meets_4x_hf_offload"] = (t["decode_vs_hf_offload"] >= 4
+                                    if t["decode_vs_hf_offload"] is not None else None)
+        out.append(t)
+    return out
+
+
+def fmt(x, spec: str) -> str:
+    if x is None:
+        return "-"
+    return format(x, spec)
+
+
+def print_table(rows: list[dict], sanity_res: dict | None) -> None:
+    hdr = (f"{'system':14} {'context':>8} {'kv':>10} {'arena MiB':>9} {'KV GB':>7} "
+           f"{'prefill t/s':>11} {'decode t/s':>10} {'h2d MB/tok':>10} {'PCIe GB/s':>9} "
+           f"{'bound t/s':>9} {'x bound':>7}  status")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        ok = r.get("status") == "ok"
+        print(f"{r['system']:14} {r['context']:>8} {r['kv_type']:>10} {r['arena_mib']:>9g} "
+              f"{r['kv_bytes'] / GB:7.2f} {fmt(r.get('prefill_tok_s'), '11.1f')} "
+              f"{fmt(r.get('decode_tok_s'), '10.2f')} "
+              f"{fmt(r.get('h2d_bytes_per_token') and r['h2d_bytes_per_token'] / MB, '10.1f')} "
+              f"{r['pcie_gbps_measured']:9.1f} {fmt(r.get('pcie_bound_tok_s'), '9.2f')} "
+              f"{fmt(r.get('decode_vs_bound'), '7.2f')}  "
+              f"{'ok' if ok else r.get('status')}{'' if ok else ': ' + str(r.get('reason'))[:80]}")
+    for t in targets(rows):
+        print(f"target @ {t['context']} ({t['kv_type']}): decode {fmt(t['decode_vs_pcie_bound'], '.2f')}"
+              f" x PCIe bound (>= 0.8: {t['meets_0.8x_bound']}), "
+              f"{fmt(t['decode_vs_hf_offload'], '.2f')} x hf-offload (>= 4: {t['meets_4x_hf_offload']})")
+    if sanity_res:
+        print("sanity (short prompt, same weights):")
+        for k, v in sanity_res.items():
+            if isinstance(v, dict):
+                print(f"  {k}: " + ", ".join(f"{a}={b}" for a, b in v.items() if a != "greedy"))
+
+
+# ---- main --------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="32768,65536,131072")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--kv", default="q8_0/q4_0", help="K/V types of our runs, comma separated "
+                    "(e.g. q8_0/q4_0,bf16/bf16); HF always keeps bf16 KV")
+    ap.add_argument("--arena-mib", type=float, default=None, help="default 2048 (tiny: 0.9)")
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--ubatch", type=int, default=4096)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny geometry and contexts (logic check)")
+    ap.add_argument("--quick", action="store_true", help="32K only, 8 decode steps")
+    ap.add_argument("--hf-offload-prefill", action="store_true",
+                    help="time hf-offload's own offloaded prefill even when hf-dynamic runs")
+    ap.add_argument("--no-sanity", action="store_true")
+    ap.add_argument("--fresh", action="store_true", help="start --out afresh (default: merge)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pcie-mib", type=int, default=1024)
+    ap.add_argument("--out", default=None, help=f"default {RESULTS} (tiny: a temp file)")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        if args.contexts == ap.get_default("contexts"):
+            args.contexts = "512,1024"
+        if args.ubatch == ap.get_default("ubatch"):
+            args.ubatch = 128
+        args.pcie_mib = min(args.pcie_mib, 16)
+    if args.quick:
+        args.contexts = "32768" if not args.tiny else args.contexts.split(",")[0]
+        args.decode_steps = min(args.decode_steps, 8)
+    if args.arena_mib is None:
+        args.arena_mib = 0.9 if args.tiny else 2048
+    args.out = args.out or (os.path.join(tempfile.gettempdir(), "streaming_tiny.json")
+                            if args.tiny else RESULTS)
+    args.contexts = [int(c) for c in args.contexts.split(",") if c]
+    args.systems = [s for s in args.systems.split(",") if s]
+    bad = [s for s in args.systems if s not in SYSTEMS]
+    if bad:
+        ap.error(f"unknown systems {bad}; choose from {','.join(SYSTEMS)}")
+    args.kv = [k for k in args.kv.split(",") if k]
+    for k in args.kv:
+        parts = k.split("/")
+        if len(parts) != 2 or any(p not in F.KV_TYPES for p in parts):
+            ap.error(f"--kv entries are K/V type pairs from {sorted(F.KV_TYPES)}, got {k!r}")
+    if args.decode_steps < 1 or args.ubatch < 1 or not args.contexts:
+        ap.error("--decode-steps, --ubatch and --contexts must be positive")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device; use --device cpu --tiny for the CPU logic check")
+    g = TINY if args.tiny else LLAMA3_8B
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    ctx_len = max(args.contexts) + args.decode_steps + 64
+    hf_systems = [s for s in args.systems if s.startswith("hf-")]
+    t_all = time.perf_counter()
+
+    log(f"PCIe: {args.pcie_mib} MiB pinned host -> {device}")
+    pcie = measure_h2d_gbps(device, args.pcie_mib << 20)
+    log(f"PCIe: {pcie['pcie_gbps_measured']:.1f} GB/s (median), {pcie['pcie_gbps_max']:.1f} max")
+
+    log(f"weights: {g.name}, {dtype}, on {device}")
+    t = time.perf_counter()
+    ours, hf, hf_cfg, hf_reason = build_models(g, ctx_len, dtype, device, args.seed,
+                                               bool(hf_systems) or not args.no_sanity)
+    sync(device)
+    if hf is not None:
+        shared = ours.embed.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+        log(f"weights shared by both models: {shared}")
+    log(f"weights: {time.perf_counter() - t:.1f} s"
+        + (f" (HF skipped: {hf_reason})" if hf_reason else ""))
+    if hf is not None and device.type != "cuda" and "hf-offload" in hf_systems:
+        hf_systems.remove("hf-offload")
+        skip_offload = "DynamicCache(offloading=True) needs CUDA"
+    else:
+        skip_offload = None
+
+    meta = dict(geometry=g.name, layers=g.n_layers, hidden=g.hidden, ffn=g.ffn,
+                n_heads=g.n_heads, n_kv_heads=g.n_kv_heads, head_dim=g.head_dim,
+                vocab=g.vocab, weights_dtype=str(dtype).replace("torch.", ""),
+                device=torch.cuda.get_device_name(device) if device.type == "cuda"
+                else platform.processor() or platform.machine(),
+                torch=torch.__version__, transformers=hf_available(), ubatch=args.ubatch,
+                decode_steps=args.decode_steps, **pcie)
+    sanity_res = None
+    if not args.no_sanity:
+        log("sanity: ours vs HF on a short prompt")
+        try:
+            sanity_res = sanity(ours, hf, g, args, device, args.kv)
+        except Exception as e:     # the benchmark still runs; the record says why
+            traceback.print_exc()
+            sanity_res = {"error": f"{type(e).__name__}: {e}"}
+        meta["sanity"] = sanity_res
+        free_memory(device)
+
+    # warm-up: compile the kernels of every KV type once, outside the timed runs
+    for kv in args.kv if any(s.startswith("ours") for s in args.systems) else []:
+        log(f"warm-up: ours {kv}")
+        k_type, v_type = kv.split("/")
+        c = make_kv_cache(ours.config, args.ubatch + 8, 0, k_type=k_type, v_type=v_type,
+                          device=device)
+        with torch.inference_mode():
+            last = ours_prefill(ours, c, random_ids(args.ubatch, g.vocab, 7, device),
+                                args.ubatch, device, "")
+            ours_decode(ours, c, int(last.argmax()), args.ubatch, 2, device)
+        del c
+    if hf is not None and hf_systems:
+        log("warm-up: hf")
+        from transformers import DynamicCache
+        with torch.inference_mode():
+            c = DynamicCache(config=hf_cfg)
+            hf_decode(hf, c, int(hf_prefill(hf, c, random_ids(64, g.vocab, 7, device), 64, "")
+                                 .argmax()), 2, device)
+        del c
+    free_memory(device)
+
+    rows: list[dict] = []
+    if args.fresh and os.path.exists(args.out):
+        os.remove(args.out)
+
+    def base(system, ctx, kv, arena_mib):
+        k_type, v_type = kv.split("/")
+        kv_bytes = ctx * kv_bytes_per_token(g, k_type, v_type)
+        return dict(system=system, context=ctx, kv_type=kv, arena_mib=arena_mib,
+                    geometry=g.name, kv_bytes=kv_bytes,
+                    pcie_gbps_measured=pcie["pcie_gbps_measured"],
+                    pcie_bound_tok_s=pcie_bound(pcie["pcie_gbps_measured"], kv_bytes,
+                                                int(arena_mib * 2**20))
+                    if system in ("ours", "hf-offload") else None,
+                    decode_steps=args.decode_steps, device=meta["device"])
+
+    def finish(row, res):
+        row.update(res)
+        row["status"] = "ok"
+        row["prefill_tok_s"] = row["context"] / res["prefill_s"] if res.get("prefill_s") else None
+        row["decode_tok_s"] = args.decode_steps / res["decode_s"]
+        b = row["pcie_bound_tok_s"]
+        row["decode_vs_bound"] = row["decode_tok_s"] / b if b else None
+
+    def failed(row, e):
+        oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+        row.update(status="skipped" if oom or isinstance(e, KvcompileError) else "error",
+                   reason=f"{'OOM: ' if oom else ''}{type(e).__name__}: {e}"[:500])
+        if row["status"] == "error":
+            traceback.print_exc()
+        log(f"{row['system']} @ {row['context']}: {row['status']}: {row['reason'][:200]}")
+
+    def record(row):
+        rows.append(row)
+        save(rows, meta, args.out)
+        free_memory(device)
+
+    for ctx in args.contexts:
+        ids = random_ids(ctx, g.vocab, args.seed + ctx, device)
+        for system in [s for s in args.systems if s.startswith("ours")]:
+            arena = args.arena_mib if system == "ours" else 0
+            for kv in args.kv:
+                row = base(system, ctx, kv, arena)
+                log(f"{system} {kv} arena {arena:g} MiB @ {ctx}")
+                try:
+                    finish(row, run_ours(ours, g, ctx, kv, arena, args, device, ids))
+                    log(f"  prefill {row['prefill_tok_s']:.0f} tok/s, decode "
+                        f"{row['decode_tok_s']:.2f} tok/s, h2d "
+                        f"{row['h2d_bytes_per_token'] / MB:.1f} MB/token")
+                except Exception as e:
+                    failed(row, e)
+                record(row)
+        hf_rows = {s: base(s, ctx, "bf16/bf16", 0) for s in args.systems if s.startswith("hf-")}
+        for s, row in hf_rows.items():
+            if hf is None or (s == "hf-offload" and skip_offload):
+                row.update(status="skipped", reason=hf_reason or skip_offload)
+                record(row)
+        todo = [s for s in hf_rows if hf is not None and s in hf_systems]
+        if todo:
+            log(f"{', '.join(todo)} @ {ctx}")
+            try:
+                res = run_hf(hf, hf_cfg, todo, ctx, args, device, ids)
+            except Exception as e:
+                for s in todo:
+                    failed(hf_rows[s], e)
+                res = {}
+            for s in todo:
+                row = hf_rows[s]
+                if s in res:
+                    finish(row, res[s])
+                    # offloading moves the whole KV in each decode step (layer by layer)
+                    row["h2d_bytes_per_token"] = row["kv_bytes"] if s == "hf-offload" else 0
+                    row["h2d_source"] = "model: every layer prefetched each step" \
+                        if s == "hf-offload" else "all resident"
+                    log(f"  {s}: prefill {fmt(row['prefill_tok_s'], '.0f')} tok/s, decode "
+                        f"{row['decode_tok_s']:.2f} tok/s")
+                elif "status" not in row:
+                    row.update(status="error", reason="no result")
+                record(row)
+    log(f"done in {time.perf_counter() - t_all:.0f} s; rows in {args.out}")
+    everything = rows
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            everything = json.load(f)["rows"]
+    print_table([r for r in everything if r.get("geometry") == g.name], sanity_res)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
