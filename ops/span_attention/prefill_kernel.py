@@ -4,6 +4,14 @@ Program (query tile of BLOCK_M rows, query head). Key tiles that every row of th
 sees (below min q_pos + 1) run without a mask; the rest, up to max q_pos, are masked by
 key position <= q_pos[row]. Tiles are read through the page table in logical order and
 dequantized in registers, so the result does not depend on where pages live.
+
+One launch may also cover only a piece of the logical pages (first_page..end_page, the
+piece a streamed layer has staged): every query tile then steps through the piece's key
+tiles and carries its online-softmax state (m, l, fp32 accumulator) in an fp32 workspace
+to the next launch; the launch of the last piece normalizes and writes the output
+(prefill_chunks.PrefillAccumulator). The one-launch path is the same kernel over the whole
+table without state I/O, so any split gives bitwise the same output: the same key tiles
+in the same order through the same step code.
 """
 from __future__ import annotations
 
@@ -22,7 +30,8 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_scl,
-               page_table, hk, n_ctx, k_page_elems, k_page_halves, k_code_halves, v_page_elems,
+               page_table, table_base, hk, n_ctx, k_page_elems, k_page_halves, k_code_halves,
+               v_page_elems,
                v_page_halves, v_code_halves, QK_SCALE: tl.constexpr,
                MASKED: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_TYPE: tl.constexpr,
@@ -32,7 +41,7 @@ def _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_
     off = n0 % P + tl.arange(0, BLOCK_N)
     pos = n0 + tl.arange(0, BLOCK_N)
     live = pos < n_ctx
-    phys = tl.load(page_table + lp).to(tl.int64)
+    phys = tl.load(page_table + (lp - table_base)).to(tl.int64)
     if K_TYPE == 2 or K_TYPE == 8:
         s = qk_quantized(q, k_vals, k_scl, phys, hk, off, live, k_page_elems, k_page_halves,
                          k_code_halves, BLOCK_N, P, D, K_TYPE, INTERP)
@@ -55,14 +64,16 @@ def _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_
 
 
 @triton.jit
-def _prefill(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr, out_ptr,
-             stride_qt, stride_qh, stride_ot, stride_oh, n_rows, table_len,
+def _prefill(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr, out_ptr, ws_ptr,
+             stride_qt, stride_qh, stride_ot, stride_oh, n_rows, table_len, first_page,
+             end_page, ws_m_off, ws_l_off,
              k_page_elems, k_page_halves, k_code_halves, v_page_elems, v_page_halves,
              v_code_halves, QK_SCALE: tl.constexpr,
              G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QK_F16: tl.constexpr,
-             K_SPLIT: tl.constexpr, INTERP: tl.constexpr):
+             K_SPLIT: tl.constexpr, LOAD_STATE: tl.constexpr, FINISH: tl.constexpr,
+             INTERP: tl.constexpr):
     # longest query tiles first: they have the most key tiles
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     hq = tl.program_id(1)
@@ -75,31 +86,57 @@ def _prefill(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr, out_ptr
     lo = tl.min(tl.where(row_ok, qp, cap), 0) + 1           # every row sees [0, lo)
     hi = tl.max(tl.where(row_ok, qp, 0), 0) + 1             # some row sees [.., hi)
     full_end = (lo // BLOCK_N) * BLOCK_N
+    # this launch's key positions: the pages first_page..end_page - 1 (all of them in one
+    # launch); tile bounds are multiples of BLOCK_N either way, so the tiles are the same
+    n_begin = first_page * P
+    n_stop = end_page * P
+    touched = n_begin < tl.minimum(hi, n_stop)               # some key tile in this piece
     d = tl.arange(0, D)
     qrow = q_ptr + t.to(tl.int64) * stride_qt + hq * stride_qh
     q = tl.load(qrow[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for n0 in range(0, full_end, BLOCK_N):
+    wrow = hq.to(tl.int64) * n_rows + t                      # workspace row of (hq, t)
+    if LOAD_STATE:
+        if FINISH:
+            live = row_ok
+        else:                   # an untouched tile's state is only needed to normalize it
+            live = row_ok & touched
+        m_i = tl.load(ws_ptr + ws_m_off + wrow, mask=live, other=float("-inf"))
+        l_i = tl.load(ws_ptr + ws_l_off + wrow, mask=live, other=0.0)
+        acc = tl.load(ws_ptr + wrow[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for n0 in range(n_begin, tl.minimum(full_end, n_stop), BLOCK_N):
         acc, m_i, l_i = _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl,
                                    v_vals, v_scl,
-                                   page_table, hk, hi, k_page_elems, k_page_halves,
+                                   page_table, first_page, hk, hi, k_page_elems, k_page_halves,
                                    k_code_halves, v_page_elems, v_page_halves, v_code_halves,
                                    QK_SCALE, False, D, P, BLOCK_M, BLOCK_N, K_TYPE, V_TYPE,
                                    QK_F16,
                                    K_SPLIT, INTERP)
-    for n0 in range(full_end, hi, BLOCK_N):
+    for n0 in range(tl.maximum(full_end, n_begin), tl.minimum(hi, n_stop), BLOCK_N):
         acc, m_i, l_i = _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl,
                                    v_vals, v_scl,
-                                   page_table, hk, hi, k_page_elems, k_page_halves,
+                                   page_table, first_page, hk, hi, k_page_elems, k_page_halves,
                                    k_code_halves, v_page_elems, v_page_halves, v_code_halves,
                                    QK_SCALE, True, D, P, BLOCK_M, BLOCK_N, K_TYPE, V_TYPE,
                                    QK_F16,
                                    K_SPLIT, INTERP)
-    o = acc / l_i[:, None]
-    optr = out_ptr + t.to(tl.int64)[:, None] * stride_ot + hq * stride_oh + d[None, :]
-    tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if FINISH:
+        o = acc / l_i[:, None]
+        optr = out_ptr + t.to(tl.int64)[:, None] * stride_ot + hq * stride_oh + d[None, :]
+        tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        # the first piece stores every tile's state (the next piece loads it); later
+        # pieces only the tiles they changed
+        if LOAD_STATE:
+            keep = row_ok & touched
+        else:
+            keep = row_ok
+        tl.store(ws_ptr + ws_m_off + wrow, m_i, mask=keep)
+        tl.store(ws_ptr + ws_l_off + wrow, l_i, mask=keep)
+        tl.store(ws_ptr + wrow[:, None] * D + d[None, :], acc, mask=keep[:, None])
 
 
 def prefill_config(head_dim: int, page_size: int) -> tuple[int, int, int, int]:
@@ -113,17 +150,25 @@ def prefill_config(head_dim: int, page_size: int) -> tuple[int, int, int, int]:
     return cfg[0], min(cfg[1], page_size), cfg[2], cfg[3]
 
 
-def span_attention_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size,
-                           scale, out=None, block_m=None, block_n=None, num_warps=None,
-                           num_stages=None):
+def state_numel(n_rows: int, n_q_heads: int, head_dim: int) -> int:
+    """fp32 elements of the carried state: acc [Hq, T, D], then m [Hq, T], then l [Hq, T]."""
+    return n_q_heads * n_rows * (head_dim + 2)
+
+
+def launch_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, scale,
+                   out, *, n_pages=None, first_page=0, workspace=None, load_state=False,
+                   finish=True, block_m=None, block_n=None, num_warps=None,
+                   num_stages=None):
+    """One launch over logical pages first_page..first_page + len(page_table) - 1
+    (page_table[i] = physical page of logical page first_page + i) for every query tile.
+    n_pages: the layer's logical pages (default: the table's), which caps q_pos.
+    load_state: start from the state in `workspace`, else from nothing; finish: write
+    `out` normalized, else store the state to `workspace`."""
     check_launch(q, k_pool, v_pool, page_table, q_pos, page_size)
     n_rows, n_q_heads, head_dim = q.shape
     kg = page_geometry(k_pool, k_type, page_size, head_dim)
     vg = page_geometry(v_pool, v_type, page_size, head_dim)
     group = n_q_heads // kg.n_heads
-    if out is None:
-        out = torch.empty_like(q)
-    assert out.shape == q.shape and out.stride(2) == 1, "out must be [T, Hq, D], last dim dense"
     bm, bn, nw, ns = prefill_config(head_dim, page_size)
     block_m = block_m or bm
     block_n = min(block_n or bn, page_size)
@@ -133,13 +178,28 @@ def span_attention_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
     grid = (triton.cdiv(n_rows, block_m), n_q_heads)
     kv, ks, kpe, kph, kch = pool_args(k_pool, kg)
     vv, vs, vpe, vph, vch = pool_args(v_pool, vg)
+    table_len = page_table.shape[0] if n_pages is None else n_pages
+    rows = n_q_heads * n_rows
+    ws = out if workspace is None else workspace      # not read or written without state
     launchable(_prefill)[grid](
-        q16, kv, ks, vv, vs, page_table, q_pos, out,
-        q16.stride(0), q16.stride(1), out.stride(0), out.stride(1), n_rows, page_table.shape[0],
+        q16, kv, ks, vv, vs, page_table, q_pos, out, ws,
+        q16.stride(0), q16.stride(1), out.stride(0), out.stride(1), n_rows, table_len,
+        first_page, first_page + page_table.shape[0], rows * head_dim, rows * (head_dim + 1),
         kpe, kph, kch, vpe, vph, vch,
         QK_SCALE=scale * LOG2E, G=group, D=head_dim, P=page_size, BLOCK_M=block_m,
         BLOCK_N=block_n,
         K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16, K_SPLIT=k_split(kg.kv_type),
-        INTERP=interpreting(),
+        LOAD_STATE=load_state, FINISH=finish, INTERP=interpreting(),
         num_warps=num_warps or nw, num_stages=num_stages or ns)
     return out
+
+
+def span_attention_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size,
+                           scale, out=None, block_m=None, block_n=None, num_warps=None,
+                           num_stages=None):
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(2) == 1, "out must be [T, Hq, D], last dim dense"
+    return launch_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size,
+                          scale, out, block_m=block_m, block_n=block_n, num_warps=num_warps,
+                          num_stages=num_stages)
