@@ -17,10 +17,15 @@ value head h reads key head h % Hk: llama.cpp's qwen35 graph tiles q/k across va
 (ggml_repeat), so the GGUF stores value heads in that order.
 
 `causal_conv` is the short depthwise convolution in front of GDN, with its rolling state.
+
+On CUDA, when fla-core is installed, both rules run its Triton kernels (gdn_fla); the
+torch code below is the CPU path and the reference those kernels are tested against.
 """
 from __future__ import annotations
 
 import torch
+
+from kvcompile.models import gdn_fla
 
 
 def expand_key_heads(x: torch.Tensor, n_v_heads: int) -> torch.Tensor:
@@ -35,6 +40,8 @@ def gdn_recurrent(q, k, v, g, beta, state, scale: float):
     """Token-by-token delta rule. Returns (o [T, Hv, Dv], state [Hv, Dk, Dv])."""
     n_v_heads = v.shape[1]
     q, k = expand_key_heads(q, n_v_heads), expand_key_heads(k, n_v_heads)
+    if gdn_fla.usable(q):
+        return gdn_fla.recurrent(q, k, v, g, beta, state, scale)
     s = state.clone()
     out = []
     for t in range(q.shape[0]):
@@ -47,9 +54,12 @@ def gdn_recurrent(q, k, v, g, beta, state, scale: float):
 
 
 def gdn_chunked(q, k, v, g, beta, state, scale: float, chunk: int = 64):
-    """Chunkwise-parallel delta rule, equal to gdn_recurrent up to rounding."""
+    """Chunkwise-parallel delta rule, equal to gdn_recurrent up to rounding. (fla, on
+    CUDA, uses its own chunk size.)"""
     n_v_heads = v.shape[1]
     q, k = expand_key_heads(q, n_v_heads), expand_key_heads(k, n_v_heads)
+    if gdn_fla.usable(q):
+        return gdn_fla.chunked(q, k, v, g, beta, state, scale)
     # heads first: [H, T, D], [H, T]
     q, k, v = (x.transpose(0, 1) for x in (q, k, v))
     g, beta = g.transpose(0, 1), beta.transpose(0, 1)
