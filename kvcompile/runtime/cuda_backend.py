@@ -12,6 +12,8 @@ synchronizing for it), so a step's copies may be counted in the next step's tele
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvcompile.errors import ArenaError
@@ -63,11 +65,16 @@ def device_sleep(seconds: float, stream=None) -> None:
 class CudaCopyEngine(CopyEngine):
     """Copies on one side stream, in issue order (a FIFO, like the CPU's threaded engine)."""
 
-    def __init__(self, device: torch.device, instrument: Instrument | None = None):
+    def __init__(self, device: torch.device, instrument: Instrument | None = None,
+                 gather: bool = False):
         super().__init__(instrument)
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self._timed: list = []          # (start, end) timing events of copies not yet counted
+        self._gather = None
+        if gather:                      # fills by an SM kernel reading pinned memory
+            from kvcompile.runtime.cuda_gather import gather_copy
+            self._gather = gather_copy
 
     def copy(self, pairs, note: CopyNote, after=()) -> Fence:
         s, chk, delay = self.stream, self.instrument.checker, self.instrument.copy_delay
@@ -83,7 +90,10 @@ class CudaCopyEngine(CopyEngine):
                  else chk.publish_start(note.pages, note.host_keys))
             start = record(s, self.device, "copy start", timing=True)
             for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
+                if fill and self._gather is not None and _gatherable(dst, src):
+                    self._gather(dst, src)
+                else:
+                    dst.copy_(src, non_blocking=True)
                 n += dst.nbytes
             if chk is not None:             # before the fence, so its waiters come later
                 (chk.fill_end(note.pages) if fill
@@ -113,12 +123,27 @@ class CudaCopyEngine(CopyEngine):
         self.synchronize()
 
 
+def _gatherable(dst, src) -> bool:
+    return (src.is_pinned() and dst.is_contiguous() and src.is_contiguous()
+            and dst.nbytes % 4 == 0 and dst.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0)
+
+
+COPY_MODES = ("engine", "gather")
+
+
 class CudaBackend:
     name = "cuda"
     check_plans = False        # validating plans costs a host sync per layer; CI checks them
     sync_each_forward = False  # publishes finish on the copy stream, ahead of the next fills
 
-    def __init__(self, device="cuda", instrument: Instrument | None = None):
+    def __init__(self, device="cuda", instrument: Instrument | None = None,
+                 copy: str | None = None):
+        """copy: "engine" (cudaMemcpyAsync on a side stream, the default) or "gather" (an SM
+        kernel reading pinned memory for fills); default from KVCOMPILE_STREAM_COPY."""
+        self.copy = copy or os.environ.get("KVCOMPILE_STREAM_COPY", "engine")
+        if self.copy not in COPY_MODES:
+            raise ArenaError(f"unknown streaming copy mode {self.copy!r}; use one of "
+                             f"{COPY_MODES} (KVCOMPILE_STREAM_COPY)")
         device = torch.device(device)
         if device.type != "cuda":
             raise ArenaError(f"the CUDA streaming backend needs a cuda device, got {device}")
@@ -153,7 +178,7 @@ class CudaBackend:
         check_host_bytes(nbytes, pinned=True)
 
     def copy_engine(self) -> CopyEngine:
-        return CudaCopyEngine(self.device, self.instrument)
+        return CudaCopyEngine(self.device, self.instrument, gather=self.copy == "gather")
 
     def compute_fence(self) -> Fence:
         return record(torch.cuda.current_stream(self.device), self.device, "compute")
