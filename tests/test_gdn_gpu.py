@@ -53,11 +53,10 @@ def check_prefill_then_decode(t, hk, hv, d, dtype, device):
     f32 = torch.float32
     args = [dev(q), dev(k), dev(v), dev(g, f32), dev(beta, f32)]
     o_pre, state = gdn_fla.chunked(*(a[:t] for a in args), dev(s0, f32), scale)
-    outs = [o_pre]
+    s_pre, outs = state.clone(), [o_pre]
     for i in range(t, t + N_DECODE):
         o_i, state = gdn_fla.recurrent(*(a[i:i + 1] for a in args), state, scale)
         outs.append(o_i)
-    _, s_pre = gdn_fla.chunked(*(a[:t] for a in args), dev(s0, f32), scale)
 
     assert o_pre.shape == (t, hv, d) and state.shape == (hv, d, d) and state.dtype == f32
     errs = {"prefill o": _rel(o_pre, o_ref[:t]), "prefill state": _rel(s_pre, s_ref),
@@ -79,10 +78,11 @@ def test_fla_matches_reference_qwen35_heads(t):
     check_prefill_then_decode(t, hk=2, hv=6, d=128, dtype=torch.float32, device="cuda")
 
 
-@pytest.mark.parametrize("t,hk,hv,d,dtype", [(77, 4, 4, 64, torch.float32),
-                                              (150, 1, 3, 32, torch.float32),
+@pytest.mark.parametrize("t,hk,hv,d,dtype", [(150, 2, 4, 32, torch.float32),
                                               (129, 2, 6, 128, torch.bfloat16)])
 def test_fla_matches_reference_other_shapes(t, hk, hv, d, dtype):
+    # the tiny preset's GDN geometry; bf16 inputs as a bf16 model would feed them. (Each
+    # new geometry or dtype makes Triton compile and autotune fla's kernels again, ~30 s.)
     check_prefill_then_decode(t, hk, hv, d, dtype, device="cuda")
 
 
