@@ -110,12 +110,12 @@ def run_job(job: dict) -> torch.Tensor:
 
 
 def jobs_of(placed, splits, opts, seed):
-    """One-launch (resident), then per split: in place, staged; the first split also read
+    """One-launch (resident), then per split: in place, staged; the middle split also read
     from the ring_wrap placement. Returns (labels, jobs)."""
     labels, jobs = ["one"], [dict(args=placed["resident"], opts=opts, pieces=None)]
     for i, sp in enumerate(splits):
         for name, staged in [("resident", False), ("resident", True)] + \
-                ([("ring_wrap", False)] if i == 0 else []):
+                ([("ring_wrap", False)] if i == (len(splits) - 1) // 2 else []):
             labels.append(f"{sp}-{name}{'-staged' if staged else ''}")
             jobs.append(dict(args=placed[name], opts=opts, pieces=sp, staged=staged,
                              seed=seed + len(jobs)))

@@ -63,7 +63,8 @@ def _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_
     return acc, m_new, l_i
 
 
-@triton.jit
+# the piece bounds change every launch of a chunked prefill: no recompile for page 1
+@triton.jit(do_not_specialize=["first_page", "end_page"])
 def _prefill(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr, out_ptr, ws_ptr,
              stride_qt, stride_qh, stride_ot, stride_oh, n_rows, table_len, first_page,
              end_page, ws_m_off, ws_l_off,
@@ -86,11 +87,25 @@ def _prefill(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr, out_ptr
     lo = tl.min(tl.where(row_ok, qp, cap), 0) + 1           # every row sees [0, lo)
     hi = tl.max(tl.where(row_ok, qp, 0), 0) + 1             # some row sees [.., hi)
     full_end = (lo // BLOCK_N) * BLOCK_N
-    # this launch's key positions: the pages first_page..end_page - 1 (all of them in one
-    # launch); tile bounds are multiples of BLOCK_N either way, so the tiles are the same
-    n_begin = first_page * P
-    n_stop = end_page * P
-    touched = n_begin < tl.minimum(hi, n_stop)               # some key tile in this piece
+    # this launch's key positions: the pages first_page..end_page - 1 (piece bounds are
+    # multiples of BLOCK_N, so the key tiles are those of one launch). The first piece
+    # starts at 0 and the last ends at the table's end (hi <= table_len * P): constant
+    # bounds there keep the one-launch loops (first and last at once) as they were.
+    if LOAD_STATE:
+        base = first_page
+        n_begin = first_page * P
+        start_masked = tl.maximum(full_end, n_begin)
+    else:
+        base = 0
+        n_begin = 0
+        start_masked = full_end
+    if FINISH:
+        end_full = full_end
+        end_all = hi
+    else:
+        end_full = tl.minimum(full_end, end_page * P)
+        end_all = tl.minimum(hi, end_page * P)
+    touched = n_begin < end_all                              # some key tile in this piece
     d = tl.arange(0, D)
     qrow = q_ptr + t.to(tl.int64) * stride_qt + hq * stride_qh
     q = tl.load(qrow[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
@@ -107,18 +122,18 @@ def _prefill(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr, out_ptr
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for n0 in range(n_begin, tl.minimum(full_end, n_stop), BLOCK_N):
+    for n0 in range(n_begin, end_full, BLOCK_N):
         acc, m_i, l_i = _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl,
                                    v_vals, v_scl,
-                                   page_table, first_page, hk, hi, k_page_elems, k_page_halves,
+                                   page_table, base, hk, hi, k_page_elems, k_page_halves,
                                    k_code_halves, v_page_elems, v_page_halves, v_code_halves,
                                    QK_SCALE, False, D, P, BLOCK_M, BLOCK_N, K_TYPE, V_TYPE,
                                    QK_F16,
                                    K_SPLIT, INTERP)
-    for n0 in range(tl.maximum(full_end, n_begin), tl.minimum(hi, n_stop), BLOCK_N):
+    for n0 in range(start_masked, end_all, BLOCK_N):
         acc, m_i, l_i = _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl,
                                    v_vals, v_scl,
-                                   page_table, first_page, hk, hi, k_page_elems, k_page_halves,
+                                   page_table, base, hk, hi, k_page_elems, k_page_halves,
                                    k_code_halves, v_page_elems, v_page_halves, v_code_halves,
                                    QK_SCALE, True, D, P, BLOCK_M, BLOCK_N, K_TYPE, V_TYPE,
                                    QK_F16,
@@ -165,6 +180,12 @@ def launch_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_si
     load_state: start from the state in `workspace`, else from nothing; finish: write
     `out` normalized, else store the state to `workspace`."""
     check_launch(q, k_pool, v_pool, page_table, q_pos, page_size)
+    table_len = page_table.shape[0] if n_pages is None else n_pages
+    # the kernel's constant bounds rely on these (PrefillAccumulator checks the caller's)
+    assert load_state or first_page == 0, "a piece without state starts at page 0"
+    assert not finish or first_page + page_table.shape[0] == table_len, \
+        "the finishing piece ends at the last page"
+    assert workspace is not None or (finish and not load_state), "state needs a workspace"
     n_rows, n_q_heads, head_dim = q.shape
     kg = page_geometry(k_pool, k_type, page_size, head_dim)
     vg = page_geometry(v_pool, v_type, page_size, head_dim)
@@ -178,7 +199,6 @@ def launch_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_si
     grid = (triton.cdiv(n_rows, block_m), n_q_heads)
     kv, ks, kpe, kph, kch = pool_args(k_pool, kg)
     vv, vs, vpe, vph, vch = pool_args(v_pool, vg)
-    table_len = page_table.shape[0] if n_pages is None else n_pages
     rows = n_q_heads * n_rows
     ws = out if workspace is None else workspace      # not read or written without state
     launchable(_prefill)[grid](
