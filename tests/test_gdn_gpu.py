@@ -1,9 +1,10 @@
 """Gated DeltaNet on CUDA (fla-core's Triton kernels) against the torch reference.
 
 The oracle is the token-by-token recurrence in fp64 on the CPU. fla's chunk kernels feed
-fp32 inputs to TF32 tensor cores (10-bit mantissa), so ~1e-3 relative error is expected
-there; the fused recurrent kernel is plain fp32. bf16 inputs round q/k/v and fla keeps
-some intermediates in the input dtype, hence a looser bound for them.
+fp32 inputs to TF32 tensor cores (10-bit mantissa): with TF32 rounding emulated in
+Triton's interpreter the error was ~5e-4 of the largest value (bound 5e-3); the fused
+recurrent kernel is plain fp32. bf16 inputs round q/k/v and fla keeps intermediates (the
+per-chunk states, the corrected values) in bf16: ~1.3e-2 emulated, bound 5e-2.
 """
 import math
 
@@ -18,7 +19,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 N_DECODE = 6
-TOL = {torch.float32: 1e-2, torch.bfloat16: 5e-2}
+TOL = {torch.float32: 5e-3, torch.bfloat16: 5e-2}
 
 
 def _inputs(t, hk, hv, d, seed):
