@@ -254,6 +254,53 @@ def test_bad_inputs_raise_clear_errors():
         short.consume(kp, vp, table[1:2])
 
 
+# ---- CPU: what the kernel variants compile to for sm_90 (offline, no GPU needed) -----------
+
+def float_ops(k_type, v_type, d, load_state, finish):
+    """Floating-point PTX instructions, in order, of one _prefill variant (fp32 out)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvcompile.ops.span_attention.launch import dot_mode, k_split
+    from kvcompile.ops.span_attention.prefill_kernel import _prefill, prefill_config
+    view = {0: "*fp32", 1: "*fp16", 30: "*bf16", 8: "*i8", 2: "*u8"}
+    qk_f16 = dot_mode(torch.bfloat16, k_type)
+    ptrs = dict(q_ptr="*fp16" if qk_f16 else "*bf16", k_vals=view[k_type], k_scl="*fp16",
+                v_vals=view[v_type], v_scl="*fp16", page_table="*i32", q_pos_ptr="*i32",
+                out_ptr="*fp32", ws_ptr="*fp32")
+    bm, bn, nw, ns = prefill_config(d, 256)
+    cx = dict(QK_SCALE=0.125, G=4, D=d, P=256, BLOCK_M=bm, BLOCK_N=bn, K_TYPE=k_type,
+              V_TYPE=v_type, QK_F16=qk_f16, K_SPLIT=k_split(k_type), LOAD_STATE=load_state,
+              FINISH=finish, INTERP=False)
+    sig = {n: ptrs.get(n, "constexpr" if n in cx else "i32") for n in _prefill.arg_names}
+    kernel = triton.compile(ASTSource(fn=_prefill, signature=sig, constexprs=cx),
+                            target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=nw, num_stages=ns))
+    ops = [line.split()[0] for line in kernel.asm["ptx"].splitlines()
+           if line.startswith("\t") and line.strip() and not line.strip().startswith(("//", "."))]
+    return [o for o in ops if any(t in o for t in (".f32", ".f16", ".bf16", "mma", "ex2"))]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                    reason="compiles the kernel itself, not its interpreted form")
+@pytest.mark.parametrize("k_name,v_name", [("q8_0", "q4_0"), ("bf16", "bf16")])
+def test_sm90_variants_run_the_same_float_ops(k_name, v_name):
+    """The one launch, the first, middle and last piece compile to the same floating-point
+    instructions in the same order (pieces that do not finish lack only the normalizing
+    divisions): the GPU-side reason any split is bitwise the one launch."""
+    kt, vt = F.kv_type(k_name).ggml_id, F.kv_type(v_name).ggml_id
+    one = float_ops(kt, vt, 128, False, True)
+    last = float_ops(kt, vt, 128, True, True)
+    first, middle = (float_ops(kt, vt, 128, load, False) for load in (False, True))
+    divs = sum(o.startswith("div") for o in one)
+    print(f"K{k_name}-V{v_name}: {len(one)} float instructions, {divs} divisions")
+    assert divs > 0 and any("mma" in o for o in one)
+    assert last == one
+    no_div = [o for o in one if not o.startswith("div")]
+    assert first == no_div and middle == no_div
+
+
 # ---- GPU -------------------------------------------------------------------------------------
 
 def splits_of(n):
