@@ -24,19 +24,35 @@ class LayerKv(nn.Module):
 
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
                  k_type: int, v_type: int, page_size: int, k_rot: torch.Tensor | None = None,
-                 v_rot: torch.Tensor | None = None):
+                 v_rot: torch.Tensor | None = None, workspace: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("k_pool", k_pool)          # uint8 [num_pages, k page bytes]
         self.register_buffer("v_pool", v_pool)          # uint8 [num_pages, v page bytes]
         self.register_buffer("page_table", page_table)  # int32 [num_logical_pages]
         self.register_buffer("k_rot", k_rot)            # [D, D] for Q and K, or None
         self.register_buffer("v_rot", v_rot)            # [D, D] for V and the output, or None
+        self.register_buffer("workspace", workspace)    # decode scratch (fp32), or None (CPU)
         self.k_type, self.v_type, self.page_size = k_type, v_type, page_size  # ggml ids
 
     def slots(self, positions: torch.Tensor) -> torch.Tensor:
         """Physical slot (page * page_size + offset) of each absolute position; tensor ops only."""
         page = self.page_table[positions // self.page_size].long()
         return page * self.page_size + positions % self.page_size
+
+
+def decode_workspace(device: torch.device, config) -> torch.Tensor | None:
+    """The decode kernels' scratch for the widest verify (DECODE_MAX_ROWS rows) on CUDA, so
+    decode allocates nothing per step; None on the CPU (the reference needs none)."""
+    if device.type != "cuda":
+        return None
+    from kvcompile.ops.span_attention.decode_kernel import PROGRAMS_PER_SM
+    from kvcompile.ops.span_attention.launch import num_sms
+    from kvcompile.ops.span_attention.op import DECODE_MAX_ROWS
+    from kvcompile.ops.span_attention.workspace import decode_workspace_floats
+    group = config.n_heads // config.n_kv_heads
+    n = decode_workspace_floats(config.n_kv_heads, config.head_dim, DECODE_MAX_ROWS * group,
+                                num_sms(device), PROGRAMS_PER_SM)
+    return torch.empty(n, dtype=torch.float32, device=device)
 
 
 def check_positions(positions: torch.Tensor, capacity: int) -> None:
@@ -76,12 +92,13 @@ class PagedKvCache:
         identity = torch.arange(self.num_pages, dtype=torch.int32, device=self.device)
         k_rot = k_rotation(self.k_type, d) if rotate else None
         v_rot = v_rotation(self.v_type, d) if rotate else None
+        workspace = decode_workspace(self.device, config)   # one, shared: layers run in turn
         self._kv = {
             i: LayerKv(torch.zeros(self.num_pages, k_bytes, dtype=torch.uint8, device=self.device),
                        torch.zeros(self.num_pages, v_bytes, dtype=torch.uint8, device=self.device),
                        identity.clone(), self.k_type.ggml_id, self.v_type.ggml_id, page_size,
                        None if k_rot is None else k_rot.to(self.device),
-                       None if v_rot is None else v_rot.to(self.device))
+                       None if v_rot is None else v_rot.to(self.device), workspace)
             for i in self.layers}
 
     def layer(self, i: int) -> LayerKv:

@@ -103,7 +103,8 @@ class PagedAttention(nn.Module):
         torch.ops.kvcompile.kv_write(kv.k_pool, kv.v_pool, k, v, slots,
                                      kv.k_type, kv.v_type, kv.page_size)
         out = torch.ops.kvcompile.span_attention(q, kv.k_pool, kv.v_pool, kv.page_table, q_pos,
-                                                 kv.k_type, kv.v_type, kv.page_size, self.scale)
+                                                 kv.k_type, kv.v_type, kv.page_size, self.scale,
+                                                 getattr(kv, "workspace", None))
         if kv.v_rot is not None:
             out = out @ kv.v_rot.to(out.dtype)
         return self.wo(out.reshape(t, self.n_heads * self.head_dim))

@@ -53,7 +53,8 @@ class GatedAttention(nn.Module):
                                      kv.k_type, kv.v_type, kv.page_size)
         out = torch.ops.kvcompile.span_attention(q.contiguous(), kv.k_pool, kv.v_pool,
                                                  kv.page_table, q_pos, kv.k_type, kv.v_type,
-                                                 kv.page_size, self.scale)
+                                                 kv.page_size, self.scale,
+                                                 getattr(kv, "workspace", None))
         if v_rot is not None:
             out = out @ v_rot.to(out.dtype)
         out = out.to(x.dtype) * torch.sigmoid(gate)

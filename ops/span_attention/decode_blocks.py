@@ -19,6 +19,7 @@ from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, interpr
                                                  launchable, num_sms, page_geometry, pool_args,
                                                  query_operand)
 from kvcompile.ops.span_attention.paged_tile import load_tile, qk_scores, v_operand
+from kvcompile.ops.span_attention.workspace import carve
 from kvcompile.ops.span_attention.quant_blocks import qk_blocks, v_blocks, value_columns
 
 
@@ -108,7 +109,8 @@ def blocks_config(head_dim: int, block_m: int, k_quantized: bool) -> tuple[int, 
 def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
                                  page_size, scale, out=None, chunk_len=None, block_n=None,
                                  num_warps=None, num_stages=None,
-                                 programs_per_sm=PROGRAMS_PER_SM, maxnreg=None):
+                                 programs_per_sm=PROGRAMS_PER_SM, maxnreg=None,
+                                 workspace=None):
     """Same contract as decode_kernel.span_attention_decode; `maxnreg` caps registers a
     thread (more programs resident per SM)."""
     check_launch(q, k_pool, v_pool, page_table, q_pos, page_size)
@@ -132,10 +134,7 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
     else:
         assert chunk_len % block_n == 0, "chunk_len must be a multiple of block_n"
         n_chunks = math.ceil(table_len * page_size / chunk_len)
-    dev = q.device
-    m_buf = torch.empty((n_kv, n_chunks, mrows), device=dev, dtype=torch.float32)
-    l_buf = torch.empty_like(m_buf)
-    acc_buf = torch.empty((n_kv, n_chunks, mrows, head_dim), device=dev, dtype=torch.float32)
+    m_buf, l_buf, acc_buf = carve(workspace, n_kv, n_chunks, mrows, head_dim, q.device)
     qk_f16 = dot_mode(q.dtype, kg.kv_type)
     q16 = query_operand(q, qk_f16)
     kv, ks, kpe, kph, kch = pool_args(k_pool, kg, raw_codes=True)

@@ -21,6 +21,7 @@ from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, interpr
                                                  num_sms, page_geometry)
 from kvcompile.ops.span_attention.paged_tile import (load_tile, qk_quantized, qk_scores,
                                                      v_operand)
+from kvcompile.ops.span_attention.workspace import carve
 
 LOG2E = 1.4426950408889634
 
@@ -135,9 +136,10 @@ def decode_chunking(table_len: int, page_size: int, n_kv_heads: int, block_n: in
 
 def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size,
                           scale, out=None, chunk_len=None, block_n=None, num_warps=None,
-                          num_stages=None, programs_per_sm=PROGRAMS_PER_SM):
+                          num_stages=None, programs_per_sm=PROGRAMS_PER_SM, workspace=None):
     """Launch the split + reduce kernels; `out` may be given in any float dtype (tests use
-    fp32 to see the kernel's own error without the final rounding)."""
+    fp32 to see the kernel's own error without the final rounding); `workspace` is an fp32
+    buffer for the partials (workspace.py), allocated per call when None."""
     check_launch(q, k_pool, v_pool, page_table, q_pos, page_size)
     n_rows, n_q_heads, head_dim = q.shape
     kg = page_geometry(k_pool, k_type, page_size, head_dim)
@@ -160,10 +162,7 @@ def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, 
         n_chunks = math.ceil(table_len * page_size / chunk_len)
     mrows = n_rows * group
     block_m = max(16, triton.next_power_of_2(mrows))
-    dev = q.device
-    m_buf = torch.empty((n_kv, n_chunks, mrows), device=dev, dtype=torch.float32)
-    l_buf = torch.empty_like(m_buf)
-    acc_buf = torch.empty((n_kv, n_chunks, mrows, head_dim), device=dev, dtype=torch.float32)
+    m_buf, l_buf, acc_buf = carve(workspace, n_kv, n_chunks, mrows, head_dim, q.device)
     qk_f16 = dot_mode(q.dtype, kg.kv_type)
     q16 = query_operand(q, qk_f16)
     if num_warps is None:

@@ -8,8 +8,12 @@ page_table: int32 [max_logical_pages], physical page of each logical page (built
             ordered span plan, see kvcompile.span_plan). Work is split by logical position
             only, so the result does not depend on where a page lives.
 q_pos:      int32 [T], absolute position of each query row; row t sees keys 0..q_pos[t].
+workspace:  optional fp32 scratch of the decode kernels (ops/span_attention/workspace.py),
+            owned by the cache so decode allocates nothing per call; ignored on the CPU.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -59,10 +63,11 @@ DECODE_MAX_ROWS = 8
 
 # triton_op: torch.compile traces into this body and sees the Triton kernels on CUDA; on
 # other devices the body calls the opaque reference op above.
-@torch.library.triton_op("kvcompile::span_attention", mutates_args=())
+@torch.library.triton_op("kvcompile::span_attention", mutates_args=("workspace",))
 def span_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                    page_table: torch.Tensor, q_pos: torch.Tensor, k_type: int, v_type: int,
-                   page_size: int, scale: float) -> torch.Tensor:
+                   page_size: int, scale: float,
+                   workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
     check_span_attention_args(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size)
     if q.device.type != "cuda":
         return span_attention_reference(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
@@ -75,6 +80,7 @@ def span_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         group = q.shape[1] // F.n_kv_heads_of(k_pool, F.kv_type(k_type), page_size, q.shape[2])
         quantized = F.kv_type(k_type).quantized or F.kv_type(v_type).quantized
         launch = decode_launcher(rows_per_kv_head=q.shape[0] * group, quantized=quantized)
-        return launch(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, scale)
+        return launch(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, scale,
+                      workspace=workspace)
     return span_attention_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
                                   page_size, scale)
