@@ -79,6 +79,7 @@ def end_to_end(ctx: int = 16384, n_decode: int = 24, kv: str = "q8_0") -> dict:
     """Decode tokens/s of a SmolLM2-geometry model (random weights) whose whole KV streams
     through a tiny arena, per copy mode."""
     from kvcompile.config import ModelConfig
+    from kvcompile.kv_cache import PagedKvCache
     from kvcompile.models.llama import LlamaModel
     from kvcompile.runtime.arena import MIB
     from kvcompile.runtime.cuda_backend import CudaBackend
@@ -91,8 +92,13 @@ def end_to_end(ctx: int = 16384, n_decode: int = 24, kv: str = "q8_0") -> dict:
         model = LlamaModel(cfg).eval().requires_grad_(False)
     prompt = torch.randint(0, cfg.vocab_size, (ctx - n_decode - 8,), device="cuda")
     out = {}
-    for mode in ("copy_engine", "sm_gather"):
-        for depth, slack in (("1 layer ring", 1.05), ("3 layer ring", 3.1)):
+    runs = [("all resident (PagedKvCache)", None, None)]
+    runs += [(f"{mode}, {depth}", mode, slack) for mode in ("copy_engine", "sm_gather")
+             for depth, slack in (("1 layer ring", 1.05), ("3 layer ring", 3.1))]
+    for name, mode, slack in runs:
+        if mode is None:
+            cache = PagedKvCache(cfg, ctx, k_type=kv, v_type=kv, device="cuda")
+        else:
             mib = min_arena_bytes(cfg, ctx, kv, kv) * slack / MIB
             cache = StreamingKvCache(cfg, ctx, mib, k_type=kv, v_type=kv,
                                      backend=CudaBackend(copy="gather" if mode == "sm_gather"
@@ -111,9 +117,12 @@ def end_to_end(ctx: int = 16384, n_decode: int = 24, kv: str = "q8_0") -> dict:
                     tok = int(logits[-1].argmax())
                 torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
+            if mode is None:
+                out[name] = dict(tok_s=n_decode / dt)
+                continue
             st = cache.stats()
             cache.close()
-            out[f"{mode}, {depth}"] = dict(
+            out[name] = dict(
                 tok_s=n_decode / dt, streamed_fraction=st["streamed_fraction"],
                 gib_per_step=st["h2d_bytes"] / st["steps"] / 2 ** 30,
                 copy_busy_pct=st["copy_busy_pct"], misses=st["readiness_misses"])

@@ -16,7 +16,7 @@ import time
 import torch
 
 from kvcompile.errors import ArenaError, ContextLengthError, KvLayoutError
-from kvcompile.kv_cache import LayerKv, PagedKvCache, check_positions
+from kvcompile.kv_cache import LayerKv, PagedKvCache, check_positions, decode_workspace
 from kvcompile.ops import kv_format as F
 from kvcompile.runtime import policy as P
 from kvcompile.runtime.arena import MIB, Arena, align, mib_for
@@ -78,6 +78,8 @@ class StreamingKvCache:
         extras = {n: t.to(self.device) for n, t in
                   _layer_extras(config, self.k_type, self.v_type, page_size,
                                 self.layers[0]).items()}
+        # decode kernels' scratch (CUDA; None on the CPU), one for all layers like PagedKvCache
+        extras["workspace"] = decode_workspace(self.device, config)
         self._kv = {i: LayerKv(k_pool, v_pool, self.pool.page_tables[i], self.k_type.ggml_id,
                                self.v_type.ggml_id, page_size, **extras) for i in self.layers}
         self.telemetry: list[StepStats] = []
