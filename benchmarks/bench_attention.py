@@ -237,7 +237,12 @@ def main() -> None:
         # programs resident). programs_per_sm alone does not recompile.
         dcfg = {"legacy": dcfg, "blocks": [
             {}, dict(programs_per_sm=4), dict(num_stages=1), dict(num_stages=1, programs_per_sm=4),
-            dict(maxnreg=168, programs_per_sm=4), dict(block_n=128, num_stages=1)]}
+            dict(maxnreg=168, programs_per_sm=4), dict(block_n=128, num_stages=1),
+            # small programs (the layout probe's winners): 1-2 warps, no cross-warp softmax
+            dict(block_n=32, num_warps=1, num_stages=3, programs_per_sm=8),
+            dict(block_n=64, num_warps=1, num_stages=3, programs_per_sm=8),
+            dict(block_n=32, num_warps=2, num_stages=3, programs_per_sm=6),
+            dict(block_n=32, num_warps=2, num_stages=3, programs_per_sm=8, maxnreg=128)]}
         rows += bench_decode(hbm, [int(r) for r in args.rows.split(",")], ctxs, dcfg,
                              args.impls.split(","))
     if "prefill" in parts:
