@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Run device scripts from one call: install the carried wheels and this checkout into
+# /tmp/site, then each named tools/device/<name>.sh (in parallel with -p: correctness runs
+# share the GPU fine, timings do not), each logging to $OUT/<name>.log.
+# usage (device, repo root): tools/device/batch.sh [-p] name [name ...]
+set -uo pipefail
+export R=$(pwd) PYTHONPATH=/tmp/site PYTHONSAFEPATH=1
+par=0; [ "${1:-}" = "-p" ] && { par=1; shift; }
+t0=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+  && python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . \
+  || { echo "install failed"; exit 2; }
+echo "installed in $(( $(date +%s) - t0 )) s"
+declare -A pids
+for n in "$@"; do
+  if [ $par = 1 ]; then
+    ( s=$(date +%s); bash "$R/tools/device/$n.sh" > "$OUT/$n.log" 2>&1; echo "rc $? in $(( $(date +%s) - s )) s" >> "$OUT/$n.log" ) &
+    pids[$n]=$!
+  else
+    s=$(date +%s); bash "$R/tools/device/$n.sh" > "$OUT/$n.log" 2>&1; echo "rc $? in $(( $(date +%s) - s )) s" >> "$OUT/$n.log"
+  fi
+done
+wait
+for n in "$@"; do echo "== $n: $(tail -1 "$OUT/$n.log")"; done
