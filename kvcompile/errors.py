@@ -27,3 +27,8 @@ class KvLayoutError(KvcompileError):
 
 class ArenaError(KvcompileError):
     """The GPU arena cannot hold the requested layout."""
+
+
+class PhaseError(KvcompileError):
+    """A phase program cannot run: captured against a layout that has since changed, or
+    asked for a shape it was not built for."""

@@ -1,0 +1,205 @@
+"""The phase manager: prefill and decode as two layouts of one arena, and the programs of
+the current layout.
+
+A transition (`enter(phase)`): drain the device (every kernel that used the old layout has
+finished), invalidate every program (they captured the old addresses), release the leases of
+regions that change, commit the new region map through an arena transaction, lease and
+rebind (the cache's attention scratch becomes a view of the new workspace region); programs
+are recaptured lazily, on first use. The `kv` region keeps its size, so the transaction keeps
+it in place and its lease proves it: the KV written during prefill is where decode reads it.
+
+The manager is written against the arena and a cache's per-layer buffers (`cache.layers`,
+`cache.layer(i)` with `k_pool`, `v_pool`, `workspace`), so a streaming cache can take its
+pages from `kv` + `kv_extra` the same way; today it binds the all-resident PagedKvCache.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvcompile.errors import PhaseError, UnsupportedModelError
+from kvcompile.phase import layouts as L
+from kvcompile.phase.programs import PhaseProgram
+from kvcompile.runtime.arena import Arena, align
+from kvcompile.runtime.fences import DONE
+
+
+def _sms(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    from kvcompile.ops.span_attention.launch import num_sms
+    return num_sms(device)
+
+
+class PhaseManager:
+    def __init__(self, model, cache, *, ubatch: int, arena_bytes: int | None = None,
+                 compile: bool | None = None, capture: bool | None = None,
+                 workspace_bytes: dict[str, int] | None = None, buckets=L.BUCKETS):
+        if not all(hasattr(cache, a) for a in ("layers", "layer", "capacity")) or \
+                hasattr(cache, "begin_forward"):
+            raise UnsupportedModelError(
+                f"phase programs bind an all-resident paged KV cache, not "
+                f"{type(cache).__name__}; run the streaming cache without --cuda-graphs for now")
+        if hasattr(model, "make_cache"):
+            raise UnsupportedModelError(
+                "phase programs support attention-only (llama-family) models; hybrid models "
+                "with recurrent state run without --cuda-graphs")
+        if not isinstance(ubatch, int) or ubatch <= 0 or ubatch > cache.capacity:
+            raise PhaseError(f"the prefill ubatch of {ubatch} tokens is larger than the KV "
+                             f"cache's {cache.capacity} positions (or not positive); use "
+                             f"--ubatch-size {min(cache.capacity, 512)} or less")
+        self.model, self.cache, self.ubatch = model, cache, ubatch
+        self.device = torch.device(cache.device)
+        self.buckets = tuple(sorted(buckets))
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        # Capture needs the compiled forward: eager forwards check positions on the host
+        # (a synchronisation, illegal while capturing); the compiled graph leaves it out.
+        self.compile = self.capture if compile is None else compile
+        if self.capture and not self.compile:
+            raise PhaseError("captured programs run the compiled forward (the eager one "
+                             "synchronises to check positions); pass compile=True")
+        # each pool starts aligned, so typed views of it (f32, fp16 scales) are legal
+        self.kv_bytes = sum(align(getattr(cache.layer(i), a).nbytes)
+                            for i in cache.layers for a in ("k_pool", "v_pool"))
+        self.scratch = L.attention_scratch_bytes(model.config, _sms(self.device))
+        ws = {p: L.workspace_bytes(model.config, p, ubatch, _sms(self.device)) for p in L.PHASES}
+        ws.update(workspace_bytes or {})
+        if any(w < self.scratch for w in ws.values()):
+            raise PhaseError(f"a phase workspace must hold at least the attention scratch of "
+                             f"{self.scratch} bytes; got {ws}")
+        self.workspaces = ws
+        if arena_bytes is None:
+            arena_bytes = align(self.kv_bytes) + max(align(w) for w in ws.values())
+        self.layouts = L.plan_layouts(arena_bytes, self.kv_bytes, ws)
+        self.arena = Arena(arena_bytes, device=self.device)
+        with self.arena.begin() as tx:     # alone first: kv sits at offset 0 for good
+            tx.reserve(L.KV, self.kv_bytes)
+        self._leases = {L.KV: self.arena.lease(L.KV)}
+        self._bind_kv()
+        self.phase: str | None = None
+        self.programs: dict[tuple[str, int], PhaseProgram] = {}
+        self.captures = 0          # programs built (CUDA graphs captured on the device)
+        self.transitions = 0
+        self.invalidated = 0
+        self._compiled = None
+
+    # ---- layouts --------------------------------------------------------------------------
+    def enter(self, phase: str) -> None:
+        """Make `phase`'s layout current (a no-op if it already is)."""
+        if phase not in self.layouts:
+            raise PhaseError(f"unknown phase {phase!r}; phases are {tuple(self.layouts)}")
+        if phase == self.phase:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)      # drain: the old layout is unused now
+        for p in self.programs.values():
+            p.invalidate()
+        self.invalidated += len(self.programs)
+        self.programs.clear()
+        want = self.layouts[phase].regions
+        current = self.arena.regions()
+        for name in [n for n in self._leases if n not in want
+                     or current[n].size != want[n]]:
+            self._leases.pop(name).release(DONE)     # DONE: the drain above proved it
+        with self.arena.begin() as tx:
+            for name, nbytes in want.items():
+                tx.reserve(name, nbytes)
+        for name in want:
+            if name not in self._leases:
+                self._leases[name] = self.arena.lease(name)
+        self._bind_workspace()
+        self.phase = phase
+        self.transitions += 1
+
+    def _bind_kv(self) -> None:
+        """Every layer's K and V pool becomes a view of the kv region (contents carried over)."""
+        view, off = self._leases[L.KV].view(), 0
+        for i in self.cache.layers:
+            kv = self.cache.layer(i)
+            for attr in ("k_pool", "v_pool"):
+                old = getattr(kv, attr)
+                new = view[off:off + old.nbytes].view(old.shape)
+                new.copy_(old)
+                setattr(kv, attr, new)
+                off += align(old.nbytes)
+
+    def _bind_workspace(self) -> None:
+        """The decode kernels' scratch of every layer: the head of the workspace region."""
+        scratch = None
+        if self.scratch:
+            scratch = self._leases[L.WORKSPACE].view(0, self.scratch).view(torch.float32)
+        for i in self.cache.layers:
+            self.cache.layer(i).workspace = scratch
+
+    def kv_pool_bytes(self, phase: str) -> int:
+        return self.layouts[phase].kv_pool_bytes
+
+    # ---- programs -------------------------------------------------------------------------
+    def program(self, phase: str, rows: int) -> PhaseProgram:
+        """The current layout's program for `rows` (entering the phase; built lazily)."""
+        self.enter(phase)
+        key = (phase, rows)
+        prog = self.programs.get(key)
+        if prog is None:
+            last_only = phase == "prefill"
+            fn = self._step_fn(last_only)
+            limit = self.arena.region(L.WORKSPACE).size - align(self.scratch)
+            estimate = L.activation_bytes(self.model.config, rows, 1 if last_only else rows)
+            prog = PhaseProgram(f"{phase}/{rows}", fn, rows, self.device, self.arena,
+                                (self.arena.region(L.KV), self.arena.region(L.WORKSPACE)),
+                                self.capture, limit, estimate)
+            self.programs[key] = prog
+            self.captures += 1
+        return prog
+
+    def _step_fn(self, last_only: bool):
+        model, cache = self.model, self.cache
+        if self.compile and self._compiled is None:
+            from kvcompile.passes import compile_model, default_pipeline
+            # streamed=(): every page is resident, no ring ops to place
+            self._compiled = compile_model(model, default_pipeline(streamed=()), dynamic=False)
+        run = self._compiled if self.compile else model
+        return lambda tokens, positions: run(tokens, positions, cache, last_only=last_only)
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], start: int) -> torch.Tensor:
+        """Logits of ids at positions start..: every row's for a decode step (up to the widest
+        bucket, padded by repeating the last row: same slot, same bytes), the last row's for a
+        prefill chunk. Full ubatch chunks run the prefill program; other widths over the
+        widest bucket run the model eagerly in the prefill layout."""
+        n = len(ids)
+        if n == 0:
+            raise PhaseError("a step needs at least one token")
+        if n > self.ubatch:
+            raise PhaseError(f"a prefill chunk of {n} tokens is larger than the ubatch of "
+                             f"{self.ubatch} the prefill workspace is sized for; split it or "
+                             f"raise --ubatch-size")
+        self._check_positions(start, n)
+        if n <= self.buckets[-1]:
+            rows = L.bucket_for(n, self.buckets)
+            pad = rows - n
+            prog = self.program("decode", rows)
+            out = prog.run(ids + ids[-1:] * pad, list(range(start, start + n)) + [start + n - 1] * pad)
+            return out[:n]
+        if n == self.ubatch:
+            return self.program("prefill", n).run(ids, list(range(start, start + n)))
+        self.enter("prefill")
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + n, dtype=torch.long, device=self.device)
+        return self.model(tokens, positions, self.cache, last_only=True)
+
+    def _check_positions(self, start: int, n: int) -> None:
+        """The host-side range check the compiled graph leaves out, on Python ints (no sync)."""
+        limit = min(self.cache.capacity, self.model.rope_cos.shape[0])
+        if start < 0 or start + n > limit:
+            from kvcompile.errors import ContextLengthError
+            raise ContextLengthError(f"positions {start}..{start + n - 1} do not fit the "
+                                     f"{limit} positions of the KV cache / model; raise "
+                                     f"--ctx-size or shorten the prompt / max tokens")
+
+    def stats(self) -> dict:
+        return {"phase": self.phase, "captures": self.captures, "transitions": self.transitions,
+                "invalidated": self.invalidated, "arena_bytes": self.arena.nbytes,
+                "kv_pool_bytes": {p: self.kv_pool_bytes(p) for p in self.layouts},
+                "workspace_bytes": dict(self.workspaces),
+                "measured_workspace": {f"{k[0]}/{k[1]}": p.workspace
+                                       for k, p in self.programs.items()}}

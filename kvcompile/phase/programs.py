@@ -1,0 +1,115 @@
+"""A phase program: one forward shape (rows) run from static buffers, captured as a CUDA
+graph on the device and run eagerly on the CPU (the same code path minus the capture).
+
+A step writes its tokens and positions into the program's static input in place (through a
+pinned staging buffer and a non-blocking copy: no host synchronisation), page tables are
+updated in place by the cache, and the graph replays against the addresses it captured.
+The program remembers the arena regions it was captured against; once a phase transition
+replaced any of them (`arena.is_current`) or the manager invalidated it, running it raises
+PhaseError instead of replaying kernels into memory that now belongs to something else.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kvcompile.errors import ArenaError, PhaseError
+from kvcompile.runtime.arena import MIB
+
+StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # (tokens, positions) -> logits
+
+
+class PhaseProgram:
+    def __init__(self, name: str, fn: StepFn, rows: int, device: torch.device, arena,
+                 bound: tuple, capture: bool, workspace_limit: int, estimate: int):
+        self.name, self.fn, self.rows, self.device = name, fn, rows, torch.device(device)
+        self.arena, self.bound = arena, tuple(bound)   # Regions whose addresses it uses
+        self.capture = capture
+        self.workspace_limit = workspace_limit         # bytes its activations may take
+        self.estimate = estimate                       # what the CPU build charges
+        self.valid = True
+        self.graph = None
+        self.out = None
+        self.workspace = None                          # bytes measured at capture
+        self.replays = 0
+        cuda = self.device.type == "cuda"
+        # [0] tokens, [1] positions; device side is what the graph reads
+        self._static = torch.zeros(2, rows, dtype=torch.long, device=self.device)
+        self._host = torch.zeros(2, rows, dtype=torch.long, pin_memory=cuda)
+        self._staged = torch.cuda.Event() if cuda else None
+
+    # ---- validity ------------------------------------------------------------------------
+    def invalidate(self) -> None:
+        """Drop the graph (its memory pool goes back) and refuse every later run."""
+        self.valid, self.graph, self.out = False, None, None
+
+    def check_current(self) -> None:
+        if not self.valid:
+            raise PhaseError(f"phase program {self.name} was invalidated by a phase transition; "
+                             f"ask the phase manager for the current program (it recaptures)")
+        stale = [r.name for r in self.bound if not self.arena.is_current(r)]
+        if stale:
+            raise PhaseError(f"phase program {self.name} was captured against arena regions "
+                             f"{stale} that a newer layout replaced; replaying it would run "
+                             f"kernels on memory that now holds something else. Ask the phase "
+                             f"manager for the current program (it recaptures lazily)")
+
+    # ---- running --------------------------------------------------------------------------
+    def run(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """Logits of the step (valid until this program runs again). The first run builds the
+        program: on CUDA it warms up (compiles, autotunes: the step's own KV writes, which are
+        idempotent), captures, checks the measured workspace, then replays."""
+        self.check_current()
+        if len(tokens) != self.rows or len(positions) != self.rows:
+            raise PhaseError(f"phase program {self.name} runs exactly {self.rows} rows, got "
+                             f"{len(tokens)} tokens and {len(positions)} positions; a larger "
+                             f"ubatch than the program's batch needs a program of that shape")
+        self._load(tokens, positions)
+        if self.graph is None and self.capture:
+            self._capture()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            if self.workspace is None:
+                self._charge(self.estimate)
+            self.out = self.fn(self._static[0], self._static[1])
+        self.replays += 1
+        return self.out
+
+    def _load(self, tokens, positions) -> None:
+        if self._staged is not None:
+            self._staged.synchronize()   # the last copy has read the staging buffer (no-op
+            # in a normal step: sampling the previous logits already waited for it)
+        self._host[0] = torch.as_tensor(tokens, dtype=torch.long)
+        self._host[1] = torch.as_tensor(positions, dtype=torch.long)
+        self._static.copy_(self._host, non_blocking=self._staged is not None)
+        if self._staged is not None:
+            self._staged.record()
+
+    def _capture(self) -> None:
+        dev = self.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):   # warm up on the capture stream (its cuBLAS workspace)
+            for _ in range(2):
+                self.fn(self._static[0], self._static[1])
+        torch.cuda.current_stream(dev).wait_stream(side)
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            out = self.fn(self._static[0], self._static[1])
+        torch.cuda.synchronize(dev)
+        self._charge(torch.cuda.max_memory_allocated(dev) - base)
+        self.graph, self.out = graph, out
+
+    def _charge(self, nbytes: int) -> None:
+        self.workspace = int(nbytes)
+        if nbytes > self.workspace_limit:
+            self.invalidate()
+            raise ArenaError(
+                f"phase program {self.name} needs {nbytes / MIB:.2f} MiB of workspace but its "
+                f"layout reserves {self.workspace_limit / MIB:.2f} MiB; give the phase a larger "
+                f"workspace (a larger arena) or run fewer rows (--ubatch-size)")
