@@ -35,6 +35,9 @@ def _add_generate(sub) -> None:
                    help="KV history in host RAM, streamed through an arena of this many MiB "
                         "(0 = whole KV cache on the device, the default)")
     p.add_argument("--trace", action="store_true", help="print per-step KV telemetry to stderr")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="run steps as phase programs: CUDA graphs per decode width and prefill "
+                        "ubatch, in prefill / decode layouts of one arena (eager on the CPU)")
     p.add_argument("--device", default=None, help="cpu (default) or cuda")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     p.add_argument("--no-stats", action="store_true", help="no statistics line at the end")
@@ -55,7 +58,7 @@ def _run_generate(args) -> int:
     engine = Engine(args.model, ctx_size=args.ctx_size, cache_type_k=args.cache_type_k,
                     cache_type_v=args.cache_type_v, device=args.device, ubatch=args.ubatch_size,
                     progress=not args.no_progress, kv_stream_arena_mib=args.kv_stream_arena_mib,
-                    trace=args.trace)
+                    trace=args.trace, cuda_graphs=args.cuda_graphs)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})

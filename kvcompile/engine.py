@@ -69,7 +69,7 @@ class Engine:
     def __init__(self, model=None, *, ctx_size: int | None = None, cache_type_k: str = "f32",
                  cache_type_v: str = "f32", device: str | None = None,
                  dtype: torch.dtype = torch.float32, ubatch: int = 256, progress: bool = True,
-                 kv_stream_arena_mib: float = 0, trace: bool = False):
+                 kv_stream_arena_mib: float = 0, trace: bool = False, cuda_graphs: bool = False):
         self.device = torch.device(device or "cpu")
         loaded = load_model(model, device=self.device, dtype=dtype, progress=progress)
         self.path, self.config, self.tokenizer, self.model = (
@@ -86,6 +86,12 @@ class Engine:
         self.ctx_size, self.ubatch = ctx, ubatch
         self.trace = trace
         self.cache = self._make_cache(ctx, cache_type_k, cache_type_v, kv_stream_arena_mib)
+        # cuda_graphs: steps run as phase programs (captured on CUDA, eager on the CPU) in the
+        # prefill / decode layouts of one arena (kvcompile/phase, docs/phases.md)
+        self.phases = None
+        if cuda_graphs:
+            from kvcompile.phase import PhaseManager
+            self.phases = PhaseManager(self.model, self.cache, ubatch=min(ubatch, ctx))
 
     def _make_cache(self, ctx: int, k_type: str, v_type: str, arena_mib: float):
         """arena_mib 0: every page on the device; else KV history on the host, streamed
@@ -184,6 +190,8 @@ class Engine:
 
     def forward(self, ids: list[int], start: int) -> torch.Tensor:
         """Run ids at positions start.. through the model; logits of the last one."""
+        if self.phases is not None:
+            return self.phases.forward(ids, start)[-1]
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
         logits = run_forward(self.model, self.cache, tokens, positions, last_only=True)[-1]

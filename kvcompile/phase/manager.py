@@ -201,5 +201,5 @@ class PhaseManager:
                 "invalidated": self.invalidated, "arena_bytes": self.arena.nbytes,
                 "kv_pool_bytes": {p: self.kv_pool_bytes(p) for p in self.layouts},
                 "workspace_bytes": dict(self.workspaces),
-                "measured_workspace": {f"{k[0]}/{k[1]}": p.workspace
-                                       for k, p in self.programs.items()}}
+                "program_workspace": {p.name: p.workspace
+                                       for p in self.programs.values()}}
