@@ -15,7 +15,7 @@ from kvcompile.kv_cache import PagedKvCache
 from kvcompile.models.llama import LlamaModel
 from kvcompile.ops import kv_format as F
 from kvcompile.phase import PhaseManager, PhaseProgram, bucket_for, plan_layouts, workspace_bytes
-from kvcompile.phase.layouts import EXTRA, KV, WORKSPACE
+from kvcompile.phase.layouts import KV, WORKSPACE
 from kvcompile.runtime.arena import MIB, Arena
 from test_kv_cache import TINY, tiny_weights
 
@@ -207,6 +207,13 @@ def test_bad_input_is_a_clear_error(model_and_ids):
     from kvcompile.runtime import make_kv_cache
     with pytest.raises(UnsupportedModelError, match="all-resident"):
         PhaseManager(model, make_kv_cache(CFG, 256, 1, page_size=16), ubatch=16)
+    # past dynamo's recompile limit the compiled step would fall back to eager: an error
+    torch._dynamo.reset()
+    cm = PhaseManager(model, cache(), ubatch=16, compile=True)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        cm.forward(ids[:1], 0)
+        with pytest.raises(PhaseError, match="recompile limit"):
+            cm.forward(ids[1:3], 1)
     # an op with no lowering: the pass pipeline names it when the program is built
     from kvcompile.passes import PassError
     odd = OddLlama.from_weights(CFG, tiny_weights(CFG, torch.Generator().manual_seed(2)))

@@ -30,6 +30,21 @@ def _sms(device: torch.device) -> int | None:
     return num_sms(device)
 
 
+def _recompile_limit_error():
+    import torch._dynamo.exc as exc
+    return getattr(exc, "FailOnRecompileLimitHit", None) or getattr(exc, "FailOnCacheLimitHit", ())
+
+
+def _fail_on_recompile_limit():
+    import contextlib
+
+    import torch._dynamo.config as cfg
+    for name in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"):
+        if hasattr(cfg, name):
+            return cfg.patch(**{name: True})
+    return contextlib.nullcontext()
+
+
 class PhaseManager:
     def __init__(self, model, cache, *, ubatch: int, arena_bytes: int | None = None,
                  compile: bool | None = None, capture: bool | None = None,
@@ -157,8 +172,22 @@ class PhaseManager:
             from kvcompile.passes import compile_model, default_pipeline
             # streamed=(): every page is resident, no ring ops to place
             self._compiled = compile_model(model, default_pipeline(streamed=()), dynamic=False)
-        run = self._compiled if self.compile else model
-        return lambda tokens, positions: run(tokens, positions, cache, last_only=last_only)
+        if not self.compile:
+            return lambda tokens, positions: model(tokens, positions, cache, last_only=last_only)
+        compiled, limit_hit = self._compiled, _recompile_limit_error()
+
+        def step(tokens, positions):
+            # past dynamo's recompile limit the forward would silently run eagerly, whose
+            # host-side checks cannot be captured: fail with the reason instead
+            with _fail_on_recompile_limit():
+                try:
+                    return compiled(tokens, positions, cache, last_only=last_only)
+                except limit_hit as e:
+                    raise PhaseError(
+                        f"the compiled forward hit torch._dynamo's recompile limit ({e}); call "
+                        f"torch._dynamo.reset() between models or raise "
+                        f"torch._dynamo.config.recompile_limit") from None
+        return step
 
     @torch.inference_mode()
     def forward(self, ids: list[int], start: int) -> torch.Tensor:

@@ -78,9 +78,9 @@ class PhaseProgram:
         return self.out
 
     def _load(self, tokens, positions) -> None:
-        if self._staged is not None:
-            self._staged.synchronize()   # the last copy has read the staging buffer (no-op
-            # in a normal step: sampling the previous logits already waited for it)
+        if self._staged is not None and not self._staged.query():
+            self._staged.synchronize()   # the last copy must have read the staging buffer
+            # (never taken in a normal step: sampling the previous logits waited for it)
         self._host[0] = torch.as_tensor(tokens, dtype=torch.long)
         self._host[1] = torch.as_tensor(positions, dtype=torch.long)
         self._static.copy_(self._host, non_blocking=self._staged is not None)
