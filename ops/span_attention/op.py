@@ -62,8 +62,11 @@ DECODE_MAX_ROWS = 8
 
 
 # triton_op: torch.compile traces into this body and sees the Triton kernels on CUDA; on
-# other devices the body calls the opaque reference op above.
-@torch.library.triton_op("kvcompile::span_attention", mutates_args=("workspace",))
+# other devices the body calls the opaque reference op above. `workspace` is scratch: the
+# kernels overwrite it before reading it and nothing reads it afterwards, so it is not a
+# declared mutation (declaring an optional mutated arg also breaks calls that omit it on
+# torch 2.11: the dispatcher drops the trailing None and the version bump indexes past it).
+@torch.library.triton_op("kvcompile::span_attention", mutates_args=())
 def span_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                    page_table: torch.Tensor, q_pos: torch.Tensor, k_type: int, v_type: int,
                    page_size: int, scale: float,
