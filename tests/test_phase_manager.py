@@ -191,6 +191,8 @@ def test_bad_input_is_a_clear_error(model_and_ids):
     model, ids = model_and_ids
     with pytest.raises(PhaseError, match="ubatch of 300 tokens is larger than the KV cache"):
         PhaseManager(model, cache(), ubatch=300)
+    with pytest.raises(PhaseError, match="positive number of tokens"):
+        PhaseManager(model, cache(), ubatch=0)
     m = PhaseManager(model, cache(), ubatch=16)
     with pytest.raises(PhaseError, match="chunk of 20 tokens is larger than the ubatch of 16"):
         m.forward(ids[:20], 0)

@@ -58,10 +58,13 @@ class PhaseManager:
             raise UnsupportedModelError(
                 "phase programs support attention-only (llama-family) models; hybrid models "
                 "with recurrent state run without --cuda-graphs")
-        if not isinstance(ubatch, int) or ubatch <= 0 or ubatch > cache.capacity:
+        if not isinstance(ubatch, int) or isinstance(ubatch, bool) or ubatch <= 0:
+            raise PhaseError(f"the prefill ubatch must be a positive number of tokens, got "
+                             f"{ubatch!r}")
+        if ubatch > cache.capacity:     # its program could never be filled
             raise PhaseError(f"the prefill ubatch of {ubatch} tokens is larger than the KV "
-                             f"cache's {cache.capacity} positions (or not positive); use "
-                             f"--ubatch-size {min(cache.capacity, 512)} or less")
+                             f"cache's {cache.capacity} positions; use --ubatch-size "
+                             f"{cache.capacity} or less")
         self.model, self.cache, self.ubatch = model, cache, ubatch
         self.device = torch.device(cache.device)
         self.buckets = tuple(sorted(buckets))
