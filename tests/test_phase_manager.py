@@ -204,8 +204,8 @@ def test_bad_input_is_a_clear_error(model_and_ids):
     with pytest.raises(ArenaError, match="decode/1 needs .* MiB of workspace but its layout "
                                          "reserves 0.00 MiB"):
         small.forward(ids[:1], 0)
-    with pytest.raises(PhaseError, match="captured programs run the compiled forward"):
-        PhaseManager(model, cache(), ubatch=16, capture=True, compile=False)
+    with pytest.raises(PhaseError, match="capture on a CUDA device"):
+        PhaseManager(model, cache(), ubatch=16, capture=True)
     from kvcompile.runtime import make_kv_cache
     with pytest.raises(UnsupportedModelError, match="all-resident"):
         PhaseManager(model, make_kv_cache(CFG, 256, 1, page_size=16), ubatch=16)

@@ -72,6 +72,9 @@ class PhaseManager:
         # Capture needs the compiled forward: eager forwards check positions on the host
         # (a synchronisation, illegal while capturing); the compiled graph leaves it out.
         self.compile = self.capture if compile is None else compile
+        if self.capture and self.device.type != "cuda":
+            raise PhaseError(f"CUDA graphs capture on a CUDA device, the cache is on "
+                             f"{self.device}; on the CPU programs run eagerly (capture=False)")
         if self.capture and not self.compile:
             raise PhaseError("captured programs run the compiled forward (the eager one "
                              "synchronises to check positions); pass compile=True")
