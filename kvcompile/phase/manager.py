@@ -213,7 +213,8 @@ class PhaseManager:
             rows = L.bucket_for(n, self.buckets)
             pad = rows - n
             prog = self.program("decode", rows)
-            out = prog.run(ids + ids[-1:] * pad, list(range(start, start + n)) + [start + n - 1] * pad)
+            positions = list(range(start, start + n)) + [start + n - 1] * pad
+            out = prog.run(ids + ids[-1:] * pad, positions)
             return out[:n]
         if n == self.ubatch:
             return self.program("prefill", n).run(ids, list(range(start, start + n)))
