@@ -1,0 +1,79 @@
+"""Where an eager decode step spends its time (device): torch.profiler over a few decode
+steps of a random-weight model, all resident and streaming; prints the top CPU-side ops
+and the step time against the GPU kernel time it launched.
+
+usage (device): python3 benchmarks/profile_decode.py [--ctx 8192] [--layers 32] [--arena 256]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_streaming import LLAMA3_8B, TINY, build_models, ours_decode, ours_prefill  # noqa: E402
+
+from kvcompile.runtime.make import make_kv_cache  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--arena", type=float, default=256, help="MiB for the streaming run")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny geometry (a CPU smoke run)")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "profile_decode.json"))
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    g = TINY if a.tiny else dataclasses.replace(LLAMA3_8B, n_layers=a.layers)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model, *_ = build_models(g, a.ctx + 64, dtype, dev, 0, want_hf=False)
+    ids = torch.randint(0, g.vocab, (a.ctx,), device=dev)
+    res = {}
+    for name, arena in (("resident", 0), ("streaming", a.arena)):
+        kv = ("q8_0", "q4_0") if dev.type == "cuda" else ("f32", "f32")
+        cache = make_kv_cache(model.config, a.ctx + 64, arena, k_type=kv[0], v_type=kv[1],
+                              device=dev)
+        with torch.inference_mode():
+            first = int(ours_prefill(model, cache, ids, 4096, dev, "prefill").argmax())
+            ours_decode(model, cache, first, a.ctx, 2, dev)          # warm
+            sync()
+            t = time.perf_counter()
+            ours_decode(model, cache, first, a.ctx + 2, a.steps, dev)
+            sync()
+            step_ms = (time.perf_counter() - t) / a.steps * 1e3
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                ours_decode(model, cache, first, a.ctx + 2 + a.steps, 3, dev)
+                sync()
+        ev = prof.key_averages()
+        cuda_ms = sum(e.self_device_time_total for e in ev) / 1e3 / 3
+        cpu_top = sorted(ev, key=lambda e: -e.self_cpu_time_total)[:25]
+        print(f"== {name}: step {step_ms:.1f} ms, GPU kernel time {cuda_ms:.1f} ms a step")
+        print(ev.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+        res[name] = dict(step_ms=step_ms, gpu_ms=cuda_ms, top_cpu=[
+            dict(name=e.key, self_cpu_ms=e.self_cpu_time_total / 1e3 / 3, calls=e.count / 3)
+            for e in cpu_top])
+        close = getattr(cache, "close", None)
+        if close:
+            close()
+        del cache
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    json.dump(res, open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
