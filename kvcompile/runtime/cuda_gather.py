@@ -75,7 +75,7 @@ def bandwidth(mib: int = 256, reps: int = 10) -> dict:
     return out
 
 
-def end_to_end(ctx: int = 16384, n_decode: int = 24, kv: str = "q8_0") -> dict:
+def end_to_end(ctx: int = 16384, n_decode: int = 48, kv: str = "q8_0") -> dict:
     """Decode tokens/s of a SmolLM2-geometry model (random weights) whose whole KV streams
     through a tiny arena, per copy mode."""
     from kvcompile.config import ModelConfig
@@ -103,29 +103,29 @@ def end_to_end(ctx: int = 16384, n_decode: int = 24, kv: str = "q8_0") -> dict:
             cache = StreamingKvCache(cfg, ctx, mib, k_type=kv, v_type=kv,
                                      backend=CudaBackend(copy="gather" if mode == "sm_gather"
                                                          else "engine"))
-            with torch.inference_mode():
-                for s in range(0, len(prompt), 4096):
-                    t = prompt[s:s + 4096]
-                    forward(model, cache, t, torch.arange(s, s + len(t), device="cuda"),
-                            last_only=True)
-                tok, pos = int(prompt[-1]), len(prompt)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for i in range(n_decode):
-                    logits = forward(model, cache, torch.tensor([tok], device="cuda"),
-                                     torch.tensor([pos + i], device="cuda"), last_only=True)
-                    tok = int(logits[-1].argmax())
-                torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-            if mode is None:
-                out[name] = dict(tok_s=n_decode / dt)
-                continue
-            st = cache.stats()
-            cache.close()
-            out[name] = dict(
-                tok_s=n_decode / dt, streamed_fraction=st["streamed_fraction"],
-                gib_per_step=st["h2d_bytes"] / st["steps"] / 2 ** 30,
-                copy_busy_pct=st["copy_busy_pct"], misses=st["readiness_misses"])
+        with torch.inference_mode():
+            for s in range(0, len(prompt), 4096):
+                t = prompt[s:s + 4096]
+                forward(model, cache, t, torch.arange(s, s + len(t), device="cuda"),
+                        last_only=True)
+            tok, pos = int(prompt[-1]), len(prompt)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for i in range(n_decode):
+                logits = forward(model, cache, torch.tensor([tok], device="cuda"),
+                                 torch.tensor([pos + i], device="cuda"), last_only=True)
+                tok = int(logits[-1].argmax())
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+        if mode is None:
+            out[name] = dict(tok_s=n_decode / dt)
+            continue
+        st = cache.stats()
+        cache.close()
+        out[name] = dict(
+            tok_s=n_decode / dt, streamed_fraction=st["streamed_fraction"],
+            gib_per_step=st["h2d_bytes"] / st["steps"] / 2 ** 30,
+            copy_busy_pct=st["copy_busy_pct"], misses=st["readiness_misses"])
     return out
 
 
