@@ -35,6 +35,7 @@ class GenerationResult:
     prefill_s: float
     decode_s: float
     kv: dict = field(default_factory=dict)   # streaming telemetry (empty when all resident)
+    phases: dict = field(default_factory=dict)   # phase manager counters (cuda_graphs only)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -180,7 +181,8 @@ class Engine:
             yield tail
         stream.result = GenerationResult("".join(text), out_ids, len(prompt_ids), len(out_ids),
                                          finish, prefill_s, decode_s,
-                                         summarize(telemetry[first_step:]))
+                                         summarize(telemetry[first_step:]),
+                                         self.phases.stats() if self.phases else {})
 
     def _prefill(self, ids: list[int]) -> torch.Tensor:
         logits = None
