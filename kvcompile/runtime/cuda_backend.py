@@ -32,8 +32,8 @@ class CudaFence(Fence):
 
     __slots__ = ("event", "device", "what")
 
-    def __init__(self, event: torch.cuda.Event, device: torch.device, what: str = ""):
-        self.event, self.device, self.what = event, device, what
+    def __init__(self, event: torch.cuda.Event, device: int, what: str = ""):
+        self.event, self.device, self.what = event, device, what   # device: an index (cheap)
 
     def query(self) -> bool:
         return self.event.query()
@@ -42,13 +42,15 @@ class CudaFence(Fence):
         self.event.synchronize()
 
     def device_wait(self, stream=None) -> None:
-        (torch.cuda.current_stream(self.device) if stream is None else stream).wait_event(self.event)
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(self.event)
 
     def __repr__(self):
         return f"CudaFence({self.what!r}, done={self.query()})"
 
 
-def record(stream: torch.cuda.Stream, device, what: str, timing: bool = False) -> CudaFence:
+def record(stream: torch.cuda.Stream, device: int, what: str, timing: bool = False) -> CudaFence:
     ev = torch.cuda.Event(enable_timing=timing)
     ev.record(stream)
     return CudaFence(ev, device, what)
@@ -68,7 +70,7 @@ class CudaCopyEngine(CopyEngine):
     def __init__(self, device: torch.device, instrument: Instrument | None = None,
                  gather: bool = False):
         super().__init__(instrument)
-        self.device = device
+        self.device = device.index
         self.stream = torch.cuda.Stream(device)
         self._timed: list = []          # (start, end) timing events of copies not yet counted
         self._gather = None
@@ -153,6 +155,7 @@ class CudaBackend:
         self.device = torch.device("cuda", device.index if device.index is not None
                                    else torch.cuda.current_device())
         self.instrument = instrument or Instrument()
+        self._index = self.device.index     # int: the per-layer stream lookups stay cheap
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         try:
@@ -181,15 +184,15 @@ class CudaBackend:
         return CudaCopyEngine(self.device, self.instrument, gather=self.copy == "gather")
 
     def compute_fence(self) -> Fence:
-        return record(torch.cuda.current_stream(self.device), self.device, "compute")
+        return record(torch.cuda.current_stream(self._index), self._index, "compute")
 
     def readiness_miss(self, fences) -> bool:
         """The compute stream would stall: the copies are pending and it has nothing else
         queued (the host runs ahead, so "pending" alone would count nearly every layer)."""
-        return not all_done(fences) and torch.cuda.current_stream(self.device).query()
+        return not all_done(fences) and torch.cuda.current_stream(self._index).query()
 
     def compute_delay(self, seconds: float) -> None:
-        device_sleep(seconds, torch.cuda.current_stream(self.device))
+        device_sleep(seconds, torch.cuda.current_stream(self._index))
 
 
 class TimelineChecker:

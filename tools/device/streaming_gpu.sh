@@ -2,7 +2,7 @@
 # Streaming runtime on CUDA (issue 4): GPU tests of the CUDA backend and a host->device copy
 # micro-benchmark (copy engine on a side stream vs an SM gather from pinned memory).
 # Run from the repo root with R (repo root) and OUT set; writes $OUT/streaming_gpu/.
-# Expected run time on one H200: ~3 minutes (tests ~2.5 min, benchmark ~15 s).
+# Expected run time on one H200: ~1.7 minutes (tests ~65 s, benchmark ~30 s).
 set -uo pipefail
 R=${R:-$(pwd)}
 O="$OUT/streaming_gpu"
