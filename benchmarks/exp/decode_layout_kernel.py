@@ -3,34 +3,18 @@ scales [H, NB, P]) and q4_0 / q8_0 V stored position-contiguous ([H, D/2 or D, P
 import triton
 import triton.language as tl
 
+from kvcompile.ops.span_attention.decode_kernel import LOG2E, _decode_reduce, decode_chunking  # noqa: F401
+from kvcompile.ops.span_attention.quant_blocks import q4_codes_f16, q8_codes_f16
+
 
 @triton.jit
 def cvt_q8(c, ASM: tl.constexpr):
-    if ASM:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 t, m, c; mov.b32 m, 0x64646464; mov.b32 c, 0x64806480; "
-            "xor.b32 t, $2, 0x80808080; prmt.b32 $0, t, m, 0x5140; prmt.b32 $1, t, m, 0x5342; "
-            "sub.f16x2 $0, $0, c; sub.f16x2 $1, $1, c; }",
-            "=r,=r,r", [c], dtype=tl.float16, is_pure=True, pack=4)
-    else:
-        return c.to(tl.int8, bitcast=True).to(tl.float16)
+    return q8_codes_f16(c, not ASM)
 
 
 @triton.jit
 def cvt_q4(byte, ASM: tl.constexpr):
-    if ASM:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 t, u, m, c; mov.b32 m, 0x64646464; mov.b32 c, 0x64086408; "
-            "and.b32 t, $4, 0x0F0F0F0F; shr.b32 u, $4, 4; and.b32 u, u, 0x0F0F0F0F; "
-            "prmt.b32 $0, t, m, 0x5140; prmt.b32 $1, t, m, 0x5342; "
-            "prmt.b32 $2, u, m, 0x5140; prmt.b32 $3, u, m, 0x5342; "
-            "sub.f16x2 $0, $0, c; sub.f16x2 $1, $1, c; "
-            "sub.f16x2 $2, $2, c; sub.f16x2 $3, $3, c; }",
-            "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-    else:
-        lo = (byte & 15).to(tl.int8, bitcast=True) - 8
-        hi = (byte >> 4).to(tl.int8, bitcast=True) - 8
-        return lo.to(tl.float16), hi.to(tl.float16)
+    return q4_codes_f16(byte, not ASM)
 
 
 @triton.jit
@@ -107,51 +91,3 @@ def _split_t(q_ptr, k_codes, k_scl, v_codes, v_scl, page_table, q_pos_ptr,
         tl.store(base + (col + 16)[None, :], acc_b, mask=ok[:, None])
     else:
         tl.store(base + dv[None, :], acc_a, mask=ok[:, None])
-@triton.jit
-def _decode_reduce(m_ptr, l_ptr, acc_ptr, q_pos_ptr, out_ptr, stride_ot, stride_oh,
-                   n_rows, n_chunks, chunk_len, table_len,
-                   G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-                   ROWS_P2: tl.constexpr, BLOCK_C: tl.constexpr):
-    h = tl.program_id(0)
-    r = tl.program_id(1)
-    tr = tl.arange(0, ROWS_P2)
-    qp = tl.load(q_pos_ptr + tr, mask=tr < n_rows, other=-1)
-    n_ctx = tl.minimum(tl.max(qp, 0) + 1, table_len * P)
-    used = tl.cdiv(n_ctx, chunk_len)
-    mrows = n_rows * G
-    d = tl.arange(0, D)
-    m_run = tl.full([1], float("-inf"), tl.float32)
-    l_run = tl.zeros([1], tl.float32)
-    acc = tl.zeros([D], tl.float32)
-    for c0 in range(0, used, BLOCK_C):
-        cc = c0 + tl.arange(0, BLOCK_C)
-        ok = cc < used
-        slot = (h * n_chunks + cc) * mrows + r
-        mc = tl.load(m_ptr + slot, mask=ok, other=float("-inf"))
-        lc = tl.load(l_ptr + slot, mask=ok, other=0.0)
-        ac = tl.load(acc_ptr + slot.to(tl.int64)[:, None] * D + d[None, :],
-                     mask=ok[:, None], other=0.0)
-        m_new = tl.maximum(m_run, tl.max(mc, 0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_use)
-        w = tl.exp2(mc - m_use)
-        l_run = l_run * alpha + tl.sum(lc * w, 0)
-        acc = acc * alpha + tl.sum(ac * w[:, None], 0)
-        m_run = m_new
-    t = r // G
-    g = r % G
-    o = acc / l_run
-    optr = out_ptr + t.to(tl.int64) * stride_ot + (h * G + g) * stride_oh + d
-    tl.store(optr, o.to(out_ptr.dtype.element_ty))
-
-
-LOG2E = 1.4426950408889634
-
-
-def decode_chunking(table_len, page_size, n_kv_heads, block_n, sms, programs_per_sm):
-    import math
-    n_tiles = table_len * page_size // block_n
-    want = max(1, (programs_per_sm * sms) // n_kv_heads)
-    tiles_per_chunk = max(1, math.ceil(n_tiles / want))
-    chunk_len = tiles_per_chunk * block_n
-    return chunk_len, math.ceil(table_len * page_size / chunk_len)
