@@ -14,44 +14,13 @@ import pytest
 import torch
 
 import kvcompile.ops  # noqa: F401
-from kernel_oracle import (PAIRS, dense_reference, fill_pools, fresh_seed, placements,
-                           rel_err, run_interpreted)
+from kernel_oracle import (PAIRS, args_of, build, dense_reference, fresh_seed, rel_err,
+                           run_interpreted)
 from kvcompile.errors import KvLayoutError
 from kvcompile.ops import kv_format as F
 
 TOL = 1e-3
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def build(k_name, v_name, n_ctx, n_rows, head_dim, n_kv, group, page_size, q_dtype, gen,
-          plan_names=("resident",), device="cpu", scattered_rows=False, table_pad=0):
-    """Fresh logical KV + queries for the last n_rows positions (or, scattered_rows, for
-    random distinct positions in random order, the last one included), written under each
-    plan; table_pad extra page-table entries past the plan."""
-    n_pages = math.ceil(n_ctx / page_size)
-    k = torch.randn(n_ctx, n_kv, head_dim, generator=gen)
-    v = torch.randn(n_ctx, n_kv, head_dim, generator=gen)
-    q = (torch.randn(n_rows, n_kv * group, head_dim, generator=gen) * 1.5).to(q_dtype)
-    q_pos = torch.arange(n_ctx - n_rows, n_ctx, dtype=torch.int32)
-    if scattered_rows:
-        pick = torch.randperm(n_ctx - 1, generator=gen)[:n_rows - 1]
-        q_pos = torch.cat([pick, torch.tensor([n_ctx - 1])]).int()
-        q_pos = q_pos[torch.randperm(n_rows, generator=gen)]
-    plans = placements(n_pages, page_size)
-    placed = {}
-    for name in plan_names:
-        plan = plans[name]
-        table = plan.page_table(length=plan.n_logical_pages + table_pad)
-        kp, vp = fill_pools(k, v, table, k_name, v_name, page_size, plan.num_physical_pages,
-                            gen, device)
-        placed[name] = (table.to(device), kp, vp)
-    return q.to(device), q_pos.to(device), placed
-
-
-def args_of(k_name, v_name, q, q_pos, table, kp, vp, page_size):
-    return dict(q=q, k_pool=kp, v_pool=vp, page_table=table, q_pos=q_pos,
-                k_type=F.kv_type(k_name).ggml_id, v_type=F.kv_type(v_name).ggml_id,
-                page_size=page_size, scale=q.shape[-1] ** -0.5)
 
 
 # ---- interpreter cases: (id, kernel, k, v, n_ctx, rows, head_dim, n_kv, group, P, q dtype,

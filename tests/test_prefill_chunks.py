@@ -11,7 +11,6 @@ contexts not a multiple of the page size. Outputs are taken in fp32 (`out=`).
 """
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -23,7 +22,8 @@ import pytest
 import torch
 
 import kvcompile.ops  # noqa: F401
-from kernel_oracle import dense_reference, fill_pools, fresh_seed, placements, rel_err
+from kernel_oracle import args_of, dense_reference, fresh_seed, rel_err
+from kernel_oracle import build as build_placed
 from kvcompile.errors import KvLayoutError
 from kvcompile.ops import kv_format as F
 
@@ -33,30 +33,13 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 def build(k_name, v_name, n_ctx, n_rows, head_dim, n_kv, group, page_size, q_dtype, gen,
           device="cpu", scattered_rows=False, table_pad=0):
-    """Fresh KV for positions [0, n_ctx) under the resident and ring_wrap placements, and
-    queries at the last n_rows positions (scattered_rows: distinct random positions in
-    random order, the last included); table_pad extra table entries past the context."""
-    n_pages = math.ceil(n_ctx / page_size)
-    k = torch.randn(n_ctx, n_kv, head_dim, generator=gen)
-    v = torch.randn(n_ctx, n_kv, head_dim, generator=gen)
-    q = (torch.randn(n_rows, n_kv * group, head_dim, generator=gen) * 1.5).to(q_dtype)
-    q_pos = torch.arange(n_ctx - n_rows, n_ctx, dtype=torch.int32)
-    if scattered_rows:
-        pick = torch.randperm(n_ctx - 1, generator=gen)[:n_rows - 1]
-        q_pos = torch.cat([pick, torch.tensor([n_ctx - 1])]).int()
-        q_pos = q_pos[torch.randperm(n_rows, generator=gen)]
-    placed = {}
-    for name, plan in placements(n_pages, page_size).items():
-        if name == "mixed":
-            continue
-        table = plan.page_table(length=plan.n_logical_pages + table_pad)
-        kp, vp = fill_pools(k, v, table, k_name, v_name, page_size, plan.num_physical_pages,
-                            gen, device)
-        placed[name] = dict(q=q.to(device), k_pool=kp, v_pool=vp, page_table=table.to(device),
-                            q_pos=q_pos.to(device), k_type=F.kv_type(k_name).ggml_id,
-                            v_type=F.kv_type(v_name).ggml_id, page_size=page_size,
-                            scale=head_dim ** -0.5)
-    return placed
+    """Op arguments per placement (resident, ring_wrap) of fresh KV and queries
+    (kernel_oracle.build)."""
+    q, q_pos, placed = build_placed(k_name, v_name, n_ctx, n_rows, head_dim, n_kv, group,
+                                    page_size, q_dtype, gen, ("resident", "ring_wrap"), device,
+                                    scattered_rows, table_pad)
+    return {name: args_of(k_name, v_name, q, q_pos, *pl, page_size)
+            for name, pl in placed.items()}
 
 
 def stage(ring_k, ring_v, k_pool, v_pool, piece, cursor):
