@@ -1,0 +1,275 @@
+"""Count what one streamed decode step asks of the host and the CUDA API, on a CPU.
+
+The real `CudaBackend` / `CudaCopyEngine` run with `torch.cuda` events, streams and stream
+contexts replaced by counting fakes (tensors stay on the CPU, so copies happen at once) and
+a model that does nothing but the cache's per-layer protocol (`check_positions`, then
+`cache.layer(i)` for every layer), so every count is the runtime's own: device ops it
+issues (aten ops: `copy_` is a cudaMemcpyAsync on the device), event records / queries,
+stream waits, host syncs, host reads of the positions tensor, and Python function calls.
+
+Device model of the fakes: the host runs ahead. Events recorded since the last host sync
+are pending and the compute stream is busy; the harness marks the device idle between
+steps (the engine reads the logits of each step, which syncs).
+
+    python benchmarks/count_stream_calls.py [--layers 32] [--ctx 8192] [--arena-pages 630]
+        [--steps 4] [--json PATH]
+
+Default geometry: Llama-3-8B's 32 layers and 256-row pages, 8K context, q8_0/q4_0 KV, and
+an arena of 630 pages, which is what 256 MiB holds at 8 KV heads x 128 (the H200 profile in
+benchmarks/results/profile_decode.json); heads are shrunk (1 x 64) so the host history is
+small: the counts depend on pages, not bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import itertools
+import json
+import pstats
+import time
+from collections import Counter
+from unittest import mock
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kvcompile.config import ModelConfig
+from kvcompile.ops import kv_format as F
+from kvcompile.runtime.arena import MIB, align
+from kvcompile.runtime.streaming_cache import StreamingKvCache, forward
+
+HOST_READS = ("tolist", "item", "__int__", "__index__", "__float__", "__bool__", "cpu",
+              "numpy")
+
+
+class FakeCuda:
+    """Counting stand-ins for torch.cuda.{Event, Stream, stream, current_stream, ...}."""
+
+    COMPUTE = 7                        # the compute stream's handle
+
+    def __init__(self):
+        self.counts = Counter()
+        self.last_tick = 0             # ticks: one per event record, in host issue order
+        self.idle_at = 0               # events recorded at or before this tick are complete
+        self.handles = itertools.count(100)
+        self.current = self.COMPUTE
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing=False, **_):
+                self.timing, self.tick, self.handle = enable_timing, None, None
+
+            def record(self, stream=None):
+                fake.counts["event_record"] += 1
+                fake.last_tick += 1
+                self.tick = fake.last_tick
+                self.handle = fake.current if stream is None else stream.cuda_stream
+
+            def query(self):
+                fake.counts["event_query"] += 1
+                return self.tick is not None and self.tick <= fake.idle_at
+
+            def synchronize(self):
+                fake.counts["host_sync"] += 1
+                fake.idle_at = max(fake.idle_at, self.tick or 0)
+
+            def elapsed_time(self, other):
+                fake.counts["event_elapsed"] += 1
+                if not (self.query() and other.query()):
+                    raise RuntimeError("elapsed_time on an event that has not completed")
+                return 0.01
+
+        class Stream:
+            def __init__(self, device=None, handle=None, **_):
+                self.cuda_stream = next(fake.handles) if handle is None else handle
+
+            def wait_event(self, event):
+                fake.counts["stream_wait"] += 1
+                if event.tick is None:
+                    raise RuntimeError("stream wait on an event never recorded (a no-op on "
+                                       "CUDA: the runtime's fence rule is broken)")
+
+            def query(self):
+                fake.counts["stream_query"] += 1
+                return fake.idle_at >= fake.last_tick
+
+            def synchronize(self):
+                fake.counts["host_sync"] += 1
+                fake.idle()
+
+            def __eq__(self, other):
+                return isinstance(other, Stream) and other.cuda_stream == self.cuda_stream
+
+            def __hash__(self):
+                return hash(self.cuda_stream)
+
+        @contextlib.contextmanager
+        def stream(s):
+            fake.counts["stream_switch"] += 1
+            prev, fake.current = fake.current, s.cuda_stream
+            try:
+                yield
+            finally:
+                fake.current = prev
+
+        def current_stream(device=None):
+            return Stream(handle=fake.current)   # a new object each call, as torch does
+
+        def synchronize(device=None):
+            fake.counts["host_sync"] += 1
+            fake.idle()
+
+        def sleep(cycles):
+            fake.counts["sleep"] += 1
+
+        self.Event, self.Stream = Event, Stream
+        self.patches = dict(Event=Event, Stream=Stream, stream=stream,
+                            current_stream=current_stream, synchronize=synchronize,
+                            _sleep=sleep, is_available=lambda: True, current_device=lambda: 0)
+
+    def idle(self) -> None:
+        """The device caught up with everything issued so far."""
+        self.idle_at = self.last_tick
+
+    @contextlib.contextmanager
+    def active(self):
+        with contextlib.ExitStack() as st:
+            for name, fn in self.patches.items():
+                st.enter_context(mock.patch.object(torch.cuda, name, fn))
+            yield self
+
+
+def fake_cuda_backend(fake: FakeCuda, **kw):
+    """The real CudaBackend and CudaCopyEngine, on CPU tensors (build inside fake.active())."""
+    from kvcompile.runtime.cuda_backend import CudaBackend, CudaCopyEngine
+
+    class FakeCudaBackend(CudaBackend):
+        def __init__(self):
+            super().__init__("cuda:0", **kw)
+            self.device = torch.device("cpu")      # tensors: CPU; streams/events: the fakes
+
+        def device_buffer(self, nbytes):
+            return torch.empty(nbytes, dtype=torch.uint8)
+
+        def host_buffer(self, shape):
+            return torch.zeros(shape, dtype=torch.uint8)
+
+        def copy_engine(self):
+            return CudaCopyEngine(torch.device("cuda", 0), self.instrument,
+                                  gather=self.copy == "gather")
+
+    return FakeCudaBackend()
+
+
+class Positions(torch.Tensor):
+    """A positions tensor that counts host reads of its values (a host sync on CUDA)."""
+
+    reads = Counter()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS:
+            cls.reads[name] += 1
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        return out.as_subclass(Positions) if type(out) is torch.Tensor else out
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class ProtocolModel:
+    """Only what a model does with the cache: check the positions, acquire every layer."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    def __call__(self, tokens, positions, cache, last_only=False):
+        cache.check_positions(positions)
+        for i in self.layers:
+            cache.layer(i)
+        return tokens
+
+
+def geometry(layers: int = 32):
+    return ModelConfig(arch="llama", n_layers=layers, hidden=64, ffn=64, n_heads=1,
+                       n_kv_heads=1, head_dim=64, vocab_size=16, context_length=1 << 20)
+
+
+def arena_mib(cfg, pages: int, k="q8_0", v="q4_0", page_size=256) -> float:
+    kb, vb = (F.page_bytes(F.kv_type(t), page_size, cfg.n_kv_heads, cfg.head_dim)
+              for t in (k, v))
+    return (align(pages * kb) + align(pages * vb) + 2 * 256) / MIB
+
+
+def count(layers=32, ctx=8192, arena_pages=630, steps=4, prefill_chunk=4096,
+          check_plans=False) -> dict:
+    """Per-step averages over `steps` decode steps after a prefill and two warm steps."""
+    cfg = geometry(layers)
+    fake = FakeCuda()
+    with fake.active():
+        cache = StreamingKvCache(cfg, ctx + 64, arena_mib(cfg, arena_pages), "q8_0", "q4_0",
+                                 backend=fake_cuda_backend(fake))
+        cache.pool.check_plans = check_plans
+        model = ProtocolModel(cache.layers)
+        tok = torch.zeros(1, dtype=torch.long)
+        with torch.inference_mode():
+            for s in range(0, ctx, prefill_chunk):
+                n = min(prefill_chunk, ctx - s)
+                forward(model, cache, tok.expand(n), torch.arange(s, s + n))
+                fake.idle()
+            for p in range(ctx, ctx + 2):
+                forward(model, cache, tok, torch.tensor([p]))
+                fake.idle()
+            fake.counts.clear()
+            Positions.reads.clear()
+            ops, prof, wall = OpCounter(), cProfile.Profile(), 0.0
+            for p in range(ctx + 2, ctx + 2 + steps):
+                pos = torch.tensor([p]).as_subclass(Positions)
+                t = time.perf_counter()
+                with ops:
+                    prof.enable()
+                    forward(model, cache, tok, pos)
+                    prof.disable()
+                wall += time.perf_counter() - t
+                fake.idle()
+        counts = Counter(fake.counts)
+        cache.close()
+    calls = sum(v[1] for v in pstats.Stats(prof).stats.values())   # incl. recursive calls
+    tel = cache.telemetry[-1]
+    per = {k: v / steps for k, v in sorted(counts.items())}
+    per.update({f"aten.{k}": v / steps for k, v in sorted(ops.ops.items())})
+    per["positions_host_reads"] = sum(Positions.reads.values()) / steps
+    per["python_calls"] = calls / steps
+    per["host_ms_with_fakes"] = wall / steps * 1e3
+    return dict(layers=layers, ctx=ctx, arena_pages=arena_pages,
+                resident_pages_per_layer=cache.pool.r, ring_slots=tel.ring_slots,
+                streamed_pages_per_layer=tel.streamed_reads / tel.layers, per_step=per)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--arena-pages", type=int, default=630)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    res = count(a.layers, a.ctx, a.arena_pages, a.steps)
+    print(json.dumps(res, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
