@@ -94,6 +94,16 @@ class Engine:
             from kvcompile.phase import PhaseManager
             self.phases = PhaseManager(self.model, self.cache, ubatch=min(ubatch, ctx))
 
+    @property
+    def _trunk_kv_layers(self) -> tuple[int, ...] | None:
+        """The KV layers a plain forward acquires: a hybrid model's attention layers without
+        its MTP layer (no speculative step runs here, so the MTP pages are never read);
+        None = every layer of the cache."""
+        layers = getattr(self.model, "kv_layers", None)
+        if layers is None:
+            return None
+        return tuple(i for i in layers if i < self.config.n_layers)
+
     def _make_cache(self, ctx: int, k_type: str, v_type: str, arena_mib: float):
         """arena_mib 0: every page on the device; else KV history on the host, streamed
         through an arena of that size. Hybrid models name the layers that hold KV."""
@@ -196,7 +206,8 @@ class Engine:
             return self.phases.forward(ids, start)[-1]
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
-        logits = run_forward(self.model, self.cache, tokens, positions, last_only=True)[-1]
+        logits = run_forward(self.model, self.cache, tokens, positions, last_only=True,
+                             layers=self._trunk_kv_layers)[-1]
         if self.trace and getattr(self.cache, "telemetry", None):
             print(f"[kv step] {self.cache.telemetry[-1].as_dict()}", file=sys.stderr)
         return logits

@@ -89,3 +89,27 @@ def test_hybrid_model_with_mtp_streams_bitwise(hybrid):
     assert sum(s.streamed_reads for s in main_steps[-4:]) > 0
     assert cache.host.rows[hybrid.kv_layers[0]] == len(tokens) - 1
     assert cache.host.rows[hybrid.kv_layers[-1]] == len(tokens) - 1
+
+
+def test_engine_streams_a_hybrid_model_without_touching_the_mtp_pages(tmp_path):
+    """Engine with an arena: plain forwards acquire the trunk's attention layers only (no
+    speculative step reads the MTP layer), and generate what the all-resident engine does."""
+    from kvcompile.engine import Engine
+    from kvcompile.runtime import min_arena_bytes
+    path = tmp_path / "qwen35-tiny.gguf"
+    write_synthetic_gguf(preset_config("qwen35", "tiny", n_layers=8, vocab_size=512), path,
+                         "f32", seed=SEED % 1000)
+    ref = Engine(str(path), ctx_size=256, progress=False)
+    full = replace(ref.config, n_layers=ref.config.n_layers + ref.config.nextn_layers)
+    need = min_arena_bytes(full, 256) / MIB
+    streamed = Engine(str(path), ctx_size=256, kv_stream_arena_mib=need * 1.1, progress=False)
+    trunk = [i for i in streamed.model.kv_layers if i < ref.config.n_layers]
+    prompt = "the quick brown fox jumps over the lazy dog " * 8
+    want = ref.generate(prompt, max_tokens=12, temperature=0)
+    got = streamed.generate(prompt, max_tokens=12, temperature=0)
+    assert got.token_ids == want.token_ids
+    steps = streamed.cache.telemetry
+    assert steps and all(s.layers == len(trunk) for s in steps)
+    mtp = streamed.model.kv_layers[-1]
+    assert streamed.cache.host.rows[mtp] == 0            # never written, never acquired
+    assert got.kv["streamed_fraction"] > 0.5
