@@ -76,13 +76,14 @@ class FakeCuda:
 
             def elapsed_time(self, other):
                 fake.counts["event_elapsed"] += 1
-                if not (self.query() and other.query()):
+                if max(self.tick or 1 << 62, other.tick or 1 << 62) > fake.idle_at:
                     raise RuntimeError("elapsed_time on an event that has not completed")
                 return 0.01
 
         class Stream:
             def __init__(self, device=None, handle=None, **_):
                 self.cuda_stream = next(fake.handles) if handle is None else handle
+                self.device_index = 0
 
             def wait_event(self, event):
                 fake.counts["stream_wait"] += 1
@@ -230,25 +231,33 @@ def count(layers=32, ctx=8192, arena_pages=630, steps=4, prefill_chunk=4096,
             for p in range(ctx, ctx + 2):
                 forward(model, cache, tok, torch.tensor([p]))
                 fake.idle()
+            p = ctx + 2
+
+            def steps_(n, wrap=contextlib.nullcontext):
+                nonlocal p
+                for _ in range(n):
+                    pos = torch.tensor([p]).as_subclass(Positions)
+                    with wrap():
+                        forward(model, cache, tok, pos)
+                    fake.idle()
+                    p += 1
+
             fake.counts.clear()
             Positions.reads.clear()
-            ops, prof, wall = OpCounter(), cProfile.Profile(), 0.0
-            for p in range(ctx + 2, ctx + 2 + steps):
-                pos = torch.tensor([p]).as_subclass(Positions)
-                t = time.perf_counter()
-                with ops:
-                    prof.enable()
-                    forward(model, cache, tok, pos)
-                    prof.disable()
-                wall += time.perf_counter() - t
-                fake.idle()
-        counts = Counter(fake.counts)
+            ops = OpCounter()
+            steps_(steps, lambda: ops)               # 1: device ops and fake CUDA calls
+            counts, reads = Counter(fake.counts), sum(Positions.reads.values())
+            prof = cProfile.Profile()                # 2: Python calls (without the counter)
+            steps_(steps, lambda: prof)
+            t = time.perf_counter()                  # 3: host time, nothing attached
+            steps_(steps)
+            wall = time.perf_counter() - t
         cache.close()
     calls = sum(v[1] for v in pstats.Stats(prof).stats.values())   # incl. recursive calls
     tel = cache.telemetry[-1]
     per = {k: v / steps for k, v in sorted(counts.items())}
     per.update({f"aten.{k}": v / steps for k, v in sorted(ops.ops.items())})
-    per["positions_host_reads"] = sum(Positions.reads.values()) / steps
+    per["positions_host_reads"] = reads / steps
     per["python_calls"] = calls / steps
     per["host_ms_with_fakes"] = wall / steps * 1e3
     return dict(layers=layers, ctx=ctx, arena_pages=arena_pages,

@@ -12,6 +12,7 @@ synchronizing for it), so a step's copies may be counted in the next step's tele
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -20,7 +21,7 @@ from kvcompile.errors import ArenaError
 from kvcompile.runtime.backend import check_host_bytes
 from kvcompile.runtime.checker import FenceChecker
 from kvcompile.runtime.copy_engine import CopyEngine, CopyNote, Instrument
-from kvcompile.runtime.fences import Fence, all_done
+from kvcompile.runtime.fences import Fence, all_done, latest_per_stream
 
 # torch.cuda._sleep spins for a number of GPU clock cycles; only test delays use it, so a
 # rough clock (an H200 runs at ~1.5-2 GHz) is enough.
@@ -28,12 +29,16 @@ SLEEP_CYCLES_PER_S = 1.5e9
 
 
 class CudaFence(Fence):
-    """An event recorded on a stream: complete once the stream passed that point."""
+    """An event recorded on a stream: complete once the stream passed that point.
+    stream_key (device, stream handle) and seq (global record order) let waiters skip
+    fences implied by another: a stream runs in order (fences.latest_per_stream)."""
 
-    __slots__ = ("event", "device", "what")
+    __slots__ = ("event", "device", "what", "stream_key", "seq")
 
-    def __init__(self, event: torch.cuda.Event, device: int, what: str = ""):
+    def __init__(self, event: torch.cuda.Event, device: int, what: str = "",
+                 stream_key=None, seq: int = 0):
         self.event, self.device, self.what = event, device, what   # device: an index (cheap)
+        self.stream_key, self.seq = stream_key, seq
 
     def query(self) -> bool:
         return self.event.query()
@@ -44,16 +49,24 @@ class CudaFence(Fence):
     def device_wait(self, stream=None) -> None:
         if stream is None:
             stream = torch.cuda.current_stream(self.device)
-        stream.wait_event(self.event)
+        if _key(stream) != self.stream_key:   # on its own stream it is already ordered
+            stream.wait_event(self.event)
 
     def __repr__(self):
         return f"CudaFence({self.what!r}, done={self.query()})"
 
 
+_SEQ = itertools.count(1)
+
+
+def _key(stream) -> tuple:
+    return (stream.device_index, stream.cuda_stream)
+
+
 def record(stream: torch.cuda.Stream, device: int, what: str, timing: bool = False) -> CudaFence:
     ev = torch.cuda.Event(enable_timing=timing)
     ev.record(stream)
-    return CudaFence(ev, device, what)
+    return CudaFence(ev, device, what, _key(stream), next(_SEQ))
 
 
 def device_sleep(seconds: float, stream=None) -> None:
@@ -72,6 +85,8 @@ class CudaCopyEngine(CopyEngine):
         super().__init__(instrument)
         self.device = device.index
         self.stream = torch.cuda.Stream(device)
+        self._key = _key(self.stream)
+        self._waited: dict = {}         # stream key -> seq of the last fence this stream waited on
         self._timed: list = []          # (start, end) timing events of copies not yet counted
         self._gather = None
         if gather:                      # fills by an SM kernel reading pinned memory
@@ -83,8 +98,13 @@ class CudaCopyEngine(CopyEngine):
         fill = note.kind == "fill"
         n = 0
         with torch.cuda.stream(s):
-            for f in after:
+            for f in latest_per_stream(after):
+                key = getattr(f, "stream_key", None)
+                if key is not None and (key == self._key or self._waited.get(key, 0) >= f.seq):
+                    continue                # implied: own stream, or a later fence waited on
                 f.device_wait(s)            # a stream wait; a CPU fence blocks the host
+                if key is not None:
+                    self._waited[key] = f.seq
             if delay is not None:
                 device_sleep(delay(), s)
             if chk is not None:             # TimelineChecker: stamps this point of the stream
@@ -109,6 +129,11 @@ class CudaCopyEngine(CopyEngine):
         return end
 
     def _harvest(self) -> None:
+        if self._timed and self._timed[-1][1].query():   # in order: the last done, all done
+            for a, b in self._timed:
+                self._busy_s += a.elapsed_time(b) / 1000
+            self._timed.clear()
+            return
         done = 0
         for a, b in self._timed:            # one in-order stream: stop at the first pending
             if not b.query():
@@ -189,7 +214,9 @@ class CudaBackend:
     def readiness_miss(self, fences) -> bool:
         """The compute stream would stall: the copies are pending and it has nothing else
         queued (the host runs ahead, so "pending" alone would count nearly every layer)."""
-        return not all_done(fences) and torch.cuda.current_stream(self._index).query()
+        # the stream first: while the host runs ahead it is busy, and one query answers
+        return (bool(fences) and torch.cuda.current_stream(self._index).query()
+                and not all_done(latest_per_stream(fences)))
 
     def compute_delay(self, seconds: float) -> None:
         device_sleep(seconds, torch.cuda.current_stream(self._index))

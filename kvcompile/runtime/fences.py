@@ -3,7 +3,8 @@
 A lease says "someone still wants this memory"; only a fence says "the device stopped
 touching it". On the CPU backend synchronous work returns DONE (trivially complete); the
 threaded CPU copy engine returns EventFence (set by its worker, like a CUDA event recorded
-on a copy stream). The CUDA backend wraps torch.cuda.Event in the same methods.
+on a copy stream). The CUDA backend wraps torch.cuda.Event in the same methods, plus `stream_key` and `seq`
+(which stream recorded it, and when), so waits already implied by a later one are skipped.
 
 `device_wait(stream)` orders later work of a device stream after the fence without blocking
 the host (CUDA: a stream wait on the event). The default blocks the host, which is the
@@ -98,5 +99,21 @@ def wait_all(fences) -> None:
 
 
 def device_wait_all(fences, stream=None) -> None:
-    for f in fences:
+    for f in latest_per_stream(fences):
         f.device_wait(stream)
+
+
+def latest_per_stream(fences) -> list:
+    """The fences that imply all the others: of fences recorded on one in-order device
+    stream (the same `stream_key`, numbered by `seq` in record order) only the last one
+    recorded, since it completes after the earlier ones; every other fence once."""
+    last, out, seen = {}, [], set()
+    for f in fences:
+        key = getattr(f, "stream_key", None)
+        if key is None:
+            if f not in seen:
+                seen.add(f)
+                out.append(f)
+        elif key not in last or f.seq > last[key].seq:
+            last[key] = f
+    return out + list(last.values())

@@ -20,7 +20,8 @@ class Placement:
     L: int
     r: int                           # resident logical pages [0, r)
     n: int                           # logical pages read
-    ring_runs: list                  # [(first logical, first slot, count)], at most 2
+    ring_runs: list                  # [(first logical, first physical, count)], at most 2
+    first_slot: int = 0              # ring slot (from the ring's start) of logical page r
     ready: list = field(default_factory=list)
     claims: list = field(default_factory=list)   # (pages, owners) taken without a copy
     released: bool = False
@@ -32,7 +33,7 @@ class Placement:
             cnt = min(left, ring.n_slots - slot)
             runs.append((lp, ring.first_physical_page + slot, cnt))
             lp, left, slot = lp + cnt, left - cnt, 0
-        return cls(li, L, r, n, runs)
+        return cls(li, L, r, n, runs, cursor)
 
     @property
     def n_streamed(self) -> int:
@@ -65,12 +66,24 @@ class Placement:
                 out.append((a, p0 + a - lp0, b - a))
         return out
 
-    def write_table(self, table: torch.Tensor, resident: torch.Tensor) -> None:
-        """table[:n] = physical pages; `resident` holds lp * L + li for lp < r (cached)."""
-        table[: self.r].copy_(resident[: self.r])
-        for lp0, p0, c in self.ring_runs:
-            table[lp0:lp0 + c] = torch.arange(p0, p0 + c, dtype=table.dtype,
-                                                 device=table.device)  # no host copy
+    def write_table(self, table: torch.Tensor, resident: torch.Tensor,
+                    ring_pages: torch.Tensor | None = None, known: int = 0) -> int:
+        """table[:n] = physical pages, by device ops only (no host copy). `resident` holds
+        lp * L + li for lp < r (cached); `known` leading entries already hold it (they
+        are skipped); `ring_pages` is the physical page of every ring slot, twice over, so
+        the streamed pages are one slice even when they wrap. Returns the new `known`."""
+        if known < self.r:
+            table[known:self.r].copy_(resident[known:self.r])
+        if not self.n_streamed:
+            return max(known, self.r)
+        if ring_pages is not None:
+            table[self.r:self.n].copy_(ring_pages[self.first_slot:
+                                                  self.first_slot + self.n_streamed])
+        else:
+            for lp0, p0, c in self.ring_runs:
+                table[lp0:lp0 + c] = torch.arange(p0, p0 + c, dtype=table.dtype,
+                                                  device=table.device)
+        return self.r
 
     def span_plan(self, num_physical_pages: int, ring: Ring) -> SpanPlan:
         spans = [Span(lp, lp * self.L + self.li, 1, RESIDENT) for lp in range(self.r)]

@@ -53,12 +53,20 @@ class StreamingPool:
                             else check_plans)
         self.max_pages = max_pages
         dev = k_pool.device
-        self.page_tables = {l: torch.zeros(max_pages, dtype=torch.int32, device=dev)
-                            for l in self.layers}
+        # Every layer's table is a row of one tensor, so a forward over all layers writes
+        # them in one device op (begin). Rows start 16-byte aligned, like separate tensors.
+        self._tables = torch.zeros(self.L, -(-max_pages // 4) * 4, dtype=torch.int32,
+                                   device=dev)
+        self.page_tables = {l: self._tables[li, :max_pages] for li, l in enumerate(self.layers)}
         top = self.P // max(self.L, 1) + 1
-        self._resident = [torch.arange(top, dtype=torch.int32, device=dev) * self.L + li
-                          for li in range(self.L)]
+        self._resident = (torch.arange(top, dtype=torch.int32, device=dev) * self.L
+                          + torch.arange(self.L, dtype=torch.int32, device=dev)[:, None])
+        self._tables_written = False             # this forward's tables are all in place
+        # Leading entries of each layer's table that hold its resident pages already (the
+        # resident page of a logical page does not depend on the split): not rewritten.
+        self._table_known = [0] * self.L
         self.r = 0
+        self._set_ring()
         self.cursor = 0                          # next ring slot, relative to the ring start
         self.holder: list = [None] * self.P      # ring slot -> layer holding it this forward
         self.held = 0
@@ -73,7 +81,16 @@ class StreamingPool:
     # ---- layout --------------------------------------------------------------------------
     @property
     def ring(self) -> Ring:
-        return Ring(self.L * self.r, self.P - self.L * self.r)
+        return self._ring
+
+    def _set_ring(self) -> None:
+        self._ring = ring = Ring(self.L * self.r, self.P - self.L * self.r)
+        # The physical page of ring slot i % n_slots at i: the streamed pages of a layer
+        # (which may wrap) are one slice from its first slot, and since slots go first-in
+        # first-out, those of L consecutive layers from the cursor are one [L, n - r] view.
+        n = ring.n_slots + self.L * min(ring.n_slots, self.max_pages)
+        slots = torch.arange(n, dtype=torch.int32, device=self.k_pool.device)
+        self._ring_pages = slots % max(ring.n_slots, 1) + ring.first_physical_page
 
     def leased_pages(self) -> frozenset:
         """Pages a layer holds or the device may still touch (consumed fence pending)."""
@@ -94,6 +111,7 @@ class StreamingPool:
         if self.checker is not None:
             self.checker.release(range(lo * self.L, hi * self.L))
         self.r, self.cursor = r, 0
+        self._set_ring()
 
     def drop_resident(self) -> None:
         """Forget every resident page (overwritten with junk): host history must rebuild them."""
@@ -131,7 +149,28 @@ class StreamingPool:
                                 f"{n_pages - self.r} slots; the ring has {self.ring.n_slots}")
         self.active, self.issued, self.current = (n_pages, written), {}, None
         self.count = ForwardCounters()
+        self._tables_written = self._write_all_tables(n_pages)
         self._prefetch()
+
+    def _write_all_tables(self, n_pages: int) -> bool:
+        """Write every layer's page table now, in one or two device ops, when this forward
+        acquires all layers in order (else acquire writes each). Slots go first-in
+        first-out, so the k-th layer issued gets ring slots from cursor + k * (n - r),
+        however long its issue has to wait; its table may be written before its copies
+        land: attention waits for those (ready fences), not for the table."""
+        if self.L < 2 or self.order != list(range(self.L)):
+            return False
+        r = min(self.r, n_pages)
+        ns = n_pages - r
+        if min(self._table_known) < r:
+            self._tables[:, :r].copy_(self._resident[:, :r])
+        if ns:
+            c = self.cursor
+            self._tables[:, r:n_pages].copy_(self._ring_pages[c:c + self.L * ns].view(self.L, ns))
+            self._table_known = [r] * self.L
+        else:
+            self._table_known = [max(k, r) for k in self._table_known]
+        return True
 
     def acquire(self, layer: int) -> torch.Tensor:
         """Make the layer's pages present, rewrite its page table, return the table."""
@@ -152,7 +191,9 @@ class StreamingPool:
             # The compute side waits for the copies; on CUDA a stream wait, no host sync.
             device_wait_all(job.ready)
         table = self.page_tables[layer]
-        job.write_table(table, self._resident[li])
+        if not self._tables_written:
+            self._table_known[li] = job.write_table(table, self._resident[li],
+                                                    self._ring_pages, self._table_known[li])
         if self.check_plans:
             plan = job.span_plan(self.P, self.ring)
             if not torch.equal(plan.page_table(job.n), table[:job.n].cpu()):
@@ -180,11 +221,13 @@ class StreamingPool:
         for s in job.slot_ranges():
             self.last_use[s.start:s.stop] = [done] * len(s)
         _, written = self.active
+        chk = self.checker is not None   # pages and keys are the checker's (tuples cost)
         for lp0, p0, n in job.runs(written.start, min(written.stop, job.n)):
-            keys = tuple((li, lp) for lp in range(lp0, lp0 + n))
+            keys = tuple((li, lp) for lp in range(lp0, lp0 + n)) if chk else ()
             f = self.engine.copy([(self.host.k[layer][lp0:lp0 + n], self.k_pool[p0:p0 + n]),
                                   (self.host.v[layer][lp0:lp0 + n], self.v_pool[p0:p0 + n])],
-                                 CopyNote("publish", tuple(range(p0, p0 + n)), (), keys),
+                                 CopyNote("publish", tuple(range(p0, p0 + n)) if chk else (),
+                                          (), keys),
                                  after=[done])
             self.last_use[p0:p0 + n] = [f] * n
         self._unhold(job, None)
@@ -210,9 +253,11 @@ class StreamingPool:
 
     def _issue(self, li: int) -> bool:
         n_pages, _ = self.active
-        ring, r = self.ring, min(self.r, n_pages)
-        job = Placement.build(li, self.L, r, n_pages, ring, self.cursor)
+        ring, r = self._ring, min(self.r, n_pages)
         ignore_held = "skip_consumed_wait" in self.unsafe
+        if not ignore_held and n_pages - r > ring.n_slots - self.held:
+            return False                                 # not enough free slots, surely
+        job = Placement.build(li, self.L, r, n_pages, ring, self.cursor)
         slots = job.slot_ranges()
         if not ignore_held and any(self.holder[s.start:s.stop].count(None) != len(s)
                                    for s in slots):
@@ -226,30 +271,34 @@ class StreamingPool:
         todo = job.runs(min(v, r), r) + job.ring_runs   # stale resident pages, then streamed
         self.valid_upto[li] = max(v, r)
         cut = self.host.rows_pages(layer)                # pages from here on have no rows
+        chk = self.checker is not None
+        pairs, after, pages, owners = [], set(), [], []
+        hk, hv = self.host.k[layer], self.host.v[layer]
         for lp0, p0, n in todo:
             k = max(0, min(n, cut - lp0))
-            self._fill(job, layer, lp0, p0, k, copy=True, ignore_held=ignore_held)
-            self._fill(job, layer, lp0 + k, p0 + k, n - k, copy=False, ignore_held=ignore_held)
+            if k:      # published rows: copy them (all runs of the layer in one group)
+                pairs += [(self.k_pool[p0:p0 + k], hk[lp0:lp0 + k]),
+                          (self.v_pool[p0:p0 + k], hv[lp0:lp0 + k])]
+                if not ignore_held:
+                    after.update(self.last_use[p0:p0 + k])
+                if chk:
+                    pages += range(p0, p0 + k)
+                    owners += [(li, lp) for lp in range(lp0, lp0 + k)]
+            if n - k:  # nothing published yet: no copy, but the layer's writes must still
+                # wait for the pages' previous users (the checker hears of it at acquire)
+                p1, lp1, m = p0 + k, lp0 + k, n - k
+                job.claims.append((tuple(range(p1, p1 + m)) if chk else (),
+                                   tuple((li, lp) for lp in range(lp1, lp1 + m)) if chk
+                                   else ()))
+                if not ignore_held:
+                    job.ready += set(self.last_use[p1:p1 + m])
+        if pairs:
+            owners = tuple(owners)
+            job.ready.append(self.engine.copy(pairs, CopyNote("fill", tuple(pages), owners,
+                                                              owners), after=list(after)))
+            self.count.copies += 1
         self.issued[li] = job
         return True
-
-    def _fill(self, job, layer, lp0, p0, n, copy, ignore_held) -> None:
-        if not n:
-            return
-        after = [] if ignore_held else list(set(self.last_use[p0:p0 + n]))
-        owners = tuple((job.li, lp) for lp in range(lp0, lp0 + n)) if self.checker else ()
-        pages = tuple(range(p0, p0 + n)) if self.checker else ()
-        if not copy:
-            # Nothing published for these pages yet: no copy, but the layer's writes must
-            # still wait for the pages' previous users (the checker hears of it at acquire).
-            job.claims.append((pages, owners))
-            job.ready += after
-            return
-        job.ready.append(self.engine.copy(
-            [(self.k_pool[p0:p0 + n], self.host.k[layer][lp0:lp0 + n]),
-             (self.v_pool[p0:p0 + n], self.host.v[layer][lp0:lp0 + n])],
-            CopyNote("fill", pages, owners, owners), after=after))
-        self.count.copies += 1
 
     def _unhold(self, job: Placement, fence) -> None:
         for s in job.slot_ranges():

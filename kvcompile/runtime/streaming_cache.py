@@ -12,6 +12,7 @@ so after every forward the host holds the authoritative KV.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -97,7 +98,25 @@ class StreamingKvCache:
         return i in self._kv
 
     def check_positions(self, positions: torch.Tensor) -> None:
-        check_positions(positions, self.capacity)
+        """The model's range check. Free for the positions tensor begin_forward checked in
+        this forward (the same object); otherwise one host read (a sync on CUDA)."""
+        if self._step is None or positions is not self._step["positions"]:
+            self._position_range(positions)
+
+    def _position_range(self, positions: torch.Tensor) -> tuple[int, int]:
+        """(min, max) of positions, checked against the capacity, in one host read."""
+        if positions.numel() == 0:
+            check_positions(positions, self.capacity)        # raises: nothing to evaluate
+        if positions.numel() == 1:
+            lo = hi = int(positions.reshape(()))
+        else:
+            lo, hi = torch.stack((positions.min(), positions.max())).tolist()
+        if lo < 0 or hi >= self.capacity:                    # kv_cache.check_positions' words
+            raise ContextLengthError(
+                f"position {hi if hi >= self.capacity else lo} is outside the KV cache of "
+                f"{self.capacity} tokens; raise the context size (--ctx-size) or shorten the "
+                f"prompt / max tokens")
+        return lo, hi
 
     @property
     def nbytes(self) -> int:
@@ -113,8 +132,7 @@ class StreamingKvCache:
         missing = [i for i in layers if i not in self._kv]
         if missing:
             raise KvLayoutError(f"layers {missing} have no KV in this cache")
-        self.check_positions(positions)
-        lo, hi = int(positions.min()), int(positions.max())
+        lo, hi = self._position_range(positions)     # the forward's one host read
         have = min(self.host.rows[i] for i in layers)
         if lo > have:
             raise ContextLengthError(f"position {lo} leaves a gap after the {have} "
@@ -125,7 +143,7 @@ class StreamingKvCache:
         self._step = dict(t0=time.perf_counter(), busy=self.engine.busy_s, hi=hi,
                           h2d=self.engine.bytes_h2d, d2h=self.engine.bytes_d2h,
                           tokens=int(positions.numel()), pages=n_pages, repart=repart,
-                          reason=reason, layers=layers)
+                          reason=reason, layers=layers, positions=positions)
         self.pool.begin(n_pages, range(lo // self.page_size, n_pages), layers)
 
     def end_forward(self, ok: bool = True) -> None:
@@ -157,9 +175,14 @@ class StreamingKvCache:
         obs = P.Observation(
             context_pages=n_pages, readiness_misses=last.readiness_misses if last else 0,
             ring_occupancy=last.ring_occupancy if last else None,
-            copy_busy=last.copy_busy_pct / 100 if last else 0.0,
-            leased_pages=self.pool.leased_pages())
+            copy_busy=last.copy_busy_pct / 100 if last else 0.0)
         d = P.step(self.policy_config, self.policy_state, obs)
+        if d.accepted:
+            # Leased pages only ever block a change (policy.py), so a decision that keeps
+            # the split stands without them: they cost a query of every page's fence, so
+            # they are gathered only for a change the policy would accept.
+            obs = replace(obs, leased_pages=self.pool.leased_pages())
+            d = P.step(self.policy_config, self.policy_state, obs)
         if not d.accepted and not P.serves(self.policy_config, d.resident_per_layer, n_pages):
             self.pool.drain()             # forced but blocked by leases: wait, then ask again
             obs = P.Observation(n_pages, obs.readiness_misses, obs.ring_occupancy,
