@@ -8,8 +8,8 @@ issues (aten ops: `copy_` is a cudaMemcpyAsync on the device), event records / q
 stream waits, host syncs, host reads of the positions tensor, and Python function calls.
 
 Device model of the fakes: the host runs ahead. Events recorded since the last host sync
-are pending and the compute stream is busy; the harness marks the device idle between
-steps (the engine reads the logits of each step, which syncs).
+are pending, and so is a stream with such an event; the harness marks the device idle
+between steps (the engine reads the logits of each step, which syncs).
 
     python benchmarks/count_stream_calls.py [--layers 32] [--ctx 8192] [--arena-pages 630]
         [--steps 4] [--json PATH]
@@ -51,6 +51,7 @@ class FakeCuda:
     def __init__(self):
         self.counts = Counter()
         self.last_tick = 0             # ticks: one per event record, in host issue order
+        self.last_on: dict = {}        # stream handle -> tick of its last record
         self.idle_at = 0               # events recorded at or before this tick are complete
         self.handles = itertools.count(100)
         self.current = self.COMPUTE
@@ -65,6 +66,7 @@ class FakeCuda:
                 fake.last_tick += 1
                 self.tick = fake.last_tick
                 self.handle = fake.current if stream is None else stream.cuda_stream
+                fake.last_on[self.handle] = self.tick
 
             def query(self):
                 fake.counts["event_query"] += 1
@@ -93,7 +95,7 @@ class FakeCuda:
 
             def query(self):
                 fake.counts["stream_query"] += 1
-                return fake.idle_at >= fake.last_tick
+                return fake.idle_at >= fake.last_on.get(self.cuda_stream, 0)
 
             def synchronize(self):
                 fake.counts["host_sync"] += 1
@@ -213,8 +215,9 @@ def arena_mib(cfg, pages: int, k="q8_0", v="q4_0", page_size=256) -> float:
 
 
 def count(layers=32, ctx=8192, arena_pages=630, steps=4, prefill_chunk=4096,
-          check_plans=False) -> dict:
-    """Per-step averages over `steps` decode steps after a prefill and two warm steps."""
+          check_plans=False, warm=6) -> dict:
+    """Per-step averages over `steps` decode steps after a prefill and `warm` steps (the
+    policy settles its split: a change waits for the pages that switch roles)."""
     cfg = geometry(layers)
     fake = FakeCuda()
     with fake.active():
@@ -228,10 +231,10 @@ def count(layers=32, ctx=8192, arena_pages=630, steps=4, prefill_chunk=4096,
                 n = min(prefill_chunk, ctx - s)
                 forward(model, cache, tok.expand(n), torch.arange(s, s + n))
                 fake.idle()
-            for p in range(ctx, ctx + 2):
+            for p in range(ctx, ctx + warm):
                 forward(model, cache, tok, torch.tensor([p]))
                 fake.idle()
-            p = ctx + 2
+            p = ctx + warm
 
             def steps_(n, wrap=contextlib.nullcontext):
                 nonlocal p
@@ -262,6 +265,8 @@ def count(layers=32, ctx=8192, arena_pages=630, steps=4, prefill_chunk=4096,
     per["host_ms_with_fakes"] = wall / steps * 1e3
     return dict(layers=layers, ctx=ctx, arena_pages=arena_pages,
                 resident_pages_per_layer=cache.pool.r, ring_slots=tel.ring_slots,
+                repartitions=sum(s.repartitioned for s in cache.telemetry[-3 * steps:]),
+                readiness_misses=tel.readiness_misses,
                 streamed_pages_per_layer=tel.streamed_reads / tel.layers, per_step=per)
 
 

@@ -153,23 +153,24 @@ class StreamingPool:
         self._prefetch()
 
     def _write_all_tables(self, n_pages: int) -> bool:
-        """Write every layer's page table now, in one or two device ops, when this forward
-        acquires all layers in order (else acquire writes each). Slots go first-in
-        first-out, so the k-th layer issued gets ring slots from cursor + k * (n - r),
+        """Write the page tables of this forward's layers now, in one or two device ops,
+        when it acquires consecutive layers in order (else acquire writes each). Slots go
+        first-in first-out, so the k-th layer issued gets ring slots from cursor + k * (n - r)
         however long its issue has to wait; its table may be written before its copies
         land: attention waits for those (ready fences), not for the table."""
-        if self.L < 2 or self.order != list(range(self.L)):
+        o, m = self.order, len(self.order)
+        if m < 2 or o != list(range(o[0], o[0] + m)):
             return False
-        r = min(self.r, n_pages)
-        ns = n_pages - r
-        if min(self._table_known) < r:
-            self._tables[:, :r].copy_(self._resident[:, :r])
+        a, r = o[0], min(self.r, n_pages)
+        ns, rows, known = n_pages - r, self._tables[a:a + m], self._table_known[a:a + m]
+        if min(known) < r:
+            rows[:, :r].copy_(self._resident[a:a + m, :r])
         if ns:
             c = self.cursor
-            self._tables[:, r:n_pages].copy_(self._ring_pages[c:c + self.L * ns].view(self.L, ns))
-            self._table_known = [r] * self.L
+            rows[:, r:n_pages].copy_(self._ring_pages[c:c + m * ns].view(m, ns))
+            self._table_known[a:a + m] = [r] * m
         else:
-            self._table_known = [max(k, r) for k in self._table_known]
+            self._table_known[a:a + m] = [max(k, r) for k in known]
         return True
 
     def acquire(self, layer: int) -> torch.Tensor:
