@@ -93,8 +93,8 @@ def test_copy_engine_skips_only_waits_that_are_implied():
 
         def copy(*after):
             waited.clear()
-            out = eng.copy([(dst, src)], note, after=list(after))
-            return [e for e in waited]
+            eng.copy([(dst, src)], note, after=list(after))
+            return list(waited)
 
         assert copy(f2, f1) == [f2.event]           # the later fence implies the earlier
         assert copy(f1) == []                       # already implied by f2

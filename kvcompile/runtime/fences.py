@@ -3,8 +3,9 @@
 A lease says "someone still wants this memory"; only a fence says "the device stopped
 touching it". On the CPU backend synchronous work returns DONE (trivially complete); the
 threaded CPU copy engine returns EventFence (set by its worker, like a CUDA event recorded
-on a copy stream). The CUDA backend wraps torch.cuda.Event in the same methods, plus `stream_key` and `seq`
-(which stream recorded it, and when), so waits already implied by a later one are skipped.
+on a copy stream). The CUDA backend wraps torch.cuda.Event in the same methods, plus
+`stream_key` and `seq` (which stream recorded it, and when): waits implied by a later
+fence of the same stream are skipped.
 
 `device_wait(stream)` orders later work of a device stream after the fence without blocking
 the host (CUDA: a stream wait on the event). The default blocks the host, which is the

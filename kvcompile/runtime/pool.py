@@ -6,9 +6,11 @@ only the pages at the boundary. The ring is [L * r, P), one ring for all streame
 handed out first-in first-out so the slots taken next are the ones released longest ago.
 
 Per forward, layers are issued in order: a layer gets ring slots for its pages >= r (its
-span plan), host->device copies of contiguous runs (one copy per run, K and V), and ready
-fences. A layer only takes slots already released by earlier layers, so a copy waits only
-on consumed fences that exist (recorded), never on future work; prefetch of later layers
+span plan), host->device copies of contiguous runs (one group per layer: a K and a V copy
+per run), and ready fences; the page tables of a forward over consecutive layers are all
+written at its start (first-in first-out slots make every layer's placement known). A
+layer only takes slots already released by earlier layers, so a copy waits only on
+consumed fences that exist (recorded), never on future work; prefetch of later layers
 stops at the first layer the ring cannot take yet. Release publishes the rows written this
 forward to host history and records each page's consumed fence.
 """
