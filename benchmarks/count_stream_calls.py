@@ -215,9 +215,10 @@ def arena_mib(cfg, pages: int, k="q8_0", v="q4_0", page_size=256) -> float:
 
 
 def count(layers=32, ctx=8192, arena_pages=630, steps=4, prefill_chunk=4096,
-          check_plans=False, warm=6) -> dict:
+          check_plans=False, warm=6, start=False) -> dict:
     """Per-step averages over `steps` decode steps after a prefill and `warm` steps (the
-    policy settles its split: a change waits for the pages that switch roles)."""
+    policy settles its split: a change waits for the pages that switch roles). start:
+    forwards pass the first position as an int (forward(..., start=))."""
     cfg = geometry(layers)
     fake = FakeCuda()
     with fake.active():
@@ -241,7 +242,7 @@ def count(layers=32, ctx=8192, arena_pages=630, steps=4, prefill_chunk=4096,
                 for _ in range(n):
                     pos = torch.tensor([p]).as_subclass(Positions)
                     with wrap():
-                        forward(model, cache, tok, pos)
+                        forward(model, cache, tok, pos, **({"start": p} if start else {}))
                     fake.idle()
                     p += 1
 
@@ -276,9 +277,10 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--arena-pages", type=int, default=630)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--start", action="store_true", help="forwards pass start= (no read)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    res = count(a.layers, a.ctx, a.arena_pages, a.steps)
+    res = count(a.layers, a.ctx, a.arena_pages, a.steps, start=a.start)
     print(json.dumps(res, indent=1))
     if a.json:
         with open(a.json, "w") as f:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvcompile.config import ModelConfig
-from kvcompile.errors import ContextLengthError
+from kvcompile.errors import ContextLengthError, KvLayoutError
 from kvcompile.kv_cache import PagedKvCache
 from kvcompile.models.llama import LlamaModel
 from kvcompile.ops import kv_format as F
@@ -191,6 +191,19 @@ def test_positions_are_checked_with_the_same_errors():
     cache.end_forward(ok=False)
     with pytest.raises(ContextLengthError, match="position 64"):
         cache.check_positions(torch.tensor([64, 2]))
+    # start=: the caller's ints stand for the tensor (checked where reading it is free)
+    with pytest.raises(KvLayoutError, match="positions are not 1..2"):
+        cache.begin_forward(torch.tensor([0, 1]), start=1)
+    with pytest.raises(ContextLengthError, match="position 64 is outside"):
+        cache.begin_forward(torch.arange(60, 65), start=60)
+    cache.begin_forward(torch.tensor([0, 1]), start=0)
+    assert cache.position_range(torch.tensor([9, 3])) == (3, 9)
+    cache.end_forward(ok=False)
+
+
+def test_start_spares_the_last_host_read():
+    res = C.count(layers=4, ctx=2048, arena_pages=4 * 4 + 10, steps=2, start=True)
+    assert res["per_step"]["positions_host_reads"] == 0, res
 
 
 def test_leased_pages_never_change_a_decision_that_keeps_the_split():

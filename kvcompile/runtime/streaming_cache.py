@@ -98,16 +98,27 @@ class StreamingKvCache:
         return i in self._kv
 
     def check_positions(self, positions: torch.Tensor) -> None:
-        """The model's range check. Free for the positions tensor begin_forward checked in
-        this forward (the same object); otherwise one host read (a sync on CUDA)."""
-        if self._step is None or positions is not self._step["positions"]:
-            self._position_range(positions)
+        """The model's range check: free for the positions this forward began with."""
+        self.position_range(positions)
 
-    def _position_range(self, positions: torch.Tensor) -> tuple[int, int]:
-        """(min, max) of positions, checked against the capacity, in one host read."""
-        if positions.numel() == 0:
+    def position_range(self, positions: torch.Tensor, start: int | None = None
+                       ) -> tuple[int, int]:
+        """(min, max) of positions, checked against the capacity. Free for the tensor this
+        forward began with; with `start` (positions are start, start + 1, ..., ints the
+        caller has) the tensor is not read; else one host read (a sync on CUDA)."""
+        st = self._step
+        if st is not None and positions is st["positions"]:
+            return st["lo"], st["hi"]
+        n = positions.numel()
+        if n == 0:
             check_positions(positions, self.capacity)        # raises: nothing to evaluate
-        if positions.numel() == 1:
+        if start is not None:
+            lo, hi = int(start), int(start) + n - 1
+            if positions.device.type == "cpu" and not torch.equal(
+                    positions.reshape(-1), torch.arange(lo, hi + 1, dtype=positions.dtype)):
+                raise KvLayoutError(f"positions are not {lo}..{hi}; pass start= only for "
+                                    f"consecutive positions from start")
+        elif n == 1:
             lo = hi = int(positions.reshape(()))
         else:
             lo, hi = torch.stack((positions.min(), positions.max())).tolist()
@@ -123,16 +134,18 @@ class StreamingKvCache:
         return self.arena.nbytes
 
     # ---- forward bracket ------------------------------------------------------------------
-    def begin_forward(self, positions: torch.Tensor, layers=None) -> None:
+    def begin_forward(self, positions: torch.Tensor, layers=None,
+                      start: int | None = None) -> None:
         """Start a forward at these positions that will acquire `layers` (default: all KV
-        layers, in order; an MTP step names only its own layer)."""
+        layers, in order; an MTP step names only its own layer). `start`: the positions
+        are start, start + 1, ... (the caller's ints: no host read of the tensor)."""
         layers = self.layers if layers is None else tuple(layers)
         if self._step is not None:
             raise KvLayoutError("begin_forward called twice without end_forward")
         missing = [i for i in layers if i not in self._kv]
         if missing:
             raise KvLayoutError(f"layers {missing} have no KV in this cache")
-        lo, hi = self._position_range(positions)     # the forward's one host read
+        lo, hi = self.position_range(positions, start)   # at most one host read
         have = min(self.host.rows[i] for i in layers)
         if lo > have:
             raise ContextLengthError(f"position {lo} leaves a gap after the {have} "
@@ -140,7 +153,7 @@ class StreamingKvCache:
         n_pages = hi // self.page_size + 1
         self.host.truncate(lo, layers)    # rows from lo on are rewritten by this forward
         repart, reason = self._apply_policy(n_pages)
-        self._step = dict(t0=time.perf_counter(), busy=self.engine.busy_s, hi=hi,
+        self._step = dict(t0=time.perf_counter(), busy=self.engine.busy_s, lo=lo, hi=hi,
                           h2d=self.engine.bytes_h2d, d2h=self.engine.bytes_d2h,
                           tokens=int(positions.numel()), pages=n_pages, repart=repart,
                           reason=reason, layers=layers, positions=positions)
@@ -230,12 +243,14 @@ class StreamingKvCache:
                 lease.release(AllOf(self.pool.last_use))
 
 
-def forward(model, cache, tokens, positions, last_only: bool = False, layers=None):
-    """model(tokens, positions, cache) with the streaming bracket when the cache has one."""
+def forward(model, cache, tokens, positions, last_only: bool = False, layers=None,
+            start: int | None = None):
+    """model(tokens, positions, cache) with the streaming bracket when the cache has one.
+    start: positions are start, start + 1, ... (saves the cache a read of the tensor)."""
     begin = getattr(cache, "begin_forward", None)
     if begin is None:
         return model(tokens, positions, cache, last_only=last_only)
-    begin(positions, layers)
+    begin(positions, layers, start)
     ok = False
     try:
         out = model(tokens, positions, cache, last_only=last_only)
