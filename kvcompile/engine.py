@@ -207,7 +207,7 @@ class Engine:
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
         logits = run_forward(self.model, self.cache, tokens, positions, last_only=True,
-                             layers=self._trunk_kv_layers)[-1]
+                             layers=self._trunk_kv_layers, start=start)[-1]
         if self.trace and getattr(self.cache, "telemetry", None):
             print(f"[kv step] {self.cache.telemetry[-1].as_dict()}", file=sys.stderr)
         return logits

@@ -55,11 +55,21 @@ def decode_workspace(device: torch.device, config) -> torch.Tensor | None:
     return torch.empty(n, dtype=torch.float32, device=device)
 
 
-def check_positions(positions: torch.Tensor, capacity: int) -> None:
-    """Raise ContextLengthError if a position does not fit (host-side check, eager only)."""
-    if positions.numel() == 0:
+def check_positions(positions: torch.Tensor, capacity: int) -> tuple[int, int]:
+    """(min, max) of positions after checking they fit: one host read (a sync on CUDA), so
+    eager only; raises ContextLengthError otherwise."""
+    n = positions.numel()
+    if n == 0:
         raise ContextLengthError("nothing to evaluate: pass at least one token")
-    lo, hi = int(positions.min()), int(positions.max())
+    if n == 1:
+        lo = hi = int(positions.reshape(()))
+    else:
+        lo, hi = torch.stack((positions.min(), positions.max())).tolist()
+    check_range(lo, hi, capacity)
+    return lo, hi
+
+
+def check_range(lo: int, hi: int, capacity: int) -> None:
     if lo < 0 or hi >= capacity:
         raise ContextLengthError(
             f"position {hi if hi >= capacity else lo} is outside the KV cache of {capacity} "
@@ -121,8 +131,8 @@ class PagedKvCache:
         for i in (self.layers if layer is None else (layer,)):
             self._kv[i].page_table.copy_(table)
 
-    def check_positions(self, positions: torch.Tensor) -> None:
-        check_positions(positions, self.capacity)
+    def check_positions(self, positions: torch.Tensor) -> tuple[int, int]:
+        return check_positions(positions, self.capacity)
 
     def reset(self) -> None:
         """Start a new sequence: identity page tables again. The pools are not cleared (that

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kvcompile.ops  # noqa: F401  (registers torch.ops.kvcompile.*)
-from kvcompile.errors import UnsupportedModelError
+from kvcompile.errors import ContextLengthError, UnsupportedModelError
 
 
 class RMSNorm(nn.Module):
@@ -42,6 +42,14 @@ def rope_tables(rotary_dim: int, max_positions: int, theta: float,
     pos = torch.arange(max_positions, dtype=torch.float64) / factor
     angles = pos[:, None] * inv_freq[None, :]
     return torch.cos(angles).float(), torch.sin(angles).float()
+
+
+def check_rope_range(lo_hi: tuple[int, int], n_rope: int) -> tuple[int, int]:
+    """Positions (min, max) against the rope table's length (the model's context)."""
+    if lo_hi[1] >= n_rope:
+        raise ContextLengthError(f"position {lo_hi[1]} is beyond the model's context length "
+                                 f"{n_rope}; shorten the prompt or max tokens")
+    return lo_hi
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from kvcompile.config import ModelConfig
-from kvcompile.errors import ContextLengthError, ModelFileError, UnsupportedModelError
-from kvcompile.models.layers import PagedAttention, RMSNorm, SwiGLU, rope_tables
+from kvcompile.errors import ModelFileError, UnsupportedModelError
+from kvcompile.models.layers import PagedAttention, RMSNorm, SwiGLU, check_rope_range, rope_tables
 
 # GGUF tensor name (after "blk.{i}.") -> parameter name inside LlamaBlock
 _BLOCK_NAMES = {
@@ -113,13 +113,11 @@ class LlamaModel(nn.Module):
             x = x[-1:]
         return self.lm_head(self.norm(x)).float()
 
-    def check_positions(self, positions: torch.Tensor, cache) -> None:
-        """Host-side range check (eager only: it syncs, so the compiled graph skips it)."""
-        cache.check_positions(positions)
-        if int(positions.max()) >= self.rope_cos.shape[0]:
-            raise ContextLengthError(
-                f"position {int(positions.max())} is beyond the model's context length "
-                f"{self.rope_cos.shape[0]}; shorten the prompt or max tokens")
+    def check_positions(self, positions: torch.Tensor, cache) -> tuple[int, int]:
+        """Host-side range check, (min, max) (eager only: the cache reads the positions
+        once, a sync, so the compiled graph skips it)."""
+        return check_rope_range(cache.check_positions(positions), self.rope_cos.shape[0])
+
 
 
 def _module_name(gguf_name: str) -> str | None:

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcompile.config import ModelConfig
-from kvcompile.errors import ContextLengthError, ModelFileError, UnsupportedModelError
+from kvcompile.errors import ModelFileError, UnsupportedModelError
 from kvcompile.kv_cache import PagedKvCache
-from kvcompile.models.layers import RMSNorm, rope_tables
+from kvcompile.models.layers import RMSNorm, check_rope_range, rope_tables
 from kvcompile.models.qwen35_layers import HybridBlock, NextNLayer
 from kvcompile.models.recurrent_state import RecurrentState
 
@@ -101,8 +101,8 @@ class Qwen35Model(nn.Module):
         layer's input) with return_hidden."""
         state = state if state is not None else self.recurrent_state(cache)
         if not torch.compiler.is_compiling():
-            self._check_positions(positions, cache)
-            state.begin(int(positions[0]), positions.shape[0])
+            lo, _ = self._check_positions(positions, cache)   # consecutive: lo = positions[0]
+            state.begin(lo, positions.shape[0])
         x = self.embed(tokens)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         q_pos = positions.to(torch.int32)
@@ -141,12 +141,8 @@ class Qwen35Model(nn.Module):
         logits = F.linear(h, head).float()
         return (logits, h) if return_hidden else logits
 
-    def _check_positions(self, positions, cache):
-        cache.check_positions(positions)
-        if int(positions.max()) >= self.rope_cos.shape[0]:
-            raise ContextLengthError(
-                f"position {int(positions.max())} is beyond the model's context length "
-                f"{self.rope_cos.shape[0]}; shorten the prompt or max tokens")
+    def _check_positions(self, positions, cache) -> tuple[int, int]:
+        return check_rope_range(cache.check_positions(positions), self.rope_cos.shape[0])
 
     # ---- loading ----------------------------------------------------------------------
     @classmethod

@@ -17,7 +17,8 @@ from dataclasses import replace
 import torch
 
 from kvcompile.errors import ArenaError, ContextLengthError, KvLayoutError
-from kvcompile.kv_cache import LayerKv, PagedKvCache, check_positions, decode_workspace
+from kvcompile.kv_cache import (LayerKv, PagedKvCache, check_positions, check_range,
+                                decode_workspace)
 from kvcompile.ops import kv_format as F
 from kvcompile.runtime import policy as P
 from kvcompile.runtime.arena import MIB, Arena, align, mib_for
@@ -97,9 +98,9 @@ class StreamingKvCache:
     def has_layer(self, i: int) -> bool:
         return i in self._kv
 
-    def check_positions(self, positions: torch.Tensor) -> None:
-        """The model's range check: free for the positions this forward began with."""
-        self.position_range(positions)
+    def check_positions(self, positions: torch.Tensor) -> tuple[int, int]:
+        """The model's range check, (min, max): free for the positions this forward began with."""
+        return self.position_range(positions)
 
     def position_range(self, positions: torch.Tensor, start: int | None = None
                        ) -> tuple[int, int]:
@@ -110,23 +111,14 @@ class StreamingKvCache:
         if st is not None and positions is st["positions"]:
             return st["lo"], st["hi"]
         n = positions.numel()
-        if n == 0:
-            check_positions(positions, self.capacity)        # raises: nothing to evaluate
-        if start is not None:
-            lo, hi = int(start), int(start) + n - 1
-            if positions.device.type == "cpu" and not torch.equal(
-                    positions.reshape(-1), torch.arange(lo, hi + 1, dtype=positions.dtype)):
-                raise KvLayoutError(f"positions are not {lo}..{hi}; pass start= only for "
-                                    f"consecutive positions from start")
-        elif n == 1:
-            lo = hi = int(positions.reshape(()))
-        else:
-            lo, hi = torch.stack((positions.min(), positions.max())).tolist()
-        if lo < 0 or hi >= self.capacity:                    # kv_cache.check_positions' words
-            raise ContextLengthError(
-                f"position {hi if hi >= self.capacity else lo} is outside the KV cache of "
-                f"{self.capacity} tokens; raise the context size (--ctx-size) or shorten the "
-                f"prompt / max tokens")
+        if start is None or n == 0:
+            return check_positions(positions, self.capacity)
+        lo, hi = int(start), int(start) + n - 1
+        if positions.device.type == "cpu" and not torch.equal(
+                positions.reshape(-1), torch.arange(lo, hi + 1, dtype=positions.dtype)):
+            raise KvLayoutError(f"positions are not {lo}..{hi}; pass start= only for "
+                                f"consecutive positions from start")
+        check_range(lo, hi, self.capacity)
         return lo, hi
 
     @property
