@@ -45,13 +45,12 @@ def decode_workspace(device: torch.device, config) -> torch.Tensor | None:
     decode allocates nothing per step; None on the CPU (the reference needs none)."""
     if device.type != "cuda":
         return None
-    from kvcompile.ops.span_attention.decode_kernel import PROGRAMS_PER_SM
     from kvcompile.ops.span_attention.launch import num_sms
     from kvcompile.ops.span_attention.op import DECODE_MAX_ROWS
     from kvcompile.ops.span_attention.workspace import decode_workspace_floats
     group = config.n_heads // config.n_kv_heads
     n = decode_workspace_floats(config.n_kv_heads, config.head_dim, DECODE_MAX_ROWS * group,
-                                num_sms(device), PROGRAMS_PER_SM)
+                                num_sms(device))
     return torch.empty(n, dtype=torch.float32, device=device)
 
 

@@ -3,11 +3,18 @@
 A page holds `page_size` token positions for all KV heads of a layer. Pools are uint8
 tensors [num_pages, page_bytes] so that pages can live anywhere in an arena (resident
 region or ring slot) and be copied as raw bytes. Inside a page the layout is head-major,
-codes apart from scales, so a kernel reads one head's rows contiguously:
+codes apart from scales, and depends on the role (K or V) for the quantized types:
 
-  f32/f16/bf16: values [H, P, D] of that dtype
-  q8_0:         codes int8 [H, P, D], then fp16 scales [H, P, D/32]
-  q4_0:         nibbles uint8 [H, P, D/2], then fp16 scales [H, P, D/32]
+  f32/f16/bf16:  values [H, P, D] of that dtype (K and V)
+  q8_0 K:        codes int8 [H, P, D], then fp16 scales [H, P, D/32]
+  q4_0 K:        nibbles uint8 [H, P, D/2], then fp16 scales [H, P, D/32]
+  q8_0 V:        codes int8 [H, D, P], then fp16 scales [H, D/32, P]
+  q4_0 V:        nibbles uint8 [H, D/2, P], then fp16 scales [H, D/32, P]
+
+K is read along D (Q.K contracts over it), so its codes keep D contiguous. V is read along
+positions (P @ V contracts over them), so its codes keep positions contiguous: the tensor
+cores' operand then comes from contiguous bytes, not byte by byte (measured on the H200:
+docs/performance.md). Same bytes per token either way.
 
 q8_0 and q4_0 follow llama.cpp's blocks of 32 values with one fp16 scale: q8_0 stores
 round(x / d) with d = amax / 127; q4_0 stores min(15, trunc(x / d + 8.5)) with
@@ -128,26 +135,55 @@ def dequantize_q4_0(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 # ---- page views ----------------------------------------------------------------------------
 
+ROLES = ("k", "v")
+
+
+def position_major(t: KvType, role: str) -> bool:
+    """True where codes and scales are stored [H, cols, P] (quantized V pages)."""
+    if role not in ROLES:
+        raise ValueError(f"role must be 'k' or 'v', got {role!r}")
+    return t.quantized and role == "v"
+
+
 def split_pages(pages: torch.Tensor, t: KvType, n_kv_heads: int, page_size: int,
-                head_dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """uint8 [N, page_bytes] -> typed views (values or codes [N, H, P, *], scales or None)."""
+                head_dim: int, *, role: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """uint8 [N, page_bytes] -> typed views (values or codes [N, H, P, *], scales
+    [N, H, P, D/32] or None), indexed by position whatever the storage order (role "v" of
+    a quantized type gives transposed views). Codes are views of `pages`; scales are a copy
+    (fp16 views of an offset slice may be misaligned): write them back with scale_bytes()."""
     n = pages.shape[0]
     if not t.quantized:
+        position_major(t, role)                      # validates role
         vals = pages.view(_FLOAT_DTYPES[t.name]).view(n, n_kv_heads, page_size, head_dim)
         return vals, None
     code_cols = head_dim if t.name == "q8_0" else head_dim // 2
     code_bytes = n_kv_heads * page_size * code_cols
-    codes = pages[:, :code_bytes].view(n, n_kv_heads, page_size, code_cols)
+    codes = pages[:, :code_bytes]
+    scales = pages[:, code_bytes:].contiguous().view(torch.float16)
+    nb = head_dim // QK
+    if position_major(t, role):
+        codes = codes.view(n, n_kv_heads, code_cols, page_size).transpose(2, 3)
+        scales = scales.view(n, n_kv_heads, nb, page_size).transpose(2, 3)
+    else:
+        codes = codes.view(n, n_kv_heads, page_size, code_cols)
+        scales = scales.view(n, n_kv_heads, page_size, nb)
     if t.name == "q8_0":
         codes = codes.view(torch.int8)
-    scales = pages[:, code_bytes:].contiguous().view(torch.float16)
-    return codes, scales.view(n, n_kv_heads, page_size, head_dim // QK)
+    return codes, scales
+
+
+def scale_bytes(scales: torch.Tensor, t: KvType, role: str) -> torch.Tensor:
+    """Scales as split_pages returned them ([N, H, P, D/32]) -> uint8 [N, scale bytes] in
+    storage order, to write back into the pages."""
+    if position_major(t, role):
+        scales = scales.transpose(2, 3)
+    return scales.contiguous().reshape(scales.shape[0], -1).view(torch.uint8)
 
 
 def decode_pages(pages: torch.Tensor, t: KvType, n_kv_heads: int, page_size: int,
-                 head_dim: int) -> torch.Tensor:
+                 head_dim: int, *, role: str) -> torch.Tensor:
     """uint8 [N, page_bytes] -> float32 [N, H, P, D] (the dequantized values)."""
-    vals, scales = split_pages(pages, t, n_kv_heads, page_size, head_dim)
+    vals, scales = split_pages(pages, t, n_kv_heads, page_size, head_dim, role=role)
     if scales is None:
         return vals.float()
     if t.name == "q8_0":

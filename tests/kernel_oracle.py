@@ -77,8 +77,8 @@ def dense_reference(q, k_pool, v_pool, table, q_pos, k_name, v_name, page_size, 
     n_kv = F.n_kv_heads_of(k_pool, kt, page_size, head_dim)
     n_ctx = int(q_pos.max()) + 1
     phys = table[: -(-n_ctx // page_size)].long().to(k_pool.device)
-    k = F.decode_pages(k_pool[phys], kt, n_kv, page_size, head_dim).double()
-    v = F.decode_pages(v_pool[phys], vt, n_kv, page_size, head_dim).double()
+    k = F.decode_pages(k_pool[phys], kt, n_kv, page_size, head_dim, role="k").double()
+    v = F.decode_pages(v_pool[phys], vt, n_kv, page_size, head_dim, role="v").double()
     k = k.permute(1, 0, 2, 3).reshape(n_kv, -1, head_dim)[:, :n_ctx]
     v = v.permute(1, 0, 2, 3).reshape(n_kv, -1, head_dim)[:, :n_ctx]
     g = n_q // n_kv

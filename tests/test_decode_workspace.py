@@ -62,7 +62,7 @@ def _case(seed, rows=2, n_ctx=300, d=64, k_name="q8_0", v_name="q4_0"):
 def test_interpreted_decode_with_workspace_equals_per_call_scratch(impl):
     args, n_kv, g = _case(fresh_seed())
     rows, d = args["q"].shape[0], args["q"].shape[2]
-    ws = torch.randn(decode_workspace_floats(n_kv, d, rows * g, 8, 2))   # garbage in it
+    ws = torch.randn(decode_workspace_floats(n_kv, d, rows * g, 8))   # garbage in it
     jobs = [{"kind": "decode", "args": args, "opts": {"impl": impl}},
             {"kind": "decode", "args": args, "opts": {"impl": impl, "workspace": ws}}]
     plain, with_ws = run_interpreted(jobs)
@@ -82,10 +82,9 @@ def test_gpu_decode_op_with_workspace_is_identical_and_allocates_nothing(pair):
     args, n_kv, g = _case(fresh_seed(), rows=4, n_ctx=5000, d=128, k_name=k_name, v_name=v_name)
     a = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
     a["q"] = a["q"].bfloat16()
-    from kvcompile.ops.span_attention.decode_kernel import PROGRAMS_PER_SM
     from kvcompile.ops.span_attention.launch import num_sms
-    ws = torch.randn(decode_workspace_floats(n_kv, 128, 8 * g, num_sms(a["q"].device),
-                                             PROGRAMS_PER_SM), device="cuda")
+    ws = torch.randn(decode_workspace_floats(n_kv, 128, 8 * g, num_sms(a["q"].device)),
+                     device="cuda")
     op = torch.ops.kvcompile.span_attention
     order = ("q", "k_pool", "v_pool", "page_table", "q_pos", "k_type", "v_type", "page_size",
              "scale")

@@ -39,9 +39,10 @@ def make_case(head_dim, k_name, v_name, n_rows, n_kv, page_size, n_pages, gen):
                 v_type=F.kv_type(v_name).ggml_id, page_size=page_size)
 
 
-def ggml_blocks(pool, name, slots, n_kv, page_size, head_dim):
+def ggml_blocks(pool, name, slots, n_kv, page_size, head_dim, role):
     """Rows at `slots` re-assembled as ggml blocks (fp16 d, then codes): [T*H, bytes]."""
-    codes, scales = F.split_pages(pool.cpu(), F.kv_type(name), n_kv, page_size, head_dim)
+    codes, scales = F.split_pages(pool.cpu(), F.kv_type(name), n_kv, page_size, head_dim,
+                                  role=role)
     width = codes.shape[-1] * 32 // head_dim                 # code bytes per block
     c = codes[slots // page_size, :, slots % page_size].reshape(-1, head_dim // 32, width)
     s = scales[slots // page_size, :, slots % page_size].reshape(-1, head_dim // 32, 1)
@@ -56,11 +57,13 @@ def check_case(a, got_k, got_v):
     diff = ((got_k.cpu() != ref_k).sum().item(), (got_v.cpu() != ref_v).sum().item())
     print(f"bytes differing from the reference (K, V): {diff}")
     assert diff == (0, 0)
-    for pool, t, rows in ((got_k, a["k_type"], a["k_new"]), (got_v, a["v_type"], a["v_new"])):
+    for pool, t, rows, role in ((got_k, a["k_type"], a["k_new"], "k"),
+                                (got_v, a["v_type"], a["v_new"], "v")):
         name = F.kv_type(t).name
         if name in GGUF:
             want = gguf.quants.quantize(rows.float().reshape(-1, head_dim).numpy(), GGUF[name])
-            got = ggml_blocks(pool, name, a["slots"], n_kv, a["page_size"], head_dim).numpy()
+            got = ggml_blocks(pool, name, a["slots"], n_kv, a["page_size"], head_dim,
+                              role).numpy()
             assert np.array_equal(got, want.reshape(got.shape)), f"{name} blocks differ from gguf"
 
 

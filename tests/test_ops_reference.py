@@ -83,8 +83,8 @@ def test_span_attention_matches_dense_fp64(k_name, v_name):
     write_in_chunks(k_pool, v_pool, k, v, table, kt, vt, page_size, cuts=[50, 51, 52, 60])
 
     # the pages hold exactly what the independent quantizer produces, at the mapped places
-    for pool, rows, t, name in ((k_pool, k, kt, k_name), (v_pool, v, vt, v_name)):
-        pages = F.decode_pages(pool[table.long()], t, n_kv, page_size, head_dim)
+    for pool, rows, t, name, role in ((k_pool, k, kt, k_name, "k"), (v_pool, v, vt, v_name, "v")):
+        pages = F.decode_pages(pool[table.long()], t, n_kv, page_size, head_dim, role=role)
         held = pages.permute(0, 2, 1, 3).reshape(-1, n_kv, head_dim)[:n_ctx].double()
         assert torch.equal(held, stored_values(rows, name)), f"{name} pages differ from gguf"
 

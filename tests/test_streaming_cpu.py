@@ -128,10 +128,11 @@ def test_host_history_equals_the_dense_cache_after_every_forward(model):
         assert set(cache.host.rows.values()) == {rows}
         pages = -(-rows // PS)
         for i in cache.layers:
-            for host, pool, t in ((cache.host.k[i], dense.layer(i).k_pool, cache.k_type),
-                                  (cache.host.v[i], dense.layer(i).v_pool, cache.v_type)):
-                a = F.decode_pages(host[:pages], t, CFG.n_kv_heads, PS, CFG.head_dim)
-                b = F.decode_pages(pool[:pages], t, CFG.n_kv_heads, PS, CFG.head_dim)
+            kv = dense.layer(i)
+            for host, pool, t, role in ((cache.host.k[i], kv.k_pool, cache.k_type, "k"),
+                                        (cache.host.v[i], kv.v_pool, cache.v_type, "v")):
+                a = F.decode_pages(host[:pages], t, CFG.n_kv_heads, PS, CFG.head_dim, role=role)
+                b = F.decode_pages(pool[:pages], t, CFG.n_kv_heads, PS, CFG.head_dim, role=role)
                 flat = lambda x: x.permute(1, 0, 2, 3).reshape(CFG.n_kv_heads, -1, CFG.head_dim)
                 assert torch.equal(flat(a)[:, :rows], flat(b)[:, :rows]), (SEED, step, i)
         seen.append(step)

@@ -40,11 +40,9 @@ def attention_scratch_bytes(config, sms: int | None, rows: int = max(BUCKETS)) -
     CPU reference needs none). Depends on heads and SMs, not on the context length."""
     if not sms:
         return 0
-    from kvcompile.ops.span_attention.decode_kernel import PROGRAMS_PER_SM
     from kvcompile.ops.span_attention.workspace import decode_workspace_floats
     group = config.n_heads // config.n_kv_heads
-    return 4 * decode_workspace_floats(config.n_kv_heads, config.head_dim, rows * group, sms,
-                                       PROGRAMS_PER_SM)
+    return 4 * decode_workspace_floats(config.n_kv_heads, config.head_dim, rows * group, sms)
 
 
 def activation_bytes(config, rows: int, out_rows: int) -> int:

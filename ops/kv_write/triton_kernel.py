@@ -33,11 +33,14 @@ def _to_bf16(x, EXACT_MUL: tl.constexpr):
 
 
 @triton.jit
-def _store_row(pool, page_off, row, src, d_lo, d_hi, code_bytes,
-               D: tl.constexpr, KV_TYPE: tl.constexpr, EXACT_MUL: tl.constexpr):
-    """Write one row (D values as two [D/32, 16] halves of each block) at row index
-    `row` (= head * P + offset) of the page starting at byte `page_off`."""
+def _store_row(pool, page_off, head, off, src, d_lo, d_hi, code_bytes, P: tl.constexpr,
+               D: tl.constexpr, KV_TYPE: tl.constexpr, POS_MAJOR: tl.constexpr,
+               EXACT_MUL: tl.constexpr):
+    """Write one row (D values as two [D/32, 16] halves of each block) of KV head `head`
+    at position `off` of the page starting at byte `page_off`. POS_MAJOR (quantized V):
+    codes [H, cols, P] and scales [H, D/32, P] (kv_format), else row-major [H, P, *]."""
     base = pool + page_off
+    row = head * P + off
     lo = tl.load(src + d_lo).to(tl.float32)
     hi = tl.load(src + d_hi).to(tl.float32)
     if KV_TYPE == 0:
@@ -61,11 +64,15 @@ def _store_row(pool, page_off, row, src, d_lo, d_hi, code_bytes,
         rhi = tl.floor(tl.abs(yhi) + 0.5)
         qlo = tl.where(ylo < 0, -rlo, rlo).to(tl.int8)
         qhi = tl.where(yhi < 0, -rhi, rhi).to(tl.int8)
-        tl.store((base + row * D + d_lo).to(tl.pointer_type(tl.int8)), qlo)
-        tl.store((base + row * D + d_hi).to(tl.pointer_type(tl.int8)), qhi)
-        blk = tl.arange(0, D // 32)
-        sp = (base + code_bytes + (row * (D // 32) + blk) * 2).to(tl.pointer_type(tl.float16))
-        tl.store(sp, dsc.to(tl.float16))
+        if POS_MAJOR:
+            lo_at = (head * D + d_lo) * P + off
+            hi_at = (head * D + d_hi) * P + off
+        else:
+            lo_at = row * D + d_lo
+            hi_at = row * D + d_hi
+        tl.store((base + lo_at).to(tl.pointer_type(tl.int8)), qlo)
+        tl.store((base + hi_at).to(tl.pointer_type(tl.int8)), qhi)
+        _store_scales(base + code_bytes, head, off, dsc, P, D, POS_MAJOR)
     else:  # q4_0
         alo = tl.abs(lo)
         ahi = tl.abs(hi)
@@ -85,10 +92,24 @@ def _store_row(pool, page_off, row, src, d_lo, d_hi, code_bytes,
         clo = tl.minimum(zlo.to(tl.int32), 15)  # z > 0: truncation == ggml's (int8_t) cast
         chi = tl.minimum(zhi.to(tl.int32), 15)
         packed = (clo | (chi << 4)).to(tl.uint8)
-        blk = tl.arange(0, D // 32)
-        tl.store(base + row * (D // 2) + blk[:, None] * 16 + j[None, :], packed)
-        sp = (base + code_bytes + (row * (D // 32) + blk) * 2).to(tl.pointer_type(tl.float16))
-        tl.store(sp, dsc.to(tl.float16))
+        col = tl.arange(0, D // 32)[:, None] * 16 + j[None, :]      # byte of the row
+        if POS_MAJOR:
+            tl.store(base + (head * (D // 2) + col) * P + off, packed)
+        else:
+            tl.store(base + row * (D // 2) + col, packed)
+        _store_scales(base + code_bytes, head, off, dsc, P, D, POS_MAJOR)
+
+
+@triton.jit
+def _store_scales(scales, head, off, dsc, P: tl.constexpr, D: tl.constexpr,
+                  POS_MAJOR: tl.constexpr):
+    """The row's D/32 fp16 scales: [H, P, D/32] or, position-major, [H, D/32, P]."""
+    blk = tl.arange(0, D // 32)
+    if POS_MAJOR:
+        at = (head * (D // 32) + blk) * P + off
+    else:
+        at = (head * P + off) * (D // 32) + blk
+    tl.store((scales + at * 2).to(tl.pointer_type(tl.float16)), dsc.to(tl.float16))
 
 
 @triton.jit
@@ -100,16 +121,17 @@ def _kv_write(k_pool, v_pool, k_new, v_new, slots, stride_kt, stride_kh, stride_
     h = tl.program_id(1)
     slot = tl.load(slots + t).to(tl.int64)
     page = slot // P
-    row = h * P + slot % P
+    off = slot % P
     blk = tl.arange(0, D // 32)
     j = tl.arange(0, 16)
     d_lo = blk[:, None] * 32 + j[None, :]   # values 0..15 of each block
     d_hi = d_lo + 16                         # values 16..31
     t64 = t.to(tl.int64)
-    _store_row(k_pool, page * k_page_bytes, row, k_new + t64 * stride_kt + h * stride_kh,
-               d_lo, d_hi, k_code_bytes, D, K_TYPE, EXACT_MUL)
-    _store_row(v_pool, page * v_page_bytes, row, v_new + t64 * stride_vt + h * stride_vh,
-               d_lo, d_hi, v_code_bytes, D, V_TYPE, EXACT_MUL)
+    _store_row(k_pool, page * k_page_bytes, h, off, k_new + t64 * stride_kt + h * stride_kh,
+               d_lo, d_hi, k_code_bytes, P, D, K_TYPE, False, EXACT_MUL)
+    v_pos_major: tl.constexpr = V_TYPE == 2 or V_TYPE == 8    # quantized V (kv_format)
+    _store_row(v_pool, page * v_page_bytes, h, off, v_new + t64 * stride_vt + h * stride_vh,
+               d_lo, d_hi, v_code_bytes, P, D, V_TYPE, v_pos_major, EXACT_MUL)
 
 
 def kv_write_triton(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size):

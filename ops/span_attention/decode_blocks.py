@@ -18,8 +18,8 @@ from kvcompile.ops.span_attention.decode_kernel import (LOG2E, PROGRAMS_PER_SM, 
 from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, interpreting, k_split,
                                                  launchable, num_sms, page_geometry, pool_args,
                                                  query_operand)
-from kvcompile.ops.span_attention.paged_tile import load_tile, qk_scores, v_operand
-from kvcompile.ops.span_attention.workspace import carve
+from kvcompile.ops.span_attention.paged_tile import load_tile, load_v_tile, qk_scores, v_operand
+from kvcompile.ops.span_attention.workspace import MAX_PROGRAMS_PER_SM, carve
 from kvcompile.ops.span_attention.quant_blocks import qk_blocks, v_blocks, value_columns
 
 
@@ -55,7 +55,7 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
     acc_a = tl.zeros([BLOCK_M, DA], tl.float32)
     acc_b = tl.zeros([BLOCK_M, DB], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        off = n0 % P + tl.arange(0, BLOCK_N)
+        off = tl.multiple_of(n0 % P, BLOCK_N) + tl.arange(0, BLOCK_N)
         pos = n0 + tl.arange(0, BLOCK_N)
         live = pos < end
         phys = tl.load(page_table + n0 // P).to(tl.int64)
@@ -75,13 +75,13 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
         l_i = l_i * alpha + tl.sum(p, 1)
         p16 = p.to(tl.float16)
         if VQ:
-            va, vb = v_blocks(v_vals, v_scl, phys, h * P + off, live, v_page_elems,
-                              v_page_halves, v_code_halves, BLOCK_N, D, V_TYPE, INTERP)
+            va, vb = v_blocks(v_vals, v_scl, phys, h, off, live, v_page_elems,
+                              v_page_halves, v_code_halves, BLOCK_N, D, P, V_TYPE, INTERP)
             acc_a = tl.dot(p16, va, acc_a * alpha[:, None])
             if V4:
                 acc_b = tl.dot(p16, vb, acc_b * alpha[:, None])
         else:
-            v = load_tile(v_vals, v_scl, phys, h, off, live, v_page_elems, v_page_halves,
+            v = load_v_tile(v_vals, v_scl, phys, h, off, live, v_page_elems, v_page_halves,
                           v_code_halves, BLOCK_N, P, D, V_TYPE)
             acc_a = tl.dot(p16, v_operand(v, V_TYPE), acc_a * alpha[:, None])
         m_i = m_new
@@ -96,23 +96,33 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
         tl.store(base + value_columns(DB, 1)[None, :], acc_b, mask=ok[:, None])
 
 
-def blocks_config(head_dim: int, block_m: int, k_quantized: bool) -> tuple[int, int]:
-    """(block_n, num_warps): quantized K tiles are 2-4x fewer bytes, so 64 positions a
-    tile amortize the softmax, except for wide verify (64 query rows x 64 positions ran
-    out of registers); float K keeps decode_kernel's choice."""
+def blocks_config(head_dim: int, block_m: int, k_quantized: bool) -> dict:
+    """Launch defaults. Quantized K with all query rows of a KV head in one 16-row tile
+    (decode, narrow verify): the configs that measured best in the page-layout probe
+    (docs/performance.md: 128 positions, 4 warps, 128 registers, 4 programs an SM for
+    D <= 128; 32 positions, 2 warps, 3 stages for D = 256, which spills at fewer warps).
+    Wider verify: 64 positions (32 past 32 rows: registers), 8 warps; float K keeps
+    decode_kernel's tile."""
+    if k_quantized and block_m <= 16:
+        if head_dim <= 128:
+            return dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=4, maxnreg=128)
+        return dict(block_n=32, num_warps=2, num_stages=3, programs_per_sm=4, maxnreg=None)
     num_warps = 4 if block_m <= 16 else 8
     if k_quantized:
-        return (64 if block_m <= 32 else 32), num_warps
-    return (64 if head_dim <= 128 else 32), num_warps
+        block_n = 64 if block_m <= 32 else 32
+    else:
+        block_n = 64 if head_dim <= 128 else 32
+    return dict(block_n=block_n, num_warps=num_warps, num_stages=2,
+                programs_per_sm=PROGRAMS_PER_SM, maxnreg=None)
 
 
 def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
                                  page_size, scale, out=None, chunk_len=None, block_n=None,
-                                 num_warps=None, num_stages=None,
-                                 programs_per_sm=PROGRAMS_PER_SM, maxnreg=None,
-                                 workspace=None):
+                                 num_warps=None, num_stages=None, programs_per_sm=None,
+                                 maxnreg=None, workspace=None):
     """Same contract as decode_kernel.span_attention_decode; `maxnreg` caps registers a
-    thread (more programs resident per SM)."""
+    thread (more programs resident per SM). Launch options left None come from
+    blocks_config."""
     check_launch(q, k_pool, v_pool, page_table, q_pos, page_size)
     n_rows, n_q_heads, head_dim = q.shape
     kg = page_geometry(k_pool, k_type, page_size, head_dim)
@@ -124,8 +134,14 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
     assert out.shape == q.shape and out.stride(2) == 1, "out must be [T, Hq, D], last dim dense"
     mrows = n_rows * group
     block_m = max(16, triton.next_power_of_2(mrows))
-    bn, nw = blocks_config(head_dim, block_m, kg.kv_type in (2, 8))
-    block_n = min(block_n or bn, page_size)
+    cfg = blocks_config(head_dim, block_m, kg.kv_type in (2, 8))
+    block_n = min(block_n or cfg["block_n"], page_size)
+    num_warps = num_warps or cfg["num_warps"]
+    num_stages = num_stages or cfg["num_stages"]
+    programs_per_sm = programs_per_sm or cfg["programs_per_sm"]
+    maxnreg = maxnreg or cfg["maxnreg"]
+    assert programs_per_sm <= MAX_PROGRAMS_PER_SM or workspace is None, \
+        "more programs an SM than the cache's workspace was sized for"
     assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
     table_len = page_table.shape[0]
     if chunk_len is None:
@@ -146,8 +162,8 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
         QK_SCALE=scale * LOG2E, G=group, D=head_dim, P=page_size, BLOCK_M=block_m,
         BLOCK_N=block_n, K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16,
         K_SPLIT=k_split(kg.kv_type), INTERP=interpreting(),
-        num_warps=num_warps or nw, num_stages=num_stages or 2,
-        **({"maxnreg": maxnreg} if maxnreg else {}))
+        num_warps=num_warps, num_stages=num_stages,
+        **({"maxnreg": maxnreg} if maxnreg and not interpreting() else {}))
     launchable(_decode_reduce)[(n_kv, mrows)](
         m_buf, l_buf, acc_buf, q_pos, out, out.stride(0), out.stride(1),
         n_rows, n_chunks, chunk_len, table_len,

@@ -19,8 +19,8 @@ import triton.language as tl
 from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, interpreting, k_split,
                                                  launchable, pool_args, query_operand,
                                                  num_sms, page_geometry)
-from kvcompile.ops.span_attention.paged_tile import (load_tile, qk_quantized, qk_scores,
-                                                     v_operand)
+from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, qk_quantized,
+                                                     qk_scores, v_operand)
 from kvcompile.ops.span_attention.workspace import carve
 
 LOG2E = 1.4426950408889634
@@ -53,7 +53,7 @@ def _decode_split(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         lp = n0 // P
-        off = n0 % P + tl.arange(0, BLOCK_N)
+        off = tl.multiple_of(n0 % P, BLOCK_N) + tl.arange(0, BLOCK_N)
         pos = n0 + tl.arange(0, BLOCK_N)
         live = pos < end
         phys = tl.load(page_table + lp).to(tl.int64)
@@ -71,7 +71,7 @@ def _decode_split(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_tile(v_vals, v_scl, phys, h, off, live, v_page_elems, v_page_halves,
+        v = load_v_tile(v_vals, v_scl, phys, h, off, live, v_page_elems, v_page_halves,
                       v_code_halves, BLOCK_N, P, D, V_TYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v_operand(v, V_TYPE))
         m_i = m_new

@@ -17,8 +17,10 @@ def span_attention_naive(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     n_pages = (n_ctx + page_size - 1) // page_size
     phys = page_table[:n_pages].long()  # index_select: row memcpy, ~30x faster than [] on uint8
     # [pages, H, P, D] -> [H, pages * P, D] in logical order
-    k = F.decode_pages(k_pool.index_select(0, phys), kt, n_kv_heads, page_size, head_dim)
-    v = F.decode_pages(v_pool.index_select(0, phys), vt, n_kv_heads, page_size, head_dim)
+    k = F.decode_pages(k_pool.index_select(0, phys), kt, n_kv_heads, page_size, head_dim,
+                       role="k")
+    v = F.decode_pages(v_pool.index_select(0, phys), vt, n_kv_heads, page_size, head_dim,
+                       role="v")
     k = k.permute(1, 0, 2, 3).reshape(n_kv_heads, -1, head_dim)[:, :n_ctx]
     v = v.permute(1, 0, 2, 3).reshape(n_kv_heads, -1, head_dim)[:, :n_ctx]
     group = n_q_heads // n_kv_heads

@@ -2,7 +2,8 @@
 
 A tile is BLOCK_N consecutive positions of one KV head inside one page (BLOCK_N divides
 the page size, so a tile never crosses a page). The page layout is kv_format's: values or
-codes [H, P, D'] first, then fp16 scales [H, P, D/32]. Quantized tiles are dequantized in
+codes [H, P, D'] first, then fp16 scales [H, P, D/32]; quantized V pages are position-major
+(codes [H, D', P], scales [H, D/32, P]: load_v_tile). Quantized tiles are dequantized in
 registers; nothing is written back.
 
 Precision: Q.K is exact up to fp32 accumulation (bf16 x bf16, fp16 x fp16, or fp16 x
@@ -79,6 +80,38 @@ def load_tile(vals, scl, phys, head, off, mask, page_elems, page_halves, code_ha
                                 code_halves, D, KV_TYPE)
         x = to_rows(ca * s, cb * s, BLOCK_N, D, KV_TYPE)  # exact operands: one rounding
     return x
+
+
+@triton.jit
+def load_v_tile(vals, scl, phys, head, off, mask, page_elems, page_halves, code_halves,
+                BLOCK_N: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+                KV_TYPE: tl.constexpr):
+    """load_tile for V pages: quantized ones are position-major, read as [code rows,
+    BLOCK_N] runs of contiguous positions, dequantized (fp16 code * scale, one rounding as
+    in load_tile) and returned as [BLOCK_N, D] rows in value order; float pages as load_tile."""
+    if KV_TYPE == 2 or KV_TYPE == 8:
+        NB: tl.constexpr = D // 32
+        W: tl.constexpr = D if KV_TYPE == 8 else D // 2           # code rows of a head
+        c = tl.arange(0, W)
+        b = tl.arange(0, NB)
+        codes = tl.load(vals + phys * page_elems + (head * W + c[:, None]) * P + off[None, :],
+                        mask=mask[None, :], other=0)                       # [W, N]
+        s = tl.load(scl + phys * page_halves + code_halves + (head * NB + b[:, None]) * P
+                    + off[None, :], mask=mask[None, :], other=0.0)         # [NB, N]
+        if KV_TYPE == 8:
+            sw = tl.reshape(tl.broadcast_to(s[:, None, :], (NB, 32, BLOCK_N)), (D, BLOCK_N))
+            x = codes.to(tl.float16) * sw
+        else:
+            sw = tl.reshape(tl.broadcast_to(s[:, None, :], (NB, 16, BLOCK_N)), (W, BLOCK_N))
+            byte = codes.to(tl.int32)
+            lo = tl.reshape(((byte & 15) - 8).to(tl.float16) * sw, (NB, 16, BLOCK_N))
+            hi = tl.reshape(((byte >> 4) - 8).to(tl.float16) * sw, (NB, 16, BLOCK_N))
+            # value 32 k + j is low nibble j of block k, value 32 k + 16 + j its high nibble
+            x = tl.reshape(tl.permute(tl.join(lo, hi), (0, 3, 1, 2)), (D, BLOCK_N))
+        return tl.trans(x)
+    else:
+        return load_tile(vals, scl, phys, head, off, mask, page_elems, page_halves,
+                         code_halves, BLOCK_N, P, D, KV_TYPE)
 
 
 @triton.jit

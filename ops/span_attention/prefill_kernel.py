@@ -22,8 +22,8 @@ import triton.language as tl
 from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, interpreting,
                                                  k_split, launchable, page_geometry,
                                                  pool_args, query_operand)
-from kvcompile.ops.span_attention.paged_tile import (load_tile, qk_quantized, qk_scores,
-                                                     v_operand)
+from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, qk_quantized,
+                                                     qk_scores, v_operand)
 
 LOG2E = 1.4426950408889634
 
@@ -38,7 +38,7 @@ def _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_
                V_TYPE: tl.constexpr,
                QK_F16: tl.constexpr, K_SPLIT: tl.constexpr, INTERP: tl.constexpr):
     lp = n0 // P
-    off = n0 % P + tl.arange(0, BLOCK_N)
+    off = tl.multiple_of(n0 % P, BLOCK_N) + tl.arange(0, BLOCK_N)
     pos = n0 + tl.arange(0, BLOCK_N)
     live = pos < n_ctx
     phys = tl.load(page_table + (lp - table_base)).to(tl.int64)
@@ -57,7 +57,7 @@ def _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_tile(v_vals, v_scl, phys, hk, off, live, v_page_elems, v_page_halves,
+    v = load_v_tile(v_vals, v_scl, phys, hk, off, live, v_page_elems, v_page_halves,
                   v_code_halves, BLOCK_N, P, D, V_TYPE)
     acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v_operand(v, V_TYPE))
     return acc, m_new, l_i

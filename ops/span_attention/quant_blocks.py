@@ -9,12 +9,14 @@ the q4_0 nibble interleave) cost more issue slots than the bytes it saved. Here:
   the query is read in that order, K is never shuffled.
 - P @ V: V tile as fp16 code * scale (one rounding, as before); q4_0 low and high
   nibbles feed two accumulators whose columns are put back in value order only at the
-  final store.
+  final store. V pages are position-major (kv_format), so the tile's codes run along the
+  contraction and reach the tensor-core operand without byte-wise shared-memory reads.
 - Codes reach fp16 without int->float converts (quarter-rate on Hopper): 0x6400 | u is
   the fp16 1024 + u for a byte u, so u - bias is one bit-or and one (packed) subtract.
 Measured offline (sm_90 SASS of the split kernel's loop, q8_0 K / q4_0 V, D 256, 64
-positions, 1 row): 1354 instructions a warp and no I2F, against 2222 plus 256
-quarter-rate I2F for decode_kernel.
+positions, 1 row, benchmarks/sass_decode.py): 1211 instructions a warp, no I2F and no
+LDS.U8/U16 (1354 with 128 byte-wise shared loads before V became position-major), against
+2170 plus 256 quarter-rate I2F for decode_kernel.
 """
 from __future__ import annotations
 
@@ -63,30 +65,31 @@ def q4_codes_f16(byte, INTERP: tl.constexpr):
 
 
 @triton.jit
-def v_blocks(vals, scl, phys, row, mask, page_elems, page_halves, code_halves,
-             BLOCK_N: tl.constexpr, D: tl.constexpr, V_TYPE: tl.constexpr,
+def v_blocks(vals, scl, phys, head, off, mask, page_elems, page_halves, code_halves,
+             BLOCK_N: tl.constexpr, D: tl.constexpr, P: tl.constexpr, V_TYPE: tl.constexpr,
              INTERP: tl.constexpr):
-    """fp16 V operands (a, b): q8_0: a = [N, D] rows in value order, b unused (= a);
-    q4_0: a = [N, D/2] the low-nibble values (column 16 k + j = value 32 k + j), b the
-    high ones (value 32 k + 16 + j). Each is code * scale, one rounding."""
+    """fp16 V operands (a, b) of positions `off` of a position-major V page (kv_format):
+    q8_0: a = [N, D] rows in value order, b unused (= a); q4_0: a = [N, D/2] the low-nibble
+    values (column 16 k + j = value 32 k + j), b the high ones (value 32 k + 16 + j). Each is
+    code * scale, one rounding. Codes are read as [code rows, N] runs of contiguous positions
+    (the P @ V contraction runs along them, so the tensor-core operand needs no byte
+    shuffles), unmasked: rows past the context have their scale masked to 0."""
     NB: tl.constexpr = D // 32
+    W: tl.constexpr = D if V_TYPE == 8 else D // 2
+    c = tl.arange(0, W)
     b = tl.arange(0, NB)
-    base = vals + phys * page_elems
-    s = tl.load(scl + phys * page_halves + code_halves + row[:, None] * NB + b[None, :],
-                mask=mask[:, None], other=0.0)[:, :, None]          # [N, NB, 1]
+    codes = tl.load(vals + phys * page_elems + (head * W + c[:, None]) * P + off[None, :])
+    s = tl.load(scl + phys * page_halves + code_halves + (head * NB + b[:, None]) * P
+                + off[None, :], mask=mask[None, :], other=0.0)             # [NB, N]
     if V_TYPE == 8:
-        j = tl.arange(0, 32)
-        ptr = base + row[:, None, None] * D + (b * 32)[None, :, None] + j[None, None, :]
-        c = tl.load(ptr)                                            # unmasked: scale 0
-        va = tl.reshape(q8_codes_f16(c, INTERP) * s, (BLOCK_N, D))
+        sw = tl.reshape(tl.broadcast_to(s[:, None, :], (NB, 32, BLOCK_N)), (D, BLOCK_N))
+        va = tl.trans(q8_codes_f16(codes, INTERP) * sw)
         vb = va
     else:
-        j = tl.arange(0, 16)
-        ptr = base + row[:, None, None] * (D // 2) + (b * 16)[None, :, None] + j[None, None, :]
-        byte = tl.load(ptr)
-        lo, hi = q4_codes_f16(byte, INTERP)
-        va = tl.reshape(lo * s, (BLOCK_N, D // 2))
-        vb = tl.reshape(hi * s, (BLOCK_N, D // 2))
+        sw = tl.reshape(tl.broadcast_to(s[:, None, :], (NB, 16, BLOCK_N)), (W, BLOCK_N))
+        lo, hi = q4_codes_f16(codes, INTERP)
+        va = tl.trans(lo * sw)
+        vb = tl.trans(hi * sw)
     return va, vb
 
 

@@ -13,8 +13,13 @@ import torch
 from kvcompile.errors import KvLayoutError
 
 
+# Most programs an SM any decode launch config asks for (decode_blocks.blocks_config,
+# decode_kernel.PROGRAMS_PER_SM): what a cache's workspace is sized for.
+MAX_PROGRAMS_PER_SM = 4
+
+
 def decode_workspace_floats(n_kv_heads: int, head_dim: int, max_rows: int, sms: int,
-                            programs_per_sm: int) -> int:
+                            programs_per_sm: int = MAX_PROGRAMS_PER_SM) -> int:
     """fp32 elements the decode split needs for up to `max_rows` query rows a KV head
     (rows x group). decode_chunking never makes more than programs_per_sm * sms // n_kv
     chunks a head (ceil(n / ceil(n / w)) <= w)."""
