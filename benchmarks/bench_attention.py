@@ -258,7 +258,8 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                hbm_copy_gbps=bw["copy_gbps"], hbm_read_gbps=bw["read_gbps"])
+                hbm_copy_gbps=bw["copy_gbps"], hbm_read_gbps=bw["read_gbps"],
+                v_page_layout="position-major (quantized V, since 2026-11-29)")
     out.write_text(json.dumps([dict(r, **meta) for r in rows], indent=1))
     print(f"wrote {out} ({len(rows)} rows, {time.time() - t0:.0f}s)")
 
