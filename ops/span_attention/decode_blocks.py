@@ -98,14 +98,15 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
 
 def blocks_config(head_dim: int, block_m: int, k_quantized: bool) -> dict:
     """Launch defaults. Quantized K with all query rows of a KV head in one 16-row tile
-    (decode, narrow verify): the configs that measured best in the page-layout probe
-    (docs/performance.md: 128 positions, 4 warps, 128 registers, 4 programs an SM for
-    D <= 128; 32 positions, 2 warps, 3 stages for D = 256, which spills at fewer warps).
-    Wider verify: 64 positions (32 past 32 rows: registers), 8 warps; float K keeps
-    decode_kernel's tile."""
+    (decode, narrow verify): configs that measured well at 32K-256K in the page-layout probe
+    (docs/performance.md) and compile without spills (sm_90): 128 positions, 4 warps,
+    3 stages, 2 programs an SM for D <= 128; 32 positions, 2 warps, 3 stages, 4 programs an
+    SM for D = 256. No register cap by default: torch.compile's wrap_triton does not pass
+    `maxnreg` through as a launch option. Wider verify: 64 positions (32 past 32 rows:
+    registers), 8 warps; float K keeps decode_kernel's tile."""
     if k_quantized and block_m <= 16:
         if head_dim <= 128:
-            return dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=4, maxnreg=128)
+            return dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, maxnreg=None)
         return dict(block_n=32, num_warps=2, num_stages=3, programs_per_sm=4, maxnreg=None)
     num_warps = 4 if block_m <= 16 else 8
     if k_quantized:
