@@ -507,9 +507,12 @@ def print_table(rows: list[dict], sanity_res: dict | None) -> None:
               f"{fmt(r.get('decode_vs_bound'), '7.2f')}  "
               f"{'ok' if ok else r.get('status')}{'' if ok else ': ' + str(r.get('reason'))[:80]}")
     for t in targets(rows):
-        print(f"target @ {t['context']} ({t['kv_type']}): decode {fmt(t['decode_vs_pcie_bound'], '.2f')}"
-              f" x PCIe bound (>= 0.8: {t['meets_0.8x_bound']}), "
-              f"{fmt(t['decode_vs_hf_offload'], '.2f')} x hf-offload (>= 4: {t['meets_4x_hf_offload']}), "
+        hf = ("" if t["decode_vs_hf_offload"] is None else
+              f"{fmt(t['decode_vs_hf_offload'], '.2f')} x hf-offload "
+              f"(>= 4: {t['meets_4x_hf_offload']}), ")
+        print(f"target @ {t['context']} ({t['kv_type']}): decode "
+              f"{fmt(t['decode_vs_pcie_bound'], '.2f')} x PCIe bound "
+              f"(>= 0.8: {t['meets_0.8x_bound']}), {hf}"
               f"{fmt(t['decode_vs_resident'], '.2f')} x ours-resident")
     if sanity_res:
         print("sanity (short prompt, same weights):")
