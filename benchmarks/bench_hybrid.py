@@ -147,12 +147,6 @@ def make_cache(model, max_tokens: int, arena_mib: float, kv: str, device):
                          device=device, layers=attention_layers(model))
 
 
-def close(cache) -> None:
-    fn = getattr(cache, "close", None)
-    if fn is not None:
-        fn()
-
-
 def gdn_backend(device) -> str:
     from kvcompile.models import gdn_fla
     return "fla (Triton)" if gdn_fla.usable(torch.empty(1, device=device)) else "torch reference"
@@ -160,42 +154,15 @@ def gdn_backend(device) -> str:
 
 # ---- one row -------------------------------------------------------------------------------
 def run_row(model, ctx: int, kv: str, arena_mib: float, args, device, ids) -> dict:
-    steps = args.decode_steps
-    cache = make_cache(model, ctx + steps + 1, arena_mib, kv, device)
+    cache = make_cache(model, ctx + args.decode_steps + 1, arena_mib, kv, device)
     try:
-        S.sync(device)
-        t = time.perf_counter()
-        with torch.inference_mode():
-            last = S.ours_prefill(model, cache, ids, args.ubatch, device, f"prefill {ctx}")
-            first = int(last.argmax())
-        S.sync(device)
-        prefill_s = time.perf_counter() - t
-        tel = getattr(cache, "telemetry", None)
-        with torch.inference_mode():
-            warm = S.ours_decode(model, cache, first, ctx, 1, device)   # excluded from timing
-            n_before = len(tel) if tel is not None else 0
-            S.sync(device)
-            t = time.perf_counter()
-            toks = S.ours_decode(model, cache, warm[-1], ctx + 1, steps, device)
-            S.sync(device)
-            decode_s = time.perf_counter() - t
-        row = dict(prefill_s=prefill_s, decode_s=decode_s, decode_tokens=toks[:8],
-                   gdn_state_bytes=model.recurrent_state(cache).nbytes,
+        row = S.timed_generation(model, cache, ids, ctx, args, device)
+        row.update(gdn_state_bytes=model.recurrent_state(cache).nbytes,
                    kv_device_bytes=int(getattr(cache, "nbytes", 0)),
                    kv_layers=len(attention_layers(model)))
-        if tel is not None:
-            from kvcompile.runtime.telemetry import summarize
-            dec = tel[n_before:]
-            row["h2d_bytes_per_token"] = sum(s.h2d_bytes for s in dec) / max(len(dec), 1)
-            row["h2d_source"] = "telemetry"
-            row["telemetry"] = summarize(dec)
-            row["telemetry"]["prefill"] = summarize(tel[:n_before - 1])
-        else:
-            row["h2d_bytes_per_token"] = 0
-            row["h2d_source"] = "all resident"
         return row
     finally:
-        close(cache)
+        S.close_cache(cache)
         del cache
 
 
@@ -219,7 +186,7 @@ def sanity(model, args, device) -> dict:
                     greedy = [first] + S.ours_decode(model, cache, first, n, steps - 1, device)
                     got[name] = (logits, greedy)
             finally:
-                close(cache)
+                S.close_cache(cache)
         (lr, gr), (ls, gs) = got["resident"], got["stream"]
         res[kv] = dict(bitwise_equal_resident=bool(torch.equal(lr, ls)),
                        max_abs_diff=float((lr - ls).abs().max()),

@@ -243,44 +243,53 @@ def ours_decode(model, cache, first: int, start: int, n: int, device) -> list[in
     return toks
 
 
-def run_ours(model, g, ctx, kv, arena_mib, args, device, ids) -> dict:
-    k_type, v_type = kv.split("/")
-    steps = args.decode_steps
-    cache = make_kv_cache(model.config, ctx + steps + 1, arena_mib, k_type=k_type,
-                          v_type=v_type, device=device)
-    try:
+def timed_generation(model, cache, ids: torch.Tensor, ctx: int, args, device) -> dict:
+    """Prefill `ids` (ctx tokens) then args.decode_steps greedy steps after one untimed
+    warm step; times, first decoded tokens and the cache's telemetry (h2d bytes a token)."""
+    sync(device)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        last = ours_prefill(model, cache, ids, args.ubatch, device, f"prefill {ctx}")
+        first = int(last.argmax())
+    sync(device)
+    prefill_s = time.perf_counter() - t
+    tel = getattr(cache, "telemetry", None)
+    with torch.inference_mode():
+        warm = ours_decode(model, cache, first, ctx, 1, device)   # first step: excluded
+        n_before = len(tel) if tel is not None else 0
         sync(device)
         t = time.perf_counter()
-        with torch.inference_mode():
-            last = ours_prefill(model, cache, ids, args.ubatch, device, f"prefill {ctx}")
-            first = int(last.argmax())
+        toks = ours_decode(model, cache, warm[-1], ctx + 1, args.decode_steps, device)
         sync(device)
-        prefill_s = time.perf_counter() - t
-        tel = getattr(cache, "telemetry", None)
-        with torch.inference_mode():
-            warm = ours_decode(model, cache, first, ctx, 1, device)   # first step: excluded
-            n_before = len(tel) if tel is not None else 0
-            sync(device)
-            t = time.perf_counter()
-            toks = ours_decode(model, cache, warm[-1], ctx + 1, steps, device)
-            sync(device)
-            decode_s = time.perf_counter() - t
-        row = dict(prefill_s=prefill_s, decode_s=decode_s, decode_tokens=toks[:8])
-        if tel is not None:
-            from kvcompile.runtime.telemetry import summarize
-            dec = tel[n_before:]
-            row["h2d_bytes_per_token"] = sum(s.h2d_bytes for s in dec) / max(len(dec), 1)
-            row["h2d_source"] = "telemetry"
-            row["telemetry"] = summarize(dec)
-            row["telemetry"]["prefill"] = summarize(tel[:n_before - 1])
-        else:
-            row["h2d_bytes_per_token"] = 0
-            row["h2d_source"] = "all resident"
-        return row
+        decode_s = time.perf_counter() - t
+    row = dict(prefill_s=prefill_s, decode_s=decode_s, decode_tokens=toks[:8])
+    if tel is not None:
+        from kvcompile.runtime.telemetry import summarize
+        dec = tel[n_before:]
+        row["h2d_bytes_per_token"] = sum(s.h2d_bytes for s in dec) / max(len(dec), 1)
+        row["h2d_source"] = "telemetry"
+        row["telemetry"] = summarize(dec)
+        row["telemetry"]["prefill"] = summarize(tel[:n_before - 1])
+    else:
+        row["h2d_bytes_per_token"] = 0
+        row["h2d_source"] = "all resident"
+    return row
+
+
+def close_cache(cache) -> None:
+    close = getattr(cache, "close", None)
+    if close is not None:
+        close()
+
+
+def run_ours(model, g, ctx, kv, arena_mib, args, device, ids) -> dict:
+    k_type, v_type = kv.split("/")
+    cache = make_kv_cache(model.config, ctx + args.decode_steps + 1, arena_mib, k_type=k_type,
+                          v_type=v_type, device=device)
+    try:
+        return timed_generation(model, cache, ids, ctx, args, device)
     finally:
-        close = getattr(cache, "close", None)
-        if close is not None:
-            close()
+        close_cache(cache)
         del cache
 
 

@@ -16,7 +16,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_streaming import LLAMA3_8B, TINY, build_models, ours_decode, ours_prefill  # noqa: E402
+from bench_streaming import LLAMA3_8B, TINY, build_models, close_cache, ours_decode, ours_prefill  # noqa: E402
 
 from kvcompile.runtime.make import make_kv_cache  # noqa: E402
 
@@ -68,9 +68,7 @@ def main() -> None:
         res[name] = dict(step_ms=step_ms, gpu_ms=cuda_ms, top_cpu=[
             dict(name=e.key, self_cpu_ms=e.self_cpu_time_total / 1e3 / 3, calls=e.count / 3)
             for e in cpu_top])
-        close = getattr(cache, "close", None)
-        if close:
-            close()
+        close_cache(cache)
         del cache
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
