@@ -16,7 +16,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_streaming import LLAMA3_8B, TINY, build_models, close_cache, ours_decode, ours_prefill  # noqa: E402
+from bench_streaming import (LLAMA3_8B, TINY, build_models, close_cache,  # noqa: E402
+                             ours_decode, ours_prefill)
 
 from kvcompile.runtime.make import make_kv_cache  # noqa: E402
 
