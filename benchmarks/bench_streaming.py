@@ -29,7 +29,6 @@ calls, or cut by a time limit, keeps what it measured.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -49,6 +48,10 @@ from kvcompile.models.llama import LlamaModel
 from kvcompile.ops import kv_format as F
 from kvcompile.runtime import forward as run_forward
 from kvcompile.runtime import make_kv_cache, min_arena_bytes
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
+from bench_util import free_memory, log, sync  # noqa: E402
+from hf_baseline import build_hf, hf_available, hf_decode, hf_prefill, run_hf  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "streaming.json")
 SYSTEMS = ("ours", "ours-resident", "hf-offload", "hf-dynamic")
@@ -72,22 +75,6 @@ class Geometry:
 
 LLAMA3_8B = Geometry("llama-3-8b (random weights)", 32, 4096, 14336, 32, 8, 128, 128256, 500000.0)
 TINY = Geometry("tiny (random weights)", 4, 128, 256, 4, 2, 64, 512, 10000.0)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
 
 
 # ---- weights: one seeded set, HF names, shared by both models --------------------------------
@@ -129,34 +116,6 @@ def our_config(g: Geometry, context_length: int) -> ModelConfig:
                        n_heads=g.n_heads, n_kv_heads=g.n_kv_heads, head_dim=g.head_dim,
                        vocab_size=g.vocab, context_length=context_length, rms_eps=g.rms_eps,
                        rope_theta=g.rope_theta, rope_neox=True, name=g.name)
-
-
-def hf_available() -> str | None:
-    try:
-        import transformers
-        return transformers.__version__
-    except ImportError:
-        return None
-
-
-def build_hf(g: Geometry, context_length: int, dtype, device):
-    """LlamaForCausalLM allocated on the device in dtype (its own init is overwritten)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=g.vocab, hidden_size=g.hidden, intermediate_size=g.ffn,
-                      num_hidden_layers=g.n_layers, num_attention_heads=g.n_heads,
-                      num_key_value_heads=g.n_kv_heads, head_dim=g.head_dim,
-                      max_position_embeddings=context_length, rms_norm_eps=g.rms_eps,
-                      rope_theta=g.rope_theta, tie_word_embeddings=False, attention_bias=False,
-                      mlp_bias=False, attn_implementation="sdpa")
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(old)
-    return model.eval().requires_grad_(False), cfg
 
 
 def build_models(g: Geometry, context_length: int, dtype, device, seed: int, want_hf: bool):
@@ -291,108 +250,6 @@ def run_ours(model, g, ctx, kv, arena_mib, args, device, ids) -> dict:
     finally:
         close_cache(cache)
         del cache
-
-
-# ---- Hugging Face --------------------------------------------------------------------------
-def hf_cache_kwarg(hf) -> str:
-    """The forward's name for the cache: `cache` in recent transformers 5.x releases,
-    `past_key_values` before."""
-    import inspect
-    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
-
-
-def hf_step(hf, cache, ids: torch.Tensor):
-    kw = {hf_cache_kwarg(hf): cache}
-    out = hf(input_ids=ids[None], use_cache=True, logits_to_keep=1, **kw)
-    return out.logits[0, -1]
-
-
-def hf_prefill(hf, cache, ids, ubatch, desc):
-    logits = None
-    for start in tqdm(range(0, ids.numel(), ubatch), desc=desc, unit="chunk", file=sys.stderr,
-                      mininterval=10, disable=ids.numel() <= ubatch):
-        logits = hf_step(hf, cache, ids[start:start + ubatch])
-    return logits
-
-
-def hf_decode(hf, cache, first: int, n: int, device) -> list[int]:
-    toks, tok = [], first
-    for _ in range(n):
-        tok = int(hf_step(hf, cache, torch.tensor([tok], device=device)).argmax())
-        toks.append(tok)
-    return toks
-
-
-def hf_timed_decode(hf, cache, first, steps, device) -> tuple[float, list[int]]:
-    warm = hf_decode(hf, cache, first, 1, device)
-    sync(device)
-    t = time.perf_counter()
-    toks = hf_decode(hf, cache, warm[-1], steps, device)
-    sync(device)
-    return time.perf_counter() - t, toks
-
-
-def to_offloaded(cache, hf_cfg):
-    """The prefilled DynamicCache as an offloading one in the state an offloaded prefill
-    leaves: every layer on the host except layer 0, which the last layer prefetched back."""
-    from transformers import DynamicCache
-
-    data = [(layer.keys, layer.values) for layer in cache.layers]
-    off = DynamicCache(data, config=hf_cfg, offloading=True)
-    del data
-    for i in range(1, len(off.layers)):
-        off.offload(i, off.only_non_sliding)
-    return off
-
-
-def run_hf(hf, hf_cfg, systems, ctx, args, device, ids) -> dict[str, dict]:
-    """hf-dynamic and/or hf-offload; returns {system: measurements}."""
-    from transformers import DynamicCache
-
-    out = {}
-    steps = args.decode_steps
-    own_offload_prefill = "hf-offload" in systems and (
-        args.hf_offload_prefill or "hf-dynamic" not in systems)
-    if "hf-dynamic" in systems or not own_offload_prefill:
-        cache = DynamicCache(config=hf_cfg)
-        sync(device)
-        t = time.perf_counter()
-        with torch.inference_mode():
-            first = int(hf_prefill(hf, cache, ids, args.ubatch, f"hf prefill {ctx}").argmax())
-        sync(device)
-        prefill_s = time.perf_counter() - t
-        with torch.inference_mode():
-            off = to_offloaded(cache, hf_cfg) if "hf-offload" in systems and \
-                not own_offload_prefill else None
-            if off is not None:             # the offloaded copy first: dynamic decode grows KV
-                decode_s, toks = hf_timed_decode(hf, off, first, steps, device)
-                out["hf-offload"] = dict(prefill_s=None, decode_s=decode_s, decode_tokens=toks[:8],
-                                         note="KV from the hf-dynamic prefill, then offloaded")
-                del off
-                free_memory(device)
-            if "hf-dynamic" in systems:
-                decode_s, toks = hf_timed_decode(hf, cache, first, steps, device)
-                out["hf-dynamic"] = dict(prefill_s=prefill_s, decode_s=decode_s,
-                                         decode_tokens=toks[:8])
-            if "hf-offload" in out:
-                out["hf-offload"]["prefill_s_dynamic"] = prefill_s
-        del cache
-        free_memory(device)
-    if own_offload_prefill:
-        cache = DynamicCache(config=hf_cfg, offloading=True)
-        sync(device)
-        t = time.perf_counter()
-        with torch.inference_mode():
-            first = int(hf_prefill(hf, cache, ids, args.ubatch, f"hf-offload prefill {ctx}")
-                        .argmax())
-        sync(device)
-        prefill_s = time.perf_counter() - t
-        with torch.inference_mode():
-            decode_s, toks = hf_timed_decode(hf, cache, first, steps, device)
-        out["hf-offload"] = dict(prefill_s=prefill_s, decode_s=decode_s, decode_tokens=toks[:8])
-        del cache
-        free_memory(device)
-    return out
 
 
 # ---- sanity: ours against HF (and streaming against resident) on a short prompt ------------
