@@ -31,16 +31,12 @@ from kvcompile.ops.span_attention.prefill_chunks import PrefillAccumulator, work
 from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
 
 
-def ms_of(fn, reps=5):
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps
+sys.path.insert(0, str(Path(sys.argv[2]).resolve().parents[1]))    # benchmarks/
+from bench_attention import events_ms  # noqa: E402
+
+
+def ms_of(fn):
+    return events_ms(fn, 5)
 
 
 n, n_kv, d, n_q, P = 16384, 8, 128, 32, 256
