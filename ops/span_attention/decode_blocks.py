@@ -18,7 +18,8 @@ from kvcompile.ops.span_attention.decode_kernel import (LOG2E, PROGRAMS_PER_SM, 
 from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, interpreting, k_split,
                                                  launchable, num_sms, page_geometry, pool_args,
                                                  query_operand)
-from kvcompile.ops.span_attention.paged_tile import load_tile, load_v_tile, qk_scores, v_operand
+from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
+                                                     qk_scores, v_operand)
 from kvcompile.ops.span_attention.workspace import MAX_PROGRAMS_PER_SM, carve
 from kvcompile.ops.span_attention.quant_blocks import qk_blocks, v_blocks, value_columns
 
@@ -68,11 +69,7 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
             s = qk_scores(q, k, K_SPLIT, QK_F16, INTERP)
         s = s * QK_SCALE
         s = tl.where(pos[None, :] <= qp[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = online_softmax(s, m_i, l_i)
         p16 = p.to(tl.float16)
         if VQ:
             va, vb = v_blocks(v_vals, v_scl, phys, h, off, live, v_page_elems,

@@ -19,8 +19,8 @@ import triton.language as tl
 from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, interpreting, k_split,
                                                  launchable, pool_args, query_operand,
                                                  num_sms, page_geometry)
-from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, qk_quantized,
-                                                     qk_scores, v_operand)
+from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
+                                                     qk_quantized, qk_scores, v_operand)
 from kvcompile.ops.span_attention.workspace import carve
 
 LOG2E = 1.4426950408889634
@@ -66,11 +66,7 @@ def _decode_split(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
             s = qk_scores(q, k, K_SPLIT, QK_F16, INTERP)
         s = s * QK_SCALE
         s = tl.where(pos[None, :] <= qp[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = online_softmax(s, m_i, l_i)
         v = load_v_tile(v_vals, v_scl, phys, h, off, live, v_page_elems, v_page_halves,
                       v_code_halves, BLOCK_N, P, D, V_TYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v_operand(v, V_TYPE))

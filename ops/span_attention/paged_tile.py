@@ -22,6 +22,18 @@ KV_BF16 = 30
 
 
 @triton.jit
+def online_softmax(s, m_i, l_i):
+    """One tile of the streaming softmax over scores s [M, N] (log2 domain, -inf masked):
+    (p = exp2(s - m_new), alpha rescaling the old accumulator, m_new, l_new). Rows with
+    nothing visible yet keep m = -inf and contribute p = 0."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def load_blocks(vals, scl, phys, row, mask, page_elems, page_halves, code_halves,
                 D: tl.constexpr, KV_TYPE: tl.constexpr):
     """A q8_0 / q4_0 tile by blocks: (codes A, codes B, scales), fp16, codes [BLOCK_N,
