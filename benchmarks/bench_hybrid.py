@@ -50,7 +50,6 @@ from kvcompile.errors import KvcompileError  # noqa: E402
 from kvcompile.gguf.arch_config import config_from_metadata  # noqa: E402
 from kvcompile.gguf.synthetic_presets import add_model_metadata, preset_config  # noqa: E402
 from kvcompile.models.qwen35 import Qwen35Model  # noqa: E402
-from kvcompile.ops import kv_format as F  # noqa: E402
 from kvcompile.runtime import forward as run_forward  # noqa: E402
 from kvcompile.runtime import make_kv_cache, min_arena_bytes  # noqa: E402
 
@@ -271,15 +270,7 @@ def parse_args(argv=None):
         args.contexts = [int(c) for c in args.contexts.split(",") if c]
     except ValueError:
         ap.error(f"--contexts takes token counts separated by commas, got {args.contexts!r}")
-    args.systems = [s for s in args.systems.split(",") if s]
-    bad = [s for s in args.systems if s not in SYSTEMS]
-    if bad:
-        ap.error(f"unknown systems {bad}; choose from {','.join(SYSTEMS)}")
-    args.kv = [k for k in args.kv.split(",") if k]
-    for k in args.kv:
-        parts = k.split("/")
-        if len(parts) != 2 or any(p not in F.KV_TYPES for p in parts):
-            ap.error(f"--kv entries are K/V type pairs from {sorted(F.KV_TYPES)}, got {k!r}")
+    S.parse_lists(ap, args, SYSTEMS)
     if (args.decode_steps < 1 or args.ubatch < 1 or not args.contexts
             or min(args.contexts) < 1 or args.arena_mib <= 0):
         ap.error("--decode-steps, --ubatch, --contexts and --arena-mib must be positive")

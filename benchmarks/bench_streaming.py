@@ -390,6 +390,19 @@ def print_table(rows: list[dict], sanity_res: dict | None) -> None:
 
 
 # ---- main --------------------------------------------------------------------------------------
+def parse_lists(ap, args, systems) -> None:
+    """--systems and --kv from comma lists to checked lists (ap.error names the bad entry)."""
+    args.systems = [s for s in args.systems.split(",") if s]
+    bad = [s for s in args.systems if s not in systems]
+    if bad:
+        ap.error(f"unknown systems {bad}; choose from {','.join(systems)}")
+    args.kv = [k for k in args.kv.split(",") if k]
+    for k in args.kv:
+        parts = k.split("/")
+        if len(parts) != 2 or any(p not in F.KV_TYPES for p in parts):
+            ap.error(f"--kv entries are K/V type pairs from {sorted(F.KV_TYPES)}, got {k!r}")
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="32768,65536,131072")
@@ -424,15 +437,7 @@ def parse_args(argv=None):
     args.out = args.out or (os.path.join(tempfile.gettempdir(), "streaming_tiny.json")
                             if args.tiny else RESULTS)
     args.contexts = [int(c) for c in args.contexts.split(",") if c]
-    args.systems = [s for s in args.systems.split(",") if s]
-    bad = [s for s in args.systems if s not in SYSTEMS]
-    if bad:
-        ap.error(f"unknown systems {bad}; choose from {','.join(SYSTEMS)}")
-    args.kv = [k for k in args.kv.split(",") if k]
-    for k in args.kv:
-        parts = k.split("/")
-        if len(parts) != 2 or any(p not in F.KV_TYPES for p in parts):
-            ap.error(f"--kv entries are K/V type pairs from {sorted(F.KV_TYPES)}, got {k!r}")
+    parse_lists(ap, args, SYSTEMS)
     if args.decode_steps < 1 or args.ubatch < 1 or not args.contexts:
         ap.error("--decode-steps, --ubatch and --contexts must be positive")
     return args

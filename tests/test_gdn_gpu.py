@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kvcompile.models import gdn_fla
 from kvcompile.models.gated_deltanet import gdn_chunked, gdn_recurrent
+from test_gated_deltanet import _inputs as gdn_inputs
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -23,16 +23,8 @@ TOL = {torch.float32: 5e-3, torch.bfloat16: 5e-2}
 
 
 def _inputs(t, hk, hv, d, seed):
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    q = F.normalize(r(t, hk, d), dim=-1)
-    k = F.normalize(r(t, hk, d), dim=-1)
-    v = r(t, hv, d)
-    # decays from fast (exp(-3) per token) to slow (exp(-0.01)), as trained models have
-    g = -torch.exp(torch.empty(t, hv, dtype=torch.float64).uniform_(-4.6, 1.1, generator=gen))
-    beta = torch.sigmoid(r(t, hv))
-    state = r(hv, d, d) * 0.3
-    return q, k, v, g, beta, state
+    """Fresh fp64 inputs (test_gated_deltanet's generator)."""
+    return tuple(gdn_inputs(t, hk, hv, d, seed, dtype=torch.float64))
 
 
 def _rel(a, ref):
