@@ -46,12 +46,17 @@ def decode_workspace(device: torch.device, config) -> torch.Tensor | None:
     if device.type != "cuda":
         return None
     from kvcompile.ops.span_attention.launch import num_sms
+    return torch.empty(decode_workspace_numel(config, num_sms(device)), dtype=torch.float32,
+                       device=device)
+
+
+def decode_workspace_numel(config, sms: int) -> int:
+    """fp32 elements of the decode scratch for DECODE_MAX_ROWS query rows on `sms` SMs."""
     from kvcompile.ops.span_attention.op import DECODE_MAX_ROWS
     from kvcompile.ops.span_attention.workspace import decode_workspace_floats
     group = config.n_heads // config.n_kv_heads
-    n = decode_workspace_floats(config.n_kv_heads, config.head_dim, DECODE_MAX_ROWS * group,
-                                num_sms(device))
-    return torch.empty(n, dtype=torch.float32, device=device)
+    return decode_workspace_floats(config.n_kv_heads, config.head_dim, DECODE_MAX_ROWS * group,
+                                   sms)
 
 
 def check_positions(positions: torch.Tensor, capacity: int) -> tuple[int, int]:

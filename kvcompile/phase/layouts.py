@@ -35,14 +35,14 @@ def bucket_for(width: int, buckets=BUCKETS) -> int:
                      f"({max(buckets)} rows); verify at most {max(buckets)} tokens a step")
 
 
-def attention_scratch_bytes(config, sms: int | None, rows: int = max(BUCKETS)) -> int:
-    """Bytes of the decode kernels' split partials for `rows` query rows (0 without SMs: the
-    CPU reference needs none). Depends on heads and SMs, not on the context length."""
+def attention_scratch_bytes(config, sms: int | None) -> int:
+    """Bytes of the decode kernels' split partials for the widest verify (the caches' own
+    decode workspace size; 0 without SMs: the CPU reference needs none). Depends on heads
+    and SMs, not on the context length."""
     if not sms:
         return 0
-    from kvcompile.ops.span_attention.workspace import decode_workspace_floats
-    group = config.n_heads // config.n_kv_heads
-    return 4 * decode_workspace_floats(config.n_kv_heads, config.head_dim, rows * group, sms)
+    from kvcompile.kv_cache import decode_workspace_numel
+    return 4 * decode_workspace_numel(config, sms)
 
 
 def activation_bytes(config, rows: int, out_rows: int) -> int:
