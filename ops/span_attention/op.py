@@ -24,7 +24,9 @@ from kvcompile.ops.span_attention.naive import span_attention_naive
 from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
 
 
-def check_span_attention_args(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size):
+def check_span_attention_args(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
+                              page_size) -> int:
+    """Raise KvLayoutError for inconsistent arguments; returns the number of KV heads."""
     kt, vt = F.kv_type(k_type), F.kv_type(v_type)
     if q.dim() != 3:
         raise KvLayoutError(f"q must be [T, n_q_heads, head_dim], got {tuple(q.shape)}")
@@ -41,6 +43,7 @@ def check_span_attention_args(q, k_pool, v_pool, page_table, q_pos, k_type, v_ty
         raise KvLayoutError(f"q_pos must be [T={q.shape[0]}], got {tuple(q_pos.shape)}")
     if page_table.dim() != 1:
         raise KvLayoutError("page_table must be 1-D (physical page per logical page)")
+    return hk
 
 
 @torch.library.custom_op("kvcompile::span_attention_reference", mutates_args=())
@@ -71,7 +74,8 @@ def span_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                    page_table: torch.Tensor, q_pos: torch.Tensor, k_type: int, v_type: int,
                    page_size: int, scale: float,
                    workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
-    check_span_attention_args(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size)
+    n_kv = check_span_attention_args(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
+                                     page_size)
     if q.device.type != "cuda":
         return span_attention_reference(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
                                         page_size, scale)
@@ -80,7 +84,7 @@ def span_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                             f"{F.SUPPORTED_HEAD_DIMS}, got {q.shape[2]}")
     if q.shape[0] <= DECODE_MAX_ROWS:
         # legacy or blocks by shape (KVCOMPILE_DECODE_IMPL overrides, read once at import)
-        group = q.shape[1] // F.n_kv_heads_of(k_pool, F.kv_type(k_type), page_size, q.shape[2])
+        group = q.shape[1] // n_kv
         quantized = F.kv_type(k_type).quantized or F.kv_type(v_type).quantized
         launch = decode_launcher(rows_per_kv_head=q.shape[0] * group, quantized=quantized)
         return launch(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, scale,
