@@ -2,7 +2,7 @@
 PCIe bound, streaming vs all-resident KV.
 
     python benchmarks/bench_hybrid.py [--contexts 8192,32768,131072,262144]
-        [--systems ours,ours-resident] [--kv q8_0/q4_0] [--arena-mib 2240]
+        [--systems ours,ours-graphs,ours-resident] [--kv q8_0/q4_0] [--arena-mib 2240]
         [--decode-steps 16] [--ubatch 4096] [--quick] [--out PATH]
     python benchmarks/bench_hybrid.py --tiny      # tiny geometry on the CPU, seconds
 
@@ -16,6 +16,8 @@ fp32, as a `--type bf16` file stores them) and handed to Qwen35Model.from_weight
 
 Systems (`ours*` run once per --kv entry):
   ours            attention KV history on the host, streamed through an arena of --arena-mib
+  ours-graphs     ours, decode replayed as piecewise CUDA graphs between the attention
+                  layers' KV hooks (kvcompile/phase/piecewise.py)
   ours-resident   the whole KV on the device (arena 0, PagedKvCache)
 
 The KV cache holds pages for the 16 main attention layers only: the GDN state
@@ -54,7 +56,7 @@ from kvcompile.runtime import forward as run_forward  # noqa: E402
 from kvcompile.runtime import make_kv_cache, min_arena_bytes  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "hybrid.json")
-SYSTEMS = ("ours", "ours-resident")
+SYSTEMS = ("ours", "ours-graphs", "ours-resident")
 CONTEXTS = "8192,32768,131072,262144"
 TARGET_CONTEXT = 262144
 MB, GB = S.MB, S.GB
@@ -152,10 +154,11 @@ def gdn_backend(device) -> str:
 
 
 # ---- one row -------------------------------------------------------------------------------
-def run_row(model, ctx: int, kv: str, arena_mib: float, args, device, ids) -> dict:
-    cache = make_cache(model, ctx + args.decode_steps + 1, arena_mib, kv, device)
+def run_row(model, ctx: int, kv: str, arena_mib: float, args, device, ids,
+            graphs: bool = False) -> dict:
+    cache = make_cache(model, ctx + args.decode_steps + 2, arena_mib, kv, device)
     try:
-        row = S.timed_generation(model, cache, ids, ctx, args, device)
+        row = S.timed_generation(model, cache, ids, ctx, args, device, graphs)
         row.update(gdn_state_bytes=model.recurrent_state(cache).nbytes,
                    kv_device_bytes=int(getattr(cache, "nbytes", 0)),
                    kv_layers=len(attention_layers(model)))
@@ -196,14 +199,14 @@ def sanity(model, args, device) -> dict:
 
 # ---- report --------------------------------------------------------------------------------
 def target_line(rows: list[dict]) -> str:
-    ours = [r for r in rows if r["system"] == "ours" and r["context"] == TARGET_CONTEXT
+    ours = [r for r in rows if r["system"] in S.STREAMED and r["context"] == TARGET_CONTEXT
             and r.get("status") == "ok"]
     if not ours:
         return f"target @ {TARGET_CONTEXT}: not measured (run --contexts {TARGET_CONTEXT})"
     parts = []
     for r in ours:
         x = r.get("decode_vs_bound")
-        parts.append(f"{r['kv_type']}: decode {r['decode_tok_s']:.2f} tok/s = "
+        parts.append(f"{r['system']} {r['kv_type']}: decode {r['decode_tok_s']:.2f} tok/s = "
                      f"{S.fmt(x, '.2f')} x PCIe bound {S.fmt(r.get('pcie_bound_tok_s'), '.2f')}"
                      f" (>= 0.8: {None if x is None else x >= 0.8})")
     return f"target @ {TARGET_CONTEXT}: " + "; ".join(parts)
@@ -343,7 +346,7 @@ def main(argv=None) -> list[dict]:
     for ctx in args.contexts:
         ids = S.random_ids(ctx, config.vocab_size, args.seed + ctx, device)
         for system in args.systems:
-            arena = args.arena_mib if system == "ours" else 0
+            arena = args.arena_mib if system in S.STREAMED else 0
             for kv in args.kv:
                 k_type, v_type = kv.split("/")
                 kv_bytes = ctx * kv_bytes_per_token(model, k_type, v_type)
@@ -352,11 +355,12 @@ def main(argv=None) -> list[dict]:
                            pcie_gbps_measured=pcie["pcie_gbps_measured"],
                            pcie_bound_tok_s=S.pcie_bound(pcie["pcie_gbps_measured"], kv_bytes,
                                                          int(arena * 2**20))
-                           if system == "ours" else None,
+                           if system in S.STREAMED else None,
                            decode_steps=args.decode_steps, device=meta["device"])
                 S.log(f"{system} {kv} arena {arena:g} MiB @ {ctx}")
                 try:
-                    row.update(run_row(model, ctx, kv, arena, args, device, ids))
+                    row.update(run_row(model, ctx, kv, arena, args, device, ids,
+                                       graphs=system == "ours-graphs"))
                     row["status"] = "ok"
                     row["prefill_tok_s"] = ctx / row["prefill_s"]
                     row["decode_tok_s"] = args.decode_steps / row["decode_s"]

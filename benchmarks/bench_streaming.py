@@ -10,12 +10,14 @@ shared by our LlamaModel and Hugging Face's LlamaForCausalLM, so a short-prompt 
 compares the two implementations on the same weights. Systems:
 
   ours            KV history on the host, streamed through an arena of --arena-mib MiB
+  ours-graphs     ours, decode steps replayed as piecewise CUDA graphs between the per-layer
+                  KV hooks (kvcompile/phase/piecewise.py; prefill eager)
   ours-resident   the whole KV on the device (arena 0, PagedKvCache)
   hf-offload      transformers DynamicCache(offloading=True), bf16 KV
   hf-dynamic      transformers DynamicCache(), bf16 KV
 
 `ours*` run once per --kv entry. Every system prefills the context in --ubatch chunks (timed:
-prefill_tok_s), then decodes greedily (1 warm-up step, then --decode-steps timed steps). When
+prefill_tok_s), then decodes greedily (1 warm-up step, 2 for ours-graphs, then --decode-steps timed steps). When
 hf-dynamic runs too, hf-offload decodes from the same prefilled KV moved to the state an
 offloaded prefill leaves (layer 0 on the device, the rest on the host), which saves one long
 prefill; --hf-offload-prefill times its own offloaded prefill instead.
@@ -54,7 +56,8 @@ from bench_util import free_memory, log, sync  # noqa: E402
 from hf_baseline import build_hf, hf_available, hf_decode, hf_prefill, run_hf  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "streaming.json")
-SYSTEMS = ("ours", "ours-resident", "hf-offload", "hf-dynamic")
+SYSTEMS = ("ours", "ours-graphs", "ours-resident", "hf-offload", "hf-dynamic")
+STREAMED = ("ours", "ours-graphs")      # systems that stream through --arena-mib
 MB = 1e6
 GB = 1e9
 
@@ -192,19 +195,40 @@ def ours_prefill(model, cache, ids: torch.Tensor, ubatch: int, device, desc: str
     return logits[-1]
 
 
-def ours_decode(model, cache, first: int, start: int, n: int, device) -> list[int]:
+def ours_decode(model, cache, first: int, start: int, n: int, device, program=None
+                ) -> list[int]:
+    """n greedy steps from token `first` at position `start`; through `program` (a
+    PiecewiseDecode) when given, else eager forwards."""
     toks, tok = [], first
+    layers = trunk_layers(model)
     for i in range(n):
-        t = torch.tensor([tok], device=device)
-        pos = torch.tensor([start + i], device=device)
-        tok = int(run_forward(model, cache, t, pos, last_only=True)[-1].argmax())
+        if program is not None:
+            tok = int(program.step([tok], start + i)[-1].argmax())
+        else:
+            t = torch.tensor([tok], device=device)
+            pos = torch.tensor([start + i], device=device)
+            tok = int(run_forward(model, cache, t, pos, last_only=True, layers=layers,
+                                  start=start + i)[-1].argmax())
         toks.append(tok)
     return toks
 
 
-def timed_generation(model, cache, ids: torch.Tensor, ctx: int, args, device) -> dict:
-    """Prefill `ids` (ctx tokens) then args.decode_steps greedy steps after one untimed
-    warm step; times, first decoded tokens and the cache's telemetry (h2d bytes a token)."""
+def trunk_layers(model):
+    """The KV layers a plain forward acquires (a hybrid model's MTP layer excluded)."""
+    layers = getattr(model, "kv_layers", None)
+    return None if layers is None else tuple(i for i in layers if i < model.config.n_layers)
+
+
+def timed_generation(model, cache, ids: torch.Tensor, ctx: int, args, device,
+                     graphs: bool = False) -> dict:
+    """Prefill `ids` (ctx tokens) then args.decode_steps greedy steps after untimed warm
+    steps (one; graphs: two, the eager first step and the capture); times, the first 8
+    decoded tokens (warm steps included) and the cache's telemetry (h2d bytes a token)."""
+    program = None
+    if graphs:
+        from kvcompile.phase.piecewise import PiecewiseDecode
+        program = PiecewiseDecode(model, cache, layers=trunk_layers(model))
+    n_warm = 2 if graphs else 1
     sync(device)
     t = time.perf_counter()
     with torch.inference_mode():
@@ -214,14 +238,18 @@ def timed_generation(model, cache, ids: torch.Tensor, ctx: int, args, device) ->
     prefill_s = time.perf_counter() - t
     tel = getattr(cache, "telemetry", None)
     with torch.inference_mode():
-        warm = ours_decode(model, cache, first, ctx, 1, device)   # first step: excluded
+        warm = ours_decode(model, cache, first, ctx, n_warm, device, program)  # excluded
         n_before = len(tel) if tel is not None else 0
         sync(device)
         t = time.perf_counter()
-        toks = ours_decode(model, cache, warm[-1], ctx + 1, args.decode_steps, device)
+        toks = ours_decode(model, cache, warm[-1], ctx + n_warm, args.decode_steps, device,
+                           program)
         sync(device)
         decode_s = time.perf_counter() - t
-    row = dict(prefill_s=prefill_s, decode_s=decode_s, decode_tokens=toks[:8])
+    row = dict(prefill_s=prefill_s, decode_s=decode_s, decode_tokens=(warm + toks)[:8],
+               warm_steps=n_warm)
+    if program is not None:
+        row.update(graphs=len(program.graphs), graph_replays=program.replays)
     if tel is not None:
         from kvcompile.runtime.telemetry import summarize
         dec = tel[n_before:]
@@ -229,6 +257,10 @@ def timed_generation(model, cache, ids: torch.Tensor, ctx: int, args, device) ->
         row["h2d_source"] = "telemetry"
         row["telemetry"] = summarize(dec)
         row["telemetry"]["prefill"] = summarize(tel[:n_before - 1])
+        # per timed step: host ms from begin to end of the forward, split changes, misses
+        row["steps"] = [dict(host_ms=round(s.wall_ms, 2), repart=s.repartitioned,
+                             misses=s.readiness_misses, copy_busy=round(s.copy_busy_pct, 1),
+                             resident=s.resident_pages, ring=s.ring_slots) for s in dec]
     else:
         row["h2d_bytes_per_token"] = 0
         row["h2d_source"] = "all resident"
@@ -241,12 +273,12 @@ def close_cache(cache) -> None:
         close()
 
 
-def run_ours(model, g, ctx, kv, arena_mib, args, device, ids) -> dict:
+def run_ours(model, g, ctx, kv, arena_mib, args, device, ids, graphs=False) -> dict:
     k_type, v_type = kv.split("/")
-    cache = make_kv_cache(model.config, ctx + args.decode_steps + 1, arena_mib, k_type=k_type,
+    cache = make_kv_cache(model.config, ctx + args.decode_steps + 2, arena_mib, k_type=k_type,
                           v_type=v_type, device=device)
     try:
-        return timed_generation(model, cache, ids, ctx, args, device)
+        return timed_generation(model, cache, ids, ctx, args, device, graphs)
     finally:
         close_cache(cache)
         del cache
@@ -333,11 +365,12 @@ def targets(rows: list[dict]) -> list[dict]:
     out = []
     ok = [r for r in rows if r.get("status") == "ok"]
     for r in ok:
-        if r["system"] != "ours":
+        if r["system"] not in STREAMED:
             continue
         hf = [h for h in ok if h["system"] == "hf-offload" and h["context"] == r["context"]
               and h.get("geometry") == r.get("geometry")]
-        t = dict(context=r["context"], kv_type=r["kv_type"], arena_mib=r["arena_mib"],
+        t = dict(system=r["system"], context=r["context"], kv_type=r["kv_type"],
+                 arena_mib=r["arena_mib"],
                  decode_vs_pcie_bound=r.get("decode_vs_bound"),
                  decode_vs_hf_offload=(r["decode_tok_s"] / hf[0]["decode_tok_s"]) if hf else None)
         res = [x for x in ok if x["system"] == "ours-resident" and x["context"] == r["context"]
@@ -376,7 +409,7 @@ def print_table(rows: list[dict], sanity_res: dict | None) -> None:
         hf = ("" if t["decode_vs_hf_offload"] is None else
               f"{fmt(t['decode_vs_hf_offload'], '.2f')} x hf-offload "
               f"(>= 4: {t['meets_4x_hf_offload']}), ")
-        print(f"target @ {t['context']} ({t['kv_type']}): decode "
+        print(f"target @ {t['context']} ({t['system']} {t['kv_type']}): decode "
               f"{fmt(t['decode_vs_pcie_bound'], '.2f')} x PCIe bound "
               f"(>= 0.8: {t['meets_0.8x_bound']}), {hf}"
               f"{fmt(t['decode_vs_resident'], '.2f')} x ours-resident")
@@ -526,7 +559,7 @@ def main(argv=None) -> list[dict]:
                     pcie_gbps_measured=pcie["pcie_gbps_measured"],
                     pcie_bound_tok_s=pcie_bound(pcie["pcie_gbps_measured"], kv_bytes,
                                                 int(arena_mib * 2**20))
-                    if system in ("ours", "hf-offload") else None,
+                    if system in STREAMED + ("hf-offload",) else None,
                     decode_steps=args.decode_steps, device=meta["device"])
 
     def finish(row, res):
@@ -553,12 +586,13 @@ def main(argv=None) -> list[dict]:
     for ctx in args.contexts:
         ids = random_ids(ctx, g.vocab, args.seed + ctx, device)
         for system in [s for s in args.systems if s.startswith("ours")]:
-            arena = args.arena_mib if system == "ours" else 0
+            arena = args.arena_mib if system in STREAMED else 0
             for kv in args.kv:
                 row = base(system, ctx, kv, arena)
                 log(f"{system} {kv} arena {arena:g} MiB @ {ctx}")
                 try:
-                    finish(row, run_ours(ours, g, ctx, kv, arena, args, device, ids))
+                    finish(row, run_ours(ours, g, ctx, kv, arena, args, device, ids,
+                                            graphs=system == "ours-graphs"))
                     log(f"  prefill {row['prefill_tok_s']:.0f} tok/s, decode "
                         f"{row['decode_tok_s']:.2f} tok/s, h2d "
                         f"{row['h2d_bytes_per_token'] / MB:.1f} MB/token")

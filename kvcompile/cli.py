@@ -37,7 +37,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--trace", action="store_true", help="print per-step KV telemetry to stderr")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="run steps as phase programs: CUDA graphs per decode width and prefill "
-                        "ubatch, in prefill / decode layouts of one arena (eager on the CPU)")
+                        "ubatch, in prefill / decode layouts of one arena (eager on the CPU); "
+                        "with --kv-stream-arena-mib or a hybrid model on CUDA, decode runs as "
+                        "piecewise CUDA graphs between the per-layer KV hooks")
     p.add_argument("--device", default=None, help="cpu (default) or cuda")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     p.add_argument("--no-stats", action="store_true", help="no statistics line at the end")

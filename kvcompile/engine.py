@@ -89,10 +89,18 @@ class Engine:
         self.cache = self._make_cache(ctx, cache_type_k, cache_type_v, kv_stream_arena_mib)
         # cuda_graphs: steps run as phase programs (captured on CUDA, eager on the CPU) in the
         # prefill / decode layouts of one arena (kvcompile/phase, docs/phases.md)
-        self.phases = None
+        self.phases = self.piecewise = None
         if cuda_graphs:
-            from kvcompile.phase import PhaseManager
-            self.phases = PhaseManager(self.model, self.cache, ubatch=min(ubatch, ctx))
+            streamed = hasattr(self.cache, "begin_forward")
+            if (streamed or hasattr(self.model, "make_cache")) and self.device.type == "cuda":
+                # a streamed cache or a hybrid model: decode as CUDA graphs between the
+                # per-layer KV hooks (kvcompile/phase/piecewise.py), prefill eagerly
+                from kvcompile.phase.piecewise import PiecewiseDecode
+                self.piecewise = PiecewiseDecode(self.model, self.cache,
+                                                 layers=self._trunk_kv_layers)
+            else:
+                from kvcompile.phase import PhaseManager
+                self.phases = PhaseManager(self.model, self.cache, ubatch=min(ubatch, ctx))
 
     @property
     def _trunk_kv_layers(self) -> tuple[int, ...] | None:
@@ -192,7 +200,16 @@ class Engine:
         stream.result = GenerationResult("".join(text), out_ids, len(prompt_ids), len(out_ids),
                                          finish, prefill_s, decode_s,
                                          summarize(telemetry[first_step:]),
-                                         self.phases.stats() if self.phases else {})
+                                         self._program_stats())
+
+    def _program_stats(self) -> dict:
+        if self.phases is not None:
+            return self.phases.stats()
+        if self.piecewise is not None:
+            p = self.piecewise
+            return {"piecewise_graphs": len(p.graphs or ()), "captures": p.captures,
+                    "replays": p.replays}
+        return {}
 
     def _prefill(self, ids: list[int]) -> torch.Tensor:
         logits = None
@@ -204,10 +221,14 @@ class Engine:
         """Run ids at positions start.. through the model; logits of the last one."""
         if self.phases is not None:
             return self.phases.forward(ids, start)[-1]
-        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
-        logits = run_forward(self.model, self.cache, tokens, positions, last_only=True,
-                             layers=self._trunk_kv_layers, start=start)[-1]
+        if self.piecewise is not None and len(ids) == self.piecewise.rows:
+            logits = self.piecewise.step(ids, start)[-1]
+        else:
+            tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+            positions = torch.arange(start, start + len(ids), dtype=torch.long,
+                                     device=self.device)
+            logits = run_forward(self.model, self.cache, tokens, positions, last_only=True,
+                                 layers=self._trunk_kv_layers, start=start)[-1]
         if self.trace and getattr(self.cache, "telemetry", None):
             print(f"[kv step] {self.cache.telemetry[-1].as_dict()}", file=sys.stderr)
         return logits

@@ -59,8 +59,8 @@ def test_weights_follow_the_plan():
 
 def test_tiny_run_writes_the_rows(tmp_path):
     out = tmp_path / "hybrid.json"
-    rows = H.main(["--tiny", "--contexts", "512,1024", "--decode-steps", "2", "--fresh",
-                   "--seed", str(SEED % 1000), "--out", str(out)])
+    rows = H.main(["--tiny", "--systems", "ours,ours-resident", "--contexts", "512,1024",
+                   "--decode-steps", "2", "--fresh", "--seed", str(SEED % 1000), "--out", str(out)])
     assert [(r["system"], r["context"]) for r in rows] == [
         ("ours", 512), ("ours-resident", 512), ("ours", 1024), ("ours-resident", 1024)]
     saved = json.loads(out.read_text())

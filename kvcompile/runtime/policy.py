@@ -5,9 +5,11 @@ prefix of r logical pages of every streamed layer) and one ring shared by all la
 Bytes over PCIe are the currency, so r is as large as possible while the ring can still
 hold `depth` layers' worth of streamed pages (depth 1: no overlap; 2: the next layer's copy
 runs while this layer computes). Feedback moves depth: readiness misses while the copy
-engine has slack ask for more lookahead; a ring mostly idle with no misses, or a saturated
-copy engine (more lookahead cannot help, only fewer bytes can), gives pages back to the
-resident side. Hysteresis: a new split is accepted only when it differs by at least
+engine has slack ask for more lookahead; a ring mostly idle with no misses gives pages back
+to the resident side. A saturated copy engine keeps the depth: going back to depth 1 would
+save a few percent of the bytes (one layer's ring share becomes resident) but serialises
+each layer's copy behind the previous layer's attention, which costs more than it saves
+(measured on the H200: the split flipped between 1 and 2 every few steps, each flip a drain). Hysteresis: a new split is accepted only when it differs by at least
 `hysteresis_pages` per layer and was proposed `patience` steps in a row -- unless the
 current split cannot serve the next forward at all (forced). A change that would hand a
 still-leased page to another role is never accepted; the caller drains and asks again.
@@ -119,9 +121,10 @@ def _next_depth(cfg: PolicyConfig, state: PolicyState, obs: Observation) -> int:
     d = state.depth
     if obs.ring_occupancy is None:
         pass
-    elif obs.readiness_misses and obs.copy_busy < cfg.busy_high:
+    elif obs.copy_busy >= cfg.busy_high:
+        pass                          # PCIe-bound: only fewer bytes help, and depth 1 stalls
+    elif obs.readiness_misses:
         d += 1
-    elif obs.copy_busy >= cfg.busy_high or (not obs.readiness_misses
-                                              and obs.ring_occupancy < cfg.occupancy_low):
+    elif obs.ring_occupancy < cfg.occupancy_low:
         d -= 1
     return max(1, min(d, cfg.max_depth))

@@ -173,7 +173,7 @@ class StreamingKvCache:
             copy_busy_pct=min(100.0, 100.0 * (self.engine.busy_s - s["busy"]) / wall),
             ring_occupancy=c.peak_held / ring if ring else 0.0,
             resident_reads=c.resident_reads, streamed_reads=c.streamed_reads, layers=len(s["layers"]),
-            repartitioned=s["repart"], policy=s["reason"]))
+            repartitioned=s["repart"], policy=s["reason"], wall_ms=1e3 * wall))
 
     def _apply_policy(self, n_pages: int) -> tuple[bool, str]:
         last = self.telemetry[-1] if self.telemetry else None

@@ -21,6 +21,7 @@ class StepStats:
     layers: int                  # layers this forward acquired
     repartitioned: bool
     policy: str                  # the policy's reason for this step's split
+    wall_ms: float = 0.0         # host time from begin to end of the forward
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -1,0 +1,183 @@
+"""Piecewise CUDA graphs for decode over any KV cache, streaming included.
+
+A streamed forward cannot be one graph: before each attention layer the cache's hook
+(`cache.layer(i)`: release the previous layer, issue ring copies, make the compute stream
+wait for this layer's copies, record fences) is host logic whose decisions change from
+step to step. Everything between two hooks is the same kernels on the same addresses every
+step (weights, page pools, page-table rows, the decode workspace, recurrent state, the
+static token and position buffers), so it is captured once as one CUDA graph. A step is
+then: begin the forward (tables written), replay segment 0, hook, replay segment 1, ...,
+end the forward -- tens of host calls instead of thousands of kernel launches.
+
+Capture needs no separate model code: the model runs once with a proxy cache whose
+`layer(i)` ends the current capture, runs the real hook, and begins the next one. That
+capture forward computes nothing (captured kernels do not run), so it is bracketed as a
+failed forward (its rows never become history) and the step is then replayed for real.
+The first step of a program runs eagerly on the capture stream, so Triton kernels are
+compiled and autotuned and cuBLAS has its workspace before anything is captured.
+Programs stay valid for their cache: its pools, tables and workspace never move (a phase
+transition or a new cache needs a new program).
+"""
+from __future__ import annotations
+
+import torch
+
+from kvcompile.errors import ContextLengthError, PhaseError
+from kvcompile.models.layers import check_rope_range
+
+
+class _SegmentingCache:
+    """The cache as the model sees it during capture: each layer() call is a segment cut,
+    and the positions' range is the one the step was given (reading the tensor would be a
+    host synchronisation, which capture forbids)."""
+
+    def __init__(self, cache, cut, lo_hi: tuple[int, int]):
+        self._cache, self._cut, self._lo_hi = cache, cut, lo_hi
+
+    def layer(self, i: int):
+        return self._cut(i)
+
+    def check_positions(self, positions) -> tuple[int, int]:
+        return self._lo_hi
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+
+class PiecewiseDecode:
+    def __init__(self, model, cache, rows: int = 1, layers=None):
+        dev = torch.device(getattr(cache, "device", "cpu"))
+        if dev.type != "cuda":
+            raise PhaseError(f"piecewise CUDA graphs need a CUDA cache, this one is on {dev}")
+        if rows < 1:
+            raise PhaseError(f"a decode program runs at least one row, got {rows}")
+        self.model, self.cache, self.rows, self.layers = model, cache, rows, layers
+        self.device = dev
+        self.stream = torch.cuda.Stream(dev)
+        self._static = torch.zeros(2, rows, dtype=torch.long, device=dev)  # tokens, positions
+        self._host = torch.zeros(2, rows, dtype=torch.long, pin_memory=True)
+        self._staged = torch.cuda.Event()
+        self._offsets = torch.arange(rows, dtype=torch.long)
+        self.graphs: list | None = None
+        self.order: list[int] = []        # the hooks' layers, in call order
+        self.out = None
+        self.warm = False
+        self.replays = 0
+        self.captures = 0
+
+    # ---- one step ----------------------------------------------------------------------
+    def step(self, tokens: list[int], start: int) -> torch.Tensor:
+        """Logits [rows, vocab] of tokens at positions start.. (valid until the next step)."""
+        if len(tokens) != self.rows:
+            raise PhaseError(f"this decode program runs {self.rows} rows, got {len(tokens)}")
+        hi = start + self.rows - 1
+        if start < 0 or hi >= self.cache.capacity:
+            raise ContextLengthError(f"positions {start}..{hi} are outside the KV cache's "
+                                     f"{self.cache.capacity} positions; raise --ctx-size")
+        rope = getattr(self.model, "rope_cos", None)
+        if rope is not None:      # the replayed graphs cannot check it themselves
+            check_rope_range((start, hi), rope.shape[0])
+        cur = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(cur)
+        with torch.cuda.stream(self.stream), torch.inference_mode():
+            self._load(tokens, start)
+            # position 0 starts a sequence (a hybrid model resets its state there, which a
+            # graph must not replay): such a step, and a program's first, run eagerly
+            if not self.warm or start == 0:
+                out = self._eager(start)
+                self.warm = True
+            else:
+                if self.graphs is None:
+                    self._capture(start)
+                out = self._replay(start)
+        cur.wait_stream(self.stream)
+        return out
+
+    def _load(self, tokens, start: int) -> None:
+        if not self._staged.query():
+            self._staged.synchronize()    # the last copy must have read the staging buffer
+        self._host[0] = torch.as_tensor(tokens, dtype=torch.long)
+        self._host[1] = self._offsets + start
+        self._static.copy_(self._host, non_blocking=True)
+        self._staged.record()
+
+    def _eager(self, start: int) -> torch.Tensor:
+        from kvcompile.runtime import forward
+        return forward(self.model, self.cache, self._static[0], self._static[1],
+                       last_only=True, layers=self.layers, start=start)
+
+    # ---- the forward bracket (a resident cache has none) -----------------------------
+    def _begin(self, start: int) -> None:
+        begin = getattr(self.cache, "begin_forward", None)
+        if begin is not None:
+            begin(self._static[1], self.layers, start)
+
+    def _end(self, ok: bool) -> None:
+        end = getattr(self.cache, "end_forward", None)
+        if end is not None:
+            end(ok)
+
+    def _state(self):
+        get = getattr(self.model, "recurrent_state", None)
+        return get(self.cache) if get is not None else None
+
+    # ---- capture and replay -------------------------------------------------------------
+    def _capture(self, start: int) -> None:
+        state = self._state()
+        n_tokens = state.n_tokens if state is not None else None
+        pool = torch.cuda.graph_pool_handle()
+        graphs, order = [], []
+        current = [torch.cuda.CUDAGraph()]
+
+        def cut(i: int):
+            current[0].capture_end()
+            graphs.append(current[0])
+            order.append(i)
+            kv = self.cache.layer(i)          # the real hook, between captures
+            current[0] = torch.cuda.CUDAGraph()
+            current[0].capture_begin(pool=pool)
+            return kv
+
+        torch.cuda.synchronize(self.device)
+        self._begin(start)
+        capturing = False
+        try:
+            current[0].capture_begin(pool=pool)
+            capturing = True
+            proxy = _SegmentingCache(self.cache, cut, (start, start + self.rows - 1))
+            out = self.model(self._static[0], self._static[1], proxy, last_only=True)
+            capturing = False
+            current[0].capture_end()
+            graphs.append(current[0])
+        except BaseException:
+            if capturing:
+                try:
+                    current[0].capture_end()
+                except RuntimeError:
+                    pass
+            raise
+        finally:
+            self._end(False)                  # nothing ran: its rows are not history
+            if state is not None:             # the capture's state.begin() did not happen
+                state.n_tokens = n_tokens
+            torch.cuda.synchronize(self.device)
+        self.graphs, self.order, self.out = graphs, order, out
+        self.captures += 1
+
+    def _replay(self, start: int) -> torch.Tensor:
+        state = self._state()
+        self._begin(start)
+        ok = False
+        try:
+            if state is not None:
+                state.begin(start, self.rows)
+            graphs = self.graphs
+            for k, layer in enumerate(self.order):
+                graphs[k].replay()
+                self.cache.layer(layer)
+            graphs[-1].replay()
+            ok = True
+        finally:
+            self._end(ok)
+        self.replays += 1
+        return self.out

@@ -1,0 +1,112 @@
+"""Device: decode as piecewise CUDA graphs (kvcompile/phase/piecewise.py) gives bitwise the
+eager decode's logits and tokens -- llama and hybrid qwen35 models, KV streamed through a
+tiny arena (every layer's pages pass the ring, the policy repartitions) or all resident,
+across page boundaries."""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvcompile.errors import ContextLengthError, PhaseError
+from kvcompile.phase.piecewise import PiecewiseDecode
+from kvcompile.runtime import forward, make_kv_cache, min_arena_bytes
+from kvcompile.runtime.arena import MIB
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+SEED = int.from_bytes(os.urandom(4), "little")
+DEV = "cuda"
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from kvcompile.config import ModelConfig
+    from kvcompile.models.llama import LlamaModel
+    cfg = ModelConfig(arch="llama", n_layers=6, hidden=256, ffn=512, n_heads=4, n_kv_heads=2,
+                      head_dim=64, vocab_size=4096, context_length=4096)
+    torch.manual_seed(SEED)
+    with torch.device(DEV):
+        return LlamaModel(cfg).eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    from kvcompile.gguf.synthetic import preset_config, write_synthetic_gguf
+    from kvcompile.models.qwen35 import Qwen35Model
+    from kvcompile.weights import load_weights
+    path = tmp_path_factory.mktemp("hybrid") / "qwen35-tiny.gguf"
+    write_synthetic_gguf(preset_config("qwen35", "tiny", n_layers=8, vocab_size=512), path,
+                         "f32", seed=SEED % 1000)
+    w = load_weights(path, progress=False)
+    return Qwen35Model.from_weights(w.config, w.tensors, device=DEV)
+
+
+def make_cache(model, max_tokens, kv, streamed):
+    c, layers = model.config, getattr(model, "kv_layers", None)
+    if layers is not None:
+        c = replace(c, n_layers=c.n_layers + c.nextn_layers)
+    mib = min_arena_bytes(c, max_tokens, *kv) * 1.1 / MIB if streamed else 0
+    return make_kv_cache(c, max_tokens, mib, k_type=kv[0], v_type=kv[1], device=DEV,
+                         layers=layers)
+
+
+def trunk(model):
+    layers = getattr(model, "kv_layers", None)
+    return None if layers is None else tuple(i for i in layers if i < model.config.n_layers)
+
+
+@torch.inference_mode()
+def run(model, cache, prompt, n_decode, program=None):
+    """Prefill eagerly, then greedy decode eagerly or through the program."""
+    layers = trunk(model)
+    pos = torch.arange(len(prompt), device=DEV)
+    rows = [forward(model, cache, prompt, pos, last_only=True, layers=layers, start=0).cpu()]
+    ids = [int(rows[-1][-1].argmax())]
+    for p in range(len(prompt), len(prompt) + n_decode):
+        if program is None:
+            out = forward(model, cache, torch.tensor([ids[-1]], device=DEV),
+                          torch.tensor([p], device=DEV), last_only=True, layers=layers,
+                          start=p)
+        else:
+            out = program.step([ids[-1]], p)
+        rows.append(out.cpu())
+        ids.append(int(rows[-1][-1].argmax()))
+    return ids, torch.cat(rows)
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["tiny-arena", "resident"])
+@pytest.mark.parametrize("kv", [("f16", "f16"), ("q8_0", "q4_0")], ids=lambda k: "/".join(k))
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_piecewise_decode_is_bitwise_eager_decode(request, arch, kv, streamed):
+    model = request.getfixturevalue("llama" if arch == "llama" else "hybrid")
+    n_prompt, n_decode = 500, 40          # decode crosses the page boundary at 512
+    g = torch.Generator().manual_seed(SEED)
+    prompt = torch.randint(0, model.config.vocab_size, (n_prompt,), generator=g).to(DEV)
+    ref_cache = make_cache(model, 600, kv, streamed)
+    ids_ref, ref = run(model, ref_cache, prompt, n_decode)
+    cache = make_cache(model, 600, kv, streamed)
+    program = PiecewiseDecode(model, cache, layers=trunk(model))
+    ids, got = run(model, cache, prompt, n_decode, program)
+    diff = (got - ref).abs().max().item()
+    print(f"{arch} {'/'.join(kv)} {'streamed' if streamed else 'resident'}: seed {SEED}, "
+          f"{len(program.graphs)} graphs, {program.replays} replays, max |dlogit| {diff:g}")
+    assert program.captures == 1 and program.replays == n_decode - 1, SEED
+    n_hooks = len(trunk(model) or range(model.config.n_layers))
+    assert len(program.graphs) == n_hooks + 1, SEED
+    assert ids == ids_ref and torch.equal(got, ref), SEED
+    if streamed:
+        assert cache.stats()["streamed_fraction"] > 0.5
+        cache.close()
+        ref_cache.close()
+
+
+def test_piecewise_decode_rejects_bad_steps(llama):
+    cache = make_cache(llama, 600, ("f16", "f16"), streamed=False)
+    program = PiecewiseDecode(llama, cache)
+    with pytest.raises(PhaseError, match="runs 1 rows, got 2"):
+        program.step([1, 2], 5)
+    with pytest.raises(ContextLengthError, match="outside the KV cache"):
+        program.step([1], 10 ** 6)
