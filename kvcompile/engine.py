@@ -97,7 +97,7 @@ class Engine:
                 # per-layer KV hooks (kvcompile/phase/piecewise.py), prefill eagerly
                 from kvcompile.phase.piecewise import PiecewiseDecode
                 self.piecewise = PiecewiseDecode(self.model, self.cache,
-                                                 layers=self._trunk_kv_layers)
+                                                 layers=self._trunk_kv_layers, strict=False)
             else:
                 from kvcompile.phase import PhaseManager
                 self.phases = PhaseManager(self.model, self.cache, ubatch=min(ubatch, ctx))
@@ -208,7 +208,7 @@ class Engine:
         if self.piecewise is not None:
             p = self.piecewise
             return {"piecewise_graphs": len(p.graphs or ()), "captures": p.captures,
-                    "replays": p.replays}
+                    "replays": p.replays, **({"fallback": p.fallback} if p.fallback else {})}
         return {}
 
     def _prefill(self, ids: list[int]) -> torch.Tensor:

@@ -110,3 +110,25 @@ def test_piecewise_decode_rejects_bad_steps(llama):
         program.step([1, 2], 5)
     with pytest.raises(ContextLengthError, match="outside the KV cache"):
         program.step([1], 10 ** 6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_engine_cuda_graphs_with_a_streamed_cache(tmp_path, arch):
+    """--cuda-graphs with --kv-stream-arena-mib: the same tokens as the all-resident eager
+    engine, decode steps replayed (two requests: the program survives a new sequence)."""
+    pytest.importorskip("gguf")
+    from kvcompile.engine import Engine
+    from kvcompile.make_model import make_model
+    path = tmp_path / f"{arch}.gguf"
+    make_model(arch, "tiny", path, weight_type="f32", seed=SEED % 1000)
+    ref = Engine(str(path), ctx_size=1024, device=DEV, progress=False)
+    mib = min_arena_bytes(ref.config, 1024) * 1.05 / MIB     # ~everything streamed
+    eng = Engine(str(path), ctx_size=1024, device=DEV, progress=False, kv_stream_arena_mib=mib,
+                 cuda_graphs=True)
+    assert eng.piecewise is not None and eng.phases is None
+    assert eng.cache.backend.name == "cuda"
+    for text in ("the quick brown fox " * 30, "a different prompt, " * 12):
+        a = ref.generate(text, max_tokens=20, temperature=0)
+        b = eng.generate(text, max_tokens=20, temperature=0)
+        assert a.token_ids == b.token_ids, (SEED, arch)
+    assert b.phases["captures"] == 1 and b.phases["replays"] >= 30 and "fallback" not in b.phases

@@ -20,6 +20,8 @@ transition or a new cache needs a new program).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from kvcompile.errors import ContextLengthError, PhaseError
@@ -45,13 +47,17 @@ class _SegmentingCache:
 
 
 class PiecewiseDecode:
-    def __init__(self, model, cache, rows: int = 1, layers=None):
+    def __init__(self, model, cache, rows: int = 1, layers=None, strict: bool = True):
+        """strict=False: a capture that fails warns and every later step runs eagerly
+        (the engine keeps serving); strict (tests, benchmarks): the error propagates."""
         dev = torch.device(getattr(cache, "device", "cpu"))
         if dev.type != "cuda":
             raise PhaseError(f"piecewise CUDA graphs need a CUDA cache, this one is on {dev}")
         if rows < 1:
             raise PhaseError(f"a decode program runs at least one row, got {rows}")
         self.model, self.cache, self.rows, self.layers = model, cache, rows, layers
+        self.strict = strict
+        self.fallback: str | None = None  # why steps run eagerly after a failed capture
         self.device = dev
         self.stream = torch.cuda.Stream(dev)
         self._static = torch.zeros(2, rows, dtype=torch.long, device=dev)  # tokens, positions
@@ -83,15 +89,26 @@ class PiecewiseDecode:
             self._load(tokens, start)
             # position 0 starts a sequence (a hybrid model resets its state there, which a
             # graph must not replay): such a step, and a program's first, run eagerly
-            if not self.warm or start == 0:
+            if self.graphs is None and self.warm and start and self.fallback is None:
+                self._try_capture(start)
+            if self.graphs is None or start == 0:
                 out = self._eager(start)
+                out.record_stream(cur)        # read on the caller's stream
                 self.warm = True
             else:
-                if self.graphs is None:
-                    self._capture(start)
                 out = self._replay(start)
         cur.wait_stream(self.stream)
         return out
+
+    def _try_capture(self, start: int) -> None:
+        try:
+            self._capture(start)
+        except Exception as e:
+            if self.strict:
+                raise
+            self.fallback = f"{type(e).__name__}: {e}"
+            warnings.warn(f"piecewise CUDA graph capture failed ({self.fallback}); decoding "
+                          f"eagerly from now on", RuntimeWarning, stacklevel=3)
 
     def _load(self, tokens, start: int) -> None:
         if not self._staged.query():
