@@ -239,3 +239,30 @@ def test_the_cache_scans_leases_only_for_a_change():
     _run(LlamaModel(CFG).eval(), cache, torch.randint(0, CFG.vocab_size, (100,)), 6)
     changes = sum(s.repartitioned for s in cache.telemetry)
     assert changes >= 1 and len(scans) == changes, (len(scans), changes)
+
+
+def test_copy_busy_counts_copies_that_land_after_the_host_moved_on():
+    """With CUDA graphs the host ends a forward long before its copies run; the copy-busy
+    share of a forward is settled at the next begin, over begin-to-begin time."""
+    import time
+    cfg = ModelConfig(arch="llama", n_layers=2, hidden=64, ffn=64, n_heads=1, n_kv_heads=1,
+                      head_dim=64, vocab_size=16, context_length=4096)
+    cache = StreamingKvCache(cfg, 1024, 1.0, k_type="q8_0", v_type="q4_0")
+    rng = random.Random(SEED)
+
+    def step(lo):
+        cache.begin_forward(torch.arange(lo, lo + 1), start=lo)
+        for layer in range(2):
+            cache.layer(layer)
+        cache.end_forward(True)
+
+    step(0)
+    first = cache.telemetry[-1].copy_busy_pct
+    late = rng.uniform(0.02, 0.05)          # copy time that completes after end_forward
+    cache.engine._busy_s += late
+    time.sleep(2 * late)
+    step(1)
+    settled = cache.telemetry[0].copy_busy_pct
+    # late / (begin-to-begin wall >= 2 * late): at most half, at least ~a fifth
+    assert 20 < settled - first <= 50.5, (SEED, first, settled)
+    assert cache.telemetry[1].copy_busy_pct <= 100.0

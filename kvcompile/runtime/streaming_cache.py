@@ -86,6 +86,7 @@ class StreamingKvCache:
                                self.v_type.ggml_id, page_size, **extras) for i in self.layers}
         self.telemetry: list[StepStats] = []
         self._step = None
+        self._last = None                 # (t0, busy) of the forward telemetry[-1] records
 
     # ---- the surface the model reads ----------------------------------------------------
     def layer(self, i: int) -> LayerKv:
@@ -144,8 +145,10 @@ class StreamingKvCache:
                                      f"positions already in the cache")
         n_pages = hi // self.page_size + 1
         self.host.truncate(lo, layers)    # rows from lo on are rewritten by this forward
+        t0, busy = time.perf_counter(), self.engine.busy_s
+        self._settle_copy_busy(t0, busy)
         repart, reason = self._apply_policy(n_pages)
-        self._step = dict(t0=time.perf_counter(), busy=self.engine.busy_s, lo=lo, hi=hi,
+        self._step = dict(t0=t0, busy=busy, lo=lo, hi=hi,
                           h2d=self.engine.bytes_h2d, d2h=self.engine.bytes_d2h,
                           tokens=int(positions.numel()), pages=n_pages, repart=repart,
                           reason=reason, layers=layers, positions=positions)
@@ -174,6 +177,19 @@ class StreamingKvCache:
             ring_occupancy=c.peak_held / ring if ring else 0.0,
             resident_reads=c.resident_reads, streamed_reads=c.streamed_reads, layers=len(s["layers"]),
             repartitioned=s["repart"], policy=s["reason"], wall_ms=1e3 * wall))
+        self._last = (s["t0"], s["busy"])
+
+    def _settle_copy_busy(self, now: float, busy: float) -> None:
+        """The last forward's copy-busy share, over the time from its begin to this one.
+        Its copies may land after its host work ended (the host runs ahead of the device,
+        far ahead with CUDA graphs); the next begin comes after the caller read the
+        forward's output, so by then they were timed."""
+        last, self._last = self._last, None
+        if last is None or not self.telemetry:
+            return
+        wall = max(now - last[0], 1e-9)
+        pct = min(100.0, 100.0 * (busy - last[1]) / wall)
+        self.telemetry[-1] = replace(self.telemetry[-1], copy_busy_pct=pct)
 
     def _apply_policy(self, n_pages: int) -> tuple[bool, str]:
         last = self.telemetry[-1] if self.telemetry else None

@@ -14,7 +14,8 @@ class StepStats:
     h2d_bytes: int               # host -> device bytes copied (streaming and refills)
     d2h_bytes: int               # rows published to host history
     readiness_misses: int        # layers whose pages were not ready when attention wanted them
-    copy_busy_pct: float         # copy engine busy time / wall time of the forward
+    copy_busy_pct: float         # copy engine busy time / wall time from this forward's
+    #                              begin to the next one's (to its own end until then)
     ring_occupancy: float        # peak fraction of ring slots held
     resident_reads: int          # page reads served by resident pages (all layers)
     streamed_reads: int          # page reads served by ring slots
