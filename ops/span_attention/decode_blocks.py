@@ -176,10 +176,11 @@ DECODE_IMPL = os.environ.get("KVCOMPILE_DECODE_IMPL", "auto")
 if DECODE_IMPL not in (*DECODE_IMPLS, "auto"):
     raise ValueError(f"KVCOMPILE_DECODE_IMPL={DECODE_IMPL!r}; use auto or one of "
                      f"{sorted(DECODE_IMPLS)}")
-# auto: blocks while all query rows of a KV head fit one 16-row MMA tile and a page is
-# quantized; measured on the H200 (benchmarks/results/attention_decode.json) it beats legacy
-# there (0.23 -> 0.37 of HBM at 1 row) and loses at 8 rows x 6 heads (0.15 -> 0.08).
-BLOCKS_MAX_ROWS_PER_KV_HEAD = 16
+# auto: blocks for quantized pages up to 32 query rows a KV head. Measured on the H200 with
+# position-major V pages (benchmarks/results/attention_decode.json, 2026-11-29 20:26 UTC):
+# 1 row: blocks 0.25-0.56 of HBM vs legacy 0.14-0.17; 8 rows x 4 heads (32 a KV head):
+# blocks 0.22-0.38 vs 0.11-0.13; 8 rows x 6 heads (48): blocks 0.09-0.10 vs 0.12-0.15.
+BLOCKS_MAX_ROWS_PER_KV_HEAD = 32
 
 
 def decode_launcher(impl: str | None = None, rows_per_kv_head: int = 1,
