@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -30,21 +32,12 @@ from kvcompile.ops import kv_format as F
 from kvcompile.ops.span_attention.decode_blocks import decode_launcher
 from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
+from bench_util import events_ms, hbm_bandwidth  # noqa: E402
+
 GEOMS = [(4, 256, 24), (8, 128, 32)]            # (KV heads, head dim, q heads)
 KV_PAIRS = [("q8_0", "q4_0"), ("bf16", "bf16")]
 ROT = 4                                          # disjoint KV copies rotated in decode
-
-
-def events_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps
 
 
 def graph_ms(calls, reps: int = 10) -> float:
@@ -60,17 +53,6 @@ def graph_ms(calls, reps: int = 10) -> float:
         for c in calls:
             c()
     return events_ms(g.replay, reps) / len(calls)
-
-
-def hbm_bandwidth() -> dict:
-    n = 1 << 30                                   # 2 GiB of bf16
-    x = torch.empty(n, dtype=torch.bfloat16, device="cuda").uniform_()
-    y = torch.empty_like(x)
-    copy = 2 * x.numel() * 2 / (events_ms(lambda: y.copy_(x), 20) * 1e-3) / 1e9
-    read = x.numel() * 2 / (events_ms(lambda: x.sum(dtype=torch.float32), 20) * 1e-3) / 1e9
-    del x, y
-    torch.cuda.empty_cache()
-    return {"copy_gbps": copy, "read_gbps": read, "hbm_gbps_measured": max(copy, read)}
 
 
 def make_pools(k_name, v_name, n_ctx, n_kv, d, copies, page=256):

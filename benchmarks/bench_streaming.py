@@ -341,14 +341,20 @@ def row_key(r: dict) -> tuple:
     return (r["system"], r["context"], r["kv_type"], r["arena_mib"], r.get("geometry"))
 
 
-def save(rows: list[dict], meta: dict, path: str) -> None:
-    old = []
+def save(rows: list[dict], meta: dict, path: str, section: str | None = None) -> None:
+    """Merge rows into the file at path (same row_key replaced). The file's meta becomes
+    `meta`, or with `section` keeps the old meta and puts `meta` under that key (another
+    script appending its rows)."""
+    old, old_meta = [], {}
     if os.path.exists(path):
         try:
             with open(path) as f:
-                old = json.load(f).get("rows", [])
+                data = json.load(f)
+            old, old_meta = data.get("rows", []), data.get("meta", {})
         except (json.JSONDecodeError, AttributeError):
             old = []
+    if section is not None:
+        meta = {**old_meta, section: meta}
     keys = {row_key(r) for r in rows}
     merged = [r for r in old if row_key(r) not in keys] + rows
     merged.sort(key=lambda r: (r["context"], SYSTEMS.index(r["system"])

@@ -1,5 +1,5 @@
 """Small helpers the device benchmarks share: a timestamped log line, a device sync for
-timing, and freeing device memory between systems."""
+timing, freeing device memory between systems, event timing and the HBM bandwidth."""
 from __future__ import annotations
 
 import gc
@@ -23,3 +23,26 @@ def free_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+
+
+def events_ms(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def hbm_bandwidth() -> dict:
+    n = 1 << 30                                   # 2 GiB of bf16
+    x = torch.empty(n, dtype=torch.bfloat16, device="cuda").uniform_()
+    y = torch.empty_like(x)
+    copy = 2 * x.numel() * 2 / (events_ms(lambda: y.copy_(x), 20) * 1e-3) / 1e9
+    read = x.numel() * 2 / (events_ms(lambda: x.sum(dtype=torch.float32), 20) * 1e-3) / 1e9
+    del x, y
+    torch.cuda.empty_cache()
+    return {"copy_gbps": copy, "read_gbps": read, "hbm_gbps_measured": max(copy, read)}

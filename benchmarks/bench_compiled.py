@@ -1,0 +1,232 @@
+"""Compiled and captured decode on the device (issue 5), beside the eager path in one process;
+rows merged into benchmarks/results/streaming.json (meta under "compiled").
+
+    python benchmarks/bench_compiled.py [--resident-contexts 8192] [--streamed-contexts 131072]
+        [--systems ours-compiled,ours-resident,ours-graphs,ours] [--kv q8_0/q4_0]
+        [--arena-mib 2048] [--decode-steps 32] [--out PATH]
+    python benchmarks/bench_compiled.py --device cpu --tiny      # the logic, seconds
+
+Llama-3-8B geometry, random bf16 weights made on the device (bench_streaming's builder).
+
+  ours-compiled   all resident, run by the PhaseManager: the forward compiled through the
+                  pass pipeline, decode and prefill captured as CUDA graphs (--cuda-graphs)
+  ours-resident   all resident, eager: the compiled path's speed-up is over this row
+  ours-graphs     streamed through --arena-mib, decode as piecewise CUDA graphs
+  ours            streamed, eager
+
+Resident rows carry the HBM roofline, `hbm_roofline_tok_s = hbm_gbps_measured / (weight
+bytes a decode step reads + KV bytes of the context)` (HBM bandwidth measured in this run,
+the embedding table counted as the one row a step reads unless the head shares it); streamed
+rows the PCIe bound of bench_streaming. Targets (issue 5): ours-compiled decode >= 0.8 x the
+HBM roofline at 8K; the streamed path >= 0.85 x the PCIe bound at 128K. `speedup_vs_eager`
+compares each row with its eager twin of the same context and KV type.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
+import bench_streaming as S  # noqa: E402
+from bench_util import free_memory, hbm_bandwidth, log, sync  # noqa: E402
+
+from kvcompile.errors import KvcompileError  # noqa: E402
+from kvcompile.kv_cache import PagedKvCache  # noqa: E402
+
+SYSTEMS = ("ours-compiled", "ours-resident", "ours-graphs", "ours")
+RESIDENT = ("ours-compiled", "ours-resident")
+EAGER_TWIN = {"ours-compiled": "ours-resident", "ours-graphs": "ours"}
+
+
+def weight_read_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter once, the embedding table as
+    the one row looked up (unless the LM head is the same tensor and reads it all)."""
+    total = sum(p.nbytes for p in model.parameters())
+    emb = model.embed.weight
+    if model.lm_head.weight is not emb:
+        total += emb[0].nbytes - emb.nbytes
+    return total
+
+
+def timed_compiled(model, ctx: int, kv: str, args, device, ids: torch.Tensor) -> dict:
+    """Prefill and decode through a PhaseManager over an all-resident cache; the first two
+    decode steps (transition to the decode layout, compile and capture) are not timed."""
+    from kvcompile.phase import PhaseManager
+    k_type, v_type = kv.split("/")
+    cache = PagedKvCache(model.config, ctx + args.decode_steps + 4, k_type, v_type,
+                         device=device)
+    m = PhaseManager(model, cache, ubatch=args.ubatch)
+    del cache                                   # the manager copied it into its arena
+    tokens = ids.tolist()
+    with torch.inference_mode():
+        sync(device)
+        t = time.perf_counter()
+        for s in range(0, ctx, args.ubatch):
+            logits = m.forward(tokens[s:s + args.ubatch], s)
+        tok = int(logits[-1].argmax())
+        sync(device)
+        prefill_s = time.perf_counter() - t
+        out = [tok]
+        for i in range(2):
+            out.append(int(m.forward([out[-1]], ctx + i)[-1].argmax()))
+        sync(device)
+        t = time.perf_counter()
+        for i in range(args.decode_steps):
+            out.append(int(m.forward([out[-1]], ctx + 2 + i)[-1].argmax()))
+        sync(device)
+        decode_s = time.perf_counter() - t
+    return dict(prefill_s=prefill_s, decode_s=decode_s, decode_tokens=out[1:9], warm_steps=2,
+                phases=m.stats(), h2d_bytes_per_token=0, h2d_source="all resident")
+
+
+def run_row(system, model, g, ctx, kv, args, device, ids) -> dict:
+    if system == "ours-compiled":
+        return timed_compiled(model, ctx, kv, args, device, ids)
+    arena = args.arena_mib if system in S.STREAMED else 0
+    return S.run_ours(model, g, ctx, kv, arena, args, device, ids, graphs=system == "ours-graphs")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--resident-contexts", default="8192")
+    ap.add_argument("--streamed-contexts", default="131072")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--kv", default="q8_0/q4_0")
+    ap.add_argument("--arena-mib", type=float, default=None, help="default 2048 (tiny: 0.9)")
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--ubatch", type=int, default=4096)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny geometry and contexts (logic check)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pcie-mib", type=int, default=1024)
+    ap.add_argument("--out", default=None, help=f"default {S.RESULTS}")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        for name, tiny in (("resident_contexts", "512"), ("streamed_contexts", "1024")):
+            if getattr(args, name) == ap.get_default(name):
+                setattr(args, name, tiny)
+        args.ubatch = min(args.ubatch, 128)
+        args.pcie_mib = min(args.pcie_mib, 16)
+        args.decode_steps = min(args.decode_steps, 4)
+    args.arena_mib = args.arena_mib if args.arena_mib is not None else (0.9 if args.tiny
+                                                                         else 2048)
+    args.out = args.out or S.RESULTS
+    args.resident_contexts = [int(c) for c in args.resident_contexts.split(",") if c]
+    args.streamed_contexts = [int(c) for c in args.streamed_contexts.split(",") if c]
+    S.parse_lists(ap, args, SYSTEMS)
+    if args.decode_steps < 1 or args.ubatch < 1:
+        ap.error("--decode-steps and --ubatch must be positive")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device; use --device cpu --tiny for the CPU logic check")
+    g = S.TINY if args.tiny else S.LLAMA3_8B
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    contexts = args.resident_contexts + args.streamed_contexts
+    ctx_len = max(contexts) + args.decode_steps + 64
+    pcie = S.measure_h2d_gbps(device, args.pcie_mib << 20)
+    hbm = hbm_bandwidth() if device.type == "cuda" else {"hbm_gbps_measured": None}
+    log(f"PCIe {pcie['pcie_gbps_measured']:.1f} GB/s, HBM {S.fmt(hbm['hbm_gbps_measured'], '.0f')} GB/s")
+    model = S.build_models(g, ctx_len, dtype, device, args.seed, want_hf=False)[0]
+    w_read = weight_read_bytes(model)
+    meta = dict(geometry=g.name, weights_dtype=str(dtype).replace("torch.", ""),
+                weight_read_bytes=w_read, ubatch=args.ubatch, decode_steps=args.decode_steps,
+                torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                **pcie, **hbm)
+    rows: list[dict] = []
+    for ctx in contexts:
+        ids = S.random_ids(ctx, g.vocab, args.seed + ctx, device)
+        systems = [s for s in args.systems
+                   if (s in RESIDENT) == (ctx in args.resident_contexts)]
+        for system in systems:
+            for kv in args.kv:
+                rows.append(measure(system, model, g, ctx, kv, args, device, ids, meta))
+                S.save(rows, meta, args.out, section="compiled")
+                free_memory(device)
+    for r in rows:
+        twin = [t for t in rows if t["system"] == EAGER_TWIN.get(r["system"])
+                and t["context"] == r["context"] and t["kv_type"] == r["kv_type"]
+                and t.get("status") == "ok"]
+        if twin and r.get("status") == "ok":
+            r["speedup_vs_eager"] = r["decode_tok_s"] / twin[0]["decode_tok_s"]
+            a, b = r["decode_tokens"], twin[0]["decode_tokens"]   # lists differ in warm-ups
+            n = min(len(a), len(b))
+            r["tokens_equal_eager"] = a[:n] == b[:n]
+    S.save(rows, meta, args.out, section="compiled")
+    report(rows)
+    return rows
+
+
+def measure(system, model, g, ctx, kv, args, device, ids, meta) -> dict:
+    k_type, v_type = kv.split("/")
+    kv_bytes = ctx * S.kv_bytes_per_token(g, k_type, v_type)
+    streamed = system in S.STREAMED
+    arena = args.arena_mib if streamed else 0
+    hbm = meta["hbm_gbps_measured"]
+    row = dict(system=system, context=ctx, kv_type=kv, arena_mib=arena, geometry=g.name,
+               kv_bytes=kv_bytes, pcie_gbps_measured=meta["pcie_gbps_measured"],
+               pcie_bound_tok_s=S.pcie_bound(meta["pcie_gbps_measured"], kv_bytes,
+                                             int(arena * 2**20)) if streamed else None,
+               hbm_gbps_measured=hbm, weight_read_bytes=meta["weight_read_bytes"],
+               hbm_roofline_tok_s=(hbm * 1e9 / (meta["weight_read_bytes"] + kv_bytes)
+                                   if hbm and not streamed else None),
+               decode_steps=args.decode_steps, device=meta["device"])
+    log(f"{system} {kv} @ {ctx}")
+    try:
+        row.update(run_row(system, model, g, ctx, kv, args, device, ids))
+        row.update(status="ok", prefill_tok_s=ctx / row["prefill_s"],
+                   decode_tok_s=args.decode_steps / row["decode_s"])
+        b, h = row["pcie_bound_tok_s"], row["hbm_roofline_tok_s"]
+        row["decode_vs_bound"] = row["decode_tok_s"] / b if b else None
+        row["decode_vs_hbm_roofline"] = row["decode_tok_s"] / h if h else None
+        log(f"  prefill {row['prefill_tok_s']:.0f} tok/s, decode {row['decode_tok_s']:.2f} "
+            f"tok/s (x bound {S.fmt(row['decode_vs_bound'], '.2f')}, x HBM roofline "
+            f"{S.fmt(row['decode_vs_hbm_roofline'], '.2f')})")
+    except Exception as e:
+        oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+        row.update(status="skipped" if oom or isinstance(e, KvcompileError) else "error",
+                   reason=f"{'OOM: ' if oom else ''}{type(e).__name__}: {e}"[:500])
+        if row["status"] == "error":
+            traceback.print_exc()
+        log(f"{system} @ {ctx}: {row['status']}: {row['reason'][:200]}")
+    return row
+
+
+def report(rows: list[dict]) -> None:
+    hdr = (f"{'system':14} {'context':>8} {'kv':>10} {'arena MiB':>9} {'decode t/s':>10} "
+           f"{'x eager':>7} {'= eager':>7} {'roofline':>8} {'x roof':>6} {'bound':>7} {'x bound':>7}  status")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(f"{r['system']:14} {r['context']:>8} {r['kv_type']:>10} {r['arena_mib']:>9g} "
+              f"{S.fmt(r.get('decode_tok_s'), '10.2f')} {S.fmt(r.get('speedup_vs_eager'), '7.2f')} "
+              f"{str(r.get('tokens_equal_eager', '-')):>7} "
+              f"{S.fmt(r.get('hbm_roofline_tok_s'), '8.1f')} "
+              f"{S.fmt(r.get('decode_vs_hbm_roofline'), '6.2f')} "
+              f"{S.fmt(r.get('pcie_bound_tok_s'), '7.2f')} {S.fmt(r.get('decode_vs_bound'), '7.2f')}"
+              f"  {r.get('status')}{': ' + str(r.get('reason'))[:80] if r.get('reason') else ''}")
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        if r["system"] == "ours-compiled" and r.get("decode_vs_hbm_roofline") is not None:
+            x = r["decode_vs_hbm_roofline"]
+            print(f"target @ {r['context']} (ours-compiled {r['kv_type']}): {x:.2f} x HBM "
+                  f"roofline (>= 0.8: {x >= 0.8})")
+        if r["system"] in S.STREAMED and r.get("decode_vs_bound") is not None:
+            x = r["decode_vs_bound"]
+            print(f"target @ {r['context']} ({r['system']} {r['kv_type']}): {x:.2f} x PCIe "
+                  f"bound (>= 0.85: {x >= 0.85})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""benchmarks/bench_compiled.py on the CPU (--tiny): the rows it appends to a results file
+that already holds other rows, the roofline and bound fields, and the eager twins."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+_path = Path(__file__).parents[1] / "benchmarks" / "bench_compiled.py"
+_spec = importlib.util.spec_from_file_location("bench_compiled", _path)
+B = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(B)
+
+
+def test_tiny_run_appends_rows_and_keeps_the_file(tmp_path):
+    out = tmp_path / "streaming.json"
+    other = {"system": "hf-offload", "context": 32768, "kv_type": "bf16/bf16", "arena_mib": 0,
+             "geometry": "llama-3-8b (random weights)", "status": "ok", "decode_tok_s": 4.5}
+    out.write_text(json.dumps({"meta": {"date": "earlier"}, "rows": [other]}))
+    rows = B.main(["--device", "cpu", "--tiny", "--out", str(out)])
+    assert [(r["system"], r["context"]) for r in rows] == [
+        ("ours-compiled", 512), ("ours-resident", 512), ("ours-graphs", 1024), ("ours", 1024)]
+    by = {r["system"]: r for r in rows}
+    for name in ("ours-compiled", "ours-resident", "ours"):
+        assert by[name]["status"] == "ok" and by[name]["decode_tok_s"] > 0, by[name]
+    # on the CPU no piecewise graphs: recorded as skipped, with the reason
+    assert by["ours-graphs"]["status"] == "skipped" and "CUDA" in by["ours-graphs"]["reason"]
+    # the compiled program decodes the eager path's greedy tokens
+    assert by["ours-compiled"]["tokens_equal_eager"] is True
+    assert by["ours-compiled"]["phases"]["arena_bytes"] > 0        # programs in one arena
+    assert by["ours"]["pcie_bound_tok_s"] is None or by["ours"]["pcie_bound_tok_s"] > 0
+    assert by["ours-resident"]["hbm_roofline_tok_s"] is None       # no HBM on the CPU
+    saved = json.loads(out.read_text())
+    assert saved["meta"]["date"] == "earlier" and "compiled" in saved["meta"]
+    assert other in saved["rows"] and len(saved["rows"]) == 5
+
+
+def test_weight_read_bytes_counts_one_embedding_row():
+    torch = pytest.importorskip("torch")
+    from kvcompile.config import ModelConfig
+    from kvcompile.models.llama import LlamaModel
+    cfg = ModelConfig(arch="llama", n_layers=1, hidden=64, ffn=128, n_heads=2, n_kv_heads=1,
+                      head_dim=32, vocab_size=1000, context_length=64)
+    untied = LlamaModel(cfg)
+    total = sum(p.nbytes for p in untied.parameters())
+    assert B.weight_read_bytes(untied) == total - 999 * 64 * 4
+    tied = LlamaModel(cfg.__class__(**{**cfg.__dict__, "tie_embeddings": True}))
+    assert B.weight_read_bytes(tied) == sum(p.nbytes for p in tied.parameters())
+    del torch
