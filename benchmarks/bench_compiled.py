@@ -126,11 +126,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device; use --device cpu --tiny for the CPU logic check")
+    device, dtype = S.device_and_dtype(args.device,
+                                       "use --device cpu --tiny for the CPU logic check")
     g = S.TINY if args.tiny else S.LLAMA3_8B
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     contexts = args.resident_contexts + args.streamed_contexts
     ctx_len = max(contexts) + args.decode_steps + 64
     pcie = S.measure_h2d_gbps(device, args.pcie_mib << 20)

@@ -282,10 +282,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device; use --tiny for the CPU logic check")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = S.device_and_dtype(args.device, "use --tiny for the CPU logic check")
     ctx_len = max(args.contexts) + args.decode_steps + 64
     t_all = time.perf_counter()
 

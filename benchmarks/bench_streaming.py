@@ -179,6 +179,15 @@ def pcie_bound(gbps: float, kv_bytes: int, arena_bytes: int) -> float | None:
     return gbps * GB / streamed if streamed > 0 else None
 
 
+def device_and_dtype(name: str, cpu_hint: str) -> tuple[torch.device, torch.dtype]:
+    """The run's device (a missing CUDA device is an exit with `cpu_hint`) and the weights'
+    dtype: bf16 on CUDA, fp32 on the CPU."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"no CUDA device; {cpu_hint}")
+    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def random_ids(n: int, vocab: int, seed: int, device) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=gen).to(device)
@@ -484,11 +493,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device; use --device cpu --tiny for the CPU logic check")
+    device, dtype = device_and_dtype(args.device, "use --device cpu --tiny for the CPU logic check")
     g = TINY if args.tiny else LLAMA3_8B
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ctx_len = max(args.contexts) + args.decode_steps + 64
     hf_systems = [s for s in args.systems if s.startswith("hf-")]
     t_all = time.perf_counter()

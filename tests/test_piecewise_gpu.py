@@ -34,14 +34,8 @@ def llama():
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    from kvcompile.gguf.synthetic import preset_config, write_synthetic_gguf
-    from kvcompile.models.qwen35 import Qwen35Model
-    from kvcompile.weights import load_weights
-    path = tmp_path_factory.mktemp("hybrid") / "qwen35-tiny.gguf"
-    write_synthetic_gguf(preset_config("qwen35", "tiny", n_layers=8, vocab_size=512), path,
-                         "f32", seed=SEED % 1000)
-    w = load_weights(path, progress=False)
-    return Qwen35Model.from_weights(w.config, w.tensors, device=DEV)
+    from tiny_hybrid import tiny_hybrid
+    return tiny_hybrid(tmp_path_factory.mktemp("hybrid"), SEED % 1000, device=DEV)
 
 
 def make_cache(model, max_tokens, kv, streamed):

@@ -10,13 +10,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvcompile.gguf.synthetic import preset_config, write_synthetic_gguf
 from kvcompile.kv_cache import PagedKvCache
-from kvcompile.models.qwen35 import Qwen35Model
 from kvcompile.ops import kv_format as F
-from kvcompile.runtime import StreamingKvCache, forward
+from kvcompile.runtime import StreamingKvCache
 from kvcompile.runtime.arena import MIB, align
-from kvcompile.weights import load_weights
+from tiny_hybrid import tiny_hybrid, write_tiny_hybrid
 
 SEED = int.from_bytes(os.urandom(4), "little")
 PS, MAX_TOKENS = 16, 160
@@ -24,11 +22,7 @@ PS, MAX_TOKENS = 16, 160
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hybrid") / "qwen35-tiny.gguf"
-    write_synthetic_gguf(preset_config("qwen35", "tiny", n_layers=8, vocab_size=512), path,
-                         "f32", seed=SEED % 1000)
-    w = load_weights(path, progress=False)
-    return Qwen35Model.from_weights(w.config, w.tensors)
+    return tiny_hybrid(tmp_path_factory.mktemp("hybrid"), SEED % 1000)
 
 
 @torch.inference_mode()
@@ -96,9 +90,7 @@ def test_engine_streams_a_hybrid_model_without_touching_the_mtp_pages(tmp_path):
     speculative step reads the MTP layer), and generate what the all-resident engine does."""
     from kvcompile.engine import Engine
     from kvcompile.runtime import min_arena_bytes
-    path = tmp_path / "qwen35-tiny.gguf"
-    write_synthetic_gguf(preset_config("qwen35", "tiny", n_layers=8, vocab_size=512), path,
-                         "f32", seed=SEED % 1000)
+    path = write_tiny_hybrid(tmp_path / "qwen35-tiny.gguf", SEED % 1000)
     ref = Engine(str(path), ctx_size=256, progress=False)
     full = replace(ref.config, n_layers=ref.config.n_layers + ref.config.nextn_layers)
     need = min_arena_bytes(full, 256) / MIB

@@ -11,10 +11,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvcompile.gguf.synthetic import preset_config, write_synthetic_gguf
 from kvcompile.runtime import forward, make_kv_cache, min_arena_bytes
 from kvcompile.runtime.arena import MIB
-from kvcompile.weights import load_weights
+from tiny_hybrid import tiny_hybrid
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -24,12 +23,7 @@ DEV = "cuda"
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from kvcompile.models.qwen35 import Qwen35Model
-    path = tmp_path_factory.mktemp("hybrid") / "qwen35-tiny.gguf"
-    write_synthetic_gguf(preset_config("qwen35", "tiny", n_layers=8, vocab_size=512), path,
-                         "f32", seed=SEED % 1000)
-    w = load_weights(path, progress=False)
-    return Qwen35Model.from_weights(w.config, w.tensors, device=DEV)
+    return tiny_hybrid(tmp_path_factory.mktemp("hybrid"), SEED % 1000, device=DEV)
 
 
 def greedy(model, cache, prompt, n_decode, chunk=200, on_step=None):
