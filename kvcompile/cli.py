@@ -80,7 +80,21 @@ def _run_generate(args) -> int:
             print(f"[kv streaming: {r.kv['streamed_fraction']:.0%} of page reads from the ring, "
                   f"{r.kv['h2d_bytes'] / 2**20:.1f} MiB host->device, "
                   f"{r.kv['readiness_misses']} readiness misses]", file=sys.stderr)
+        if r.phases:
+            print(_graphs_line(r.phases), file=sys.stderr)
     return 0
+
+
+def _graphs_line(phases: dict) -> str:
+    """The --cuda-graphs statistics: phase programs, or piecewise decode graphs."""
+    if "piecewise_graphs" in phases:
+        line = (f"[cuda graphs: decode as {phases['piecewise_graphs']} piecewise graphs, "
+                f"{phases['replays']} replays")
+        if phases.get("fallback"):
+            line += f"; capture failed, decoded eagerly: {phases['fallback']}"
+        return line + "]"
+    return (f"[cuda graphs: {phases['captures']} program captures, "
+            f"{phases['transitions']} phase transitions]")
 
 
 def _add_info(sub) -> None:

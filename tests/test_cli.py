@@ -41,3 +41,22 @@ def test_info_reports_geometry_and_kv_bytes(smollm2_path):
     assert r.returncode == 0
     for word in ("llama", "30", "576", "q8_0", "q4_0"):
         assert word in r.stdout
+
+
+def test_cuda_graphs_flag_reports_its_programs():
+    # on the CPU the phase programs run eagerly: the same text, plus the programs' line
+    plain = cli("generate", "Once upon a time", "-n", "6", "--temperature", "0", "--no-progress")
+    r = cli("generate", "Once upon a time", "-n", "6", "--temperature", "0", "--no-progress",
+            "--cuda-graphs")
+    print(r.stderr)
+    assert r.returncode == 0 and r.stdout == plain.stdout
+    assert "[cuda graphs:" in r.stderr and "phase transitions" in r.stderr
+
+
+def test_graphs_line_names_piecewise_replays_and_a_fallback():
+    from kvcompile.cli import _graphs_line
+    ok = _graphs_line({"piecewise_graphs": 17, "captures": 1, "replays": 31})
+    assert ok == "[cuda graphs: decode as 17 piecewise graphs, 31 replays]"
+    bad = _graphs_line({"piecewise_graphs": 0, "captures": 0, "replays": 0,
+                        "fallback": "RuntimeError: x"})
+    assert "capture failed, decoded eagerly: RuntimeError: x" in bad
