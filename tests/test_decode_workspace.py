@@ -11,7 +11,7 @@ import torch
 from kernel_oracle import dense_reference, fill_pools, fresh_seed, rel_err, run_interpreted
 from kvcompile.errors import KvLayoutError
 from kvcompile.ops import kv_format as F
-from kvcompile.ops.span_attention.decode_kernel import decode_chunking
+from kvcompile.ops.span_attention.decode_split import decode_chunking
 from kvcompile.ops.span_attention.workspace import carve, decode_workspace_floats
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

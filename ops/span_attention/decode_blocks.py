@@ -6,18 +6,17 @@ chunking are unchanged; only the per-tile math differs (see quant_blocks for why
 """
 from __future__ import annotations
 
-import math
 import os
 
-import torch
 import triton
 import triton.language as tl
 
-from kvcompile.ops.span_attention.decode_kernel import (LOG2E, PROGRAMS_PER_SM, _decode_reduce,
-                                                        decode_chunking, span_attention_decode)
-from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, interpreting, k_split,
-                                                 launchable, num_sms, page_geometry, pool_args,
-                                                 query_operand)
+from kvcompile.ops.span_attention.decode_kernel import LOG2E, span_attention_decode
+from kvcompile.ops.span_attention.decode_split import (PROGRAMS_PER_SM, chunks, decode_shape,
+                                                       launch_reduce, program_rows_and_chunk,
+                                                       store_partial_stats)
+from kvcompile.ops.span_attention.launch import (dot_mode, interpreting, k_split, launchable,
+                                                 pool_args, query_operand)
 from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
                                                      qk_scores, v_operand)
 from kvcompile.ops.span_attention.workspace import MAX_PROGRAMS_PER_SM, carve
@@ -38,15 +37,9 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
     VQ: tl.constexpr = V_TYPE == 2 or V_TYPE == 8
     DA: tl.constexpr = D // 2 if V4 else D        # accumulator widths (q4_0: two halves)
     DB: tl.constexpr = D // 2 if V4 else 16
-    c = tl.program_id(0)
     h = tl.program_id(1)
-    r = tl.arange(0, BLOCK_M)
-    t = r // G
-    row_ok = t < n_rows
-    qp = tl.load(q_pos_ptr + t, mask=row_ok, other=-1)
-    n_ctx = tl.minimum(tl.max(qp, 0) + 1, table_len * P)
-    start = c * chunk_len
-    end = tl.minimum(start + chunk_len, n_ctx)  # start >= end: chunk past the context
+    r, t, row_ok, qp, n_ctx, start, end = program_rows_and_chunk(
+        q_pos_ptr, n_rows, chunk_len, table_len, G, P, BLOCK_M)
     qrow = q_ptr + t.to(tl.int64) * stride_qt + (h * G + r % G) * stride_qh
     if not KQ:
         d = tl.arange(0, D)
@@ -82,11 +75,8 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
                           v_code_halves, BLOCK_N, P, D, V_TYPE)
             acc_a = tl.dot(p16, v_operand(v, V_TYPE), acc_a * alpha[:, None])
         m_i = m_new
-    mrows = n_rows * G
-    slot = (h * n_chunks + c) * mrows + r
-    ok = (r < mrows) & (start < n_ctx)
-    tl.store(m_ptr + slot, m_i, mask=ok)
-    tl.store(l_ptr + slot, l_i, mask=ok)
+    slot, ok = store_partial_stats(m_ptr, l_ptr, m_i, l_i, r, h, n_chunks, n_rows, start,
+                                   n_ctx, G)
     base = acc_ptr + slot.to(tl.int64)[:, None] * D
     tl.store(base + value_columns(DA, 0 if V4 else -1)[None, :], acc_a, mask=ok[:, None])
     if V4:
@@ -121,17 +111,9 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
     """Same contract as decode_kernel.span_attention_decode; `maxnreg` caps registers a
     thread (more programs resident per SM). Launch options left None come from
     blocks_config."""
-    check_launch(q, k_pool, v_pool, page_table, q_pos, page_size)
-    n_rows, n_q_heads, head_dim = q.shape
-    kg = page_geometry(k_pool, k_type, page_size, head_dim)
-    vg = page_geometry(v_pool, v_type, page_size, head_dim)
-    n_kv = kg.n_heads
-    group = n_q_heads // n_kv
-    if out is None:
-        out = torch.empty_like(q)
-    assert out.shape == q.shape and out.stride(2) == 1, "out must be [T, Hq, D], last dim dense"
-    mrows = n_rows * group
-    block_m = max(16, triton.next_power_of_2(mrows))
+    sh = decode_shape(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, out)
+    kg, vg, head_dim = sh.kg, sh.vg, sh.head_dim
+    block_m = max(16, triton.next_power_of_2(sh.mrows))
     cfg = blocks_config(head_dim, block_m, kg.kv_type in (2, 8))
     block_n = min(block_n or cfg["block_n"], page_size)
     num_warps = num_warps or cfg["num_warps"]
@@ -141,33 +123,22 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
     assert programs_per_sm <= MAX_PROGRAMS_PER_SM or workspace is None, \
         "more programs an SM than the cache's workspace was sized for"
     assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
-    table_len = page_table.shape[0]
-    if chunk_len is None:
-        chunk_len, n_chunks = decode_chunking(table_len, page_size, n_kv, block_n,
-                                              num_sms(q.device), programs_per_sm)
-    else:
-        assert chunk_len % block_n == 0, "chunk_len must be a multiple of block_n"
-        n_chunks = math.ceil(table_len * page_size / chunk_len)
-    m_buf, l_buf, acc_buf = carve(workspace, n_kv, n_chunks, mrows, head_dim, q.device)
+    chunk_len, n_chunks = chunks(sh, page_size, block_n, chunk_len, programs_per_sm, q.device)
+    bufs = carve(workspace, sh.n_kv, n_chunks, sh.mrows, head_dim, q.device)
     qk_f16 = dot_mode(q.dtype, kg.kv_type)
     q16 = query_operand(q, qk_f16)
     kv, ks, kpe, kph, kch = pool_args(k_pool, kg, raw_codes=True)
     vv, vs, vpe, vph, vch = pool_args(v_pool, vg, raw_codes=True)
-    launchable(_decode_split_blocks)[(n_chunks, n_kv)](
-        q16, kv, ks, vv, vs, page_table, q_pos, m_buf, l_buf, acc_buf,
-        q16.stride(0), q16.stride(1), n_rows, n_chunks, chunk_len, table_len,
+    launchable(_decode_split_blocks)[(n_chunks, sh.n_kv)](
+        q16, kv, ks, vv, vs, page_table, q_pos, *bufs,
+        q16.stride(0), q16.stride(1), sh.n_rows, n_chunks, chunk_len, sh.table_len,
         kpe, kph, kch, vpe, vph, vch,
-        QK_SCALE=scale * LOG2E, G=group, D=head_dim, P=page_size, BLOCK_M=block_m,
+        QK_SCALE=scale * LOG2E, G=sh.group, D=head_dim, P=page_size, BLOCK_M=block_m,
         BLOCK_N=block_n, K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16,
         K_SPLIT=k_split(kg.kv_type), INTERP=interpreting(),
         num_warps=num_warps, num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg and not interpreting() else {}))
-    launchable(_decode_reduce)[(n_kv, mrows)](
-        m_buf, l_buf, acc_buf, q_pos, out, out.stride(0), out.stride(1),
-        n_rows, n_chunks, chunk_len, table_len,
-        G=group, D=head_dim, P=page_size, ROWS_P2=max(2, triton.next_power_of_2(n_rows)),
-        BLOCK_C=16, num_warps=4)
-    return out
+    return launch_reduce(sh, bufs, q_pos, n_chunks, chunk_len, page_size)
 
 
 DECODE_IMPLS = {"legacy": span_attention_decode, "blocks": span_attention_decode_blocks}

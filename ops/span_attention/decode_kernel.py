@@ -3,22 +3,21 @@
 Pass 1 (`_decode_split`): program (chunk c, KV head h) covers logical positions
 [c * CHUNK, (c + 1) * CHUNK) for all query rows and all query heads of h's group
 (M = rows * group rows of one tl.dot), dequantizes each tile in registers and writes a
-partial (m, l, acc). Pass 2 (`_decode_reduce`): one program per (h, row) merges the
-partials in chunk order. Chunks are cut by logical position from the page table's length
+partial (m, l, acc). Pass 2 (`decode_split._decode_reduce`): one program per (h, row)
+merges the partials in chunk order. Chunks are cut by logical position from the page table's length
 only, never by where a page lives, so any placement of the same logical KV gives bitwise
 the same output. The context length is read from q_pos on the device (no host sync).
 """
 from __future__ import annotations
 
-import math
-
-import torch
 import triton
 import triton.language as tl
 
-from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, interpreting, k_split,
-                                                 launchable, pool_args, query_operand,
-                                                 num_sms, page_geometry)
+from kvcompile.ops.span_attention.decode_split import (PROGRAMS_PER_SM, chunks, decode_shape,
+                                                       launch_reduce, program_rows_and_chunk,
+                                                       store_partial_stats)
+from kvcompile.ops.span_attention.launch import (dot_mode, interpreting, k_split, launchable,
+                                                 pool_args, query_operand)
 from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
                                                      qk_quantized, qk_scores, v_operand)
 from kvcompile.ops.span_attention.workspace import carve
@@ -35,16 +34,9 @@ def _decode_split(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QK_F16: tl.constexpr,
                   K_SPLIT: tl.constexpr, INTERP: tl.constexpr):
-    c = tl.program_id(0)
     h = tl.program_id(1)
-    n_kv = tl.num_programs(1)
-    r = tl.arange(0, BLOCK_M)
-    t = r // G
-    row_ok = t < n_rows
-    qp = tl.load(q_pos_ptr + t, mask=row_ok, other=-1)
-    n_ctx = tl.minimum(tl.max(qp, 0) + 1, table_len * P)
-    start = c * chunk_len
-    end = tl.minimum(start + chunk_len, n_ctx)  # start >= end: chunk past the context
+    r, t, row_ok, qp, n_ctx, start, end = program_rows_and_chunk(
+        q_pos_ptr, n_rows, chunk_len, table_len, G, P, BLOCK_M)
     d = tl.arange(0, D)
     qrow = q_ptr + t.to(tl.int64) * stride_qt + (h * G + r % G) * stride_qh
     q = tl.load(qrow[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
@@ -71,63 +63,9 @@ def _decode_split(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
                       v_code_halves, BLOCK_N, P, D, V_TYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v_operand(v, V_TYPE))
         m_i = m_new
-    mrows = n_rows * G
-    slot = (h * n_chunks + c) * mrows + r
-    ok = (r < mrows) & (start < n_ctx)
-    tl.store(m_ptr + slot, m_i, mask=ok)
-    tl.store(l_ptr + slot, l_i, mask=ok)
+    slot, ok = store_partial_stats(m_ptr, l_ptr, m_i, l_i, r, h, n_chunks, n_rows, start,
+                                   n_ctx, G)
     tl.store(acc_ptr + slot.to(tl.int64)[:, None] * D + d[None, :], acc, mask=ok[:, None])
-
-
-@triton.jit
-def _decode_reduce(m_ptr, l_ptr, acc_ptr, q_pos_ptr, out_ptr, stride_ot, stride_oh,
-                   n_rows, n_chunks, chunk_len, table_len,
-                   G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-                   ROWS_P2: tl.constexpr, BLOCK_C: tl.constexpr):
-    h = tl.program_id(0)
-    r = tl.program_id(1)
-    tr = tl.arange(0, ROWS_P2)
-    qp = tl.load(q_pos_ptr + tr, mask=tr < n_rows, other=-1)
-    n_ctx = tl.minimum(tl.max(qp, 0) + 1, table_len * P)
-    used = tl.cdiv(n_ctx, chunk_len)
-    mrows = n_rows * G
-    d = tl.arange(0, D)
-    m_run = tl.full([1], float("-inf"), tl.float32)
-    l_run = tl.zeros([1], tl.float32)
-    acc = tl.zeros([D], tl.float32)
-    for c0 in range(0, used, BLOCK_C):
-        cc = c0 + tl.arange(0, BLOCK_C)
-        ok = cc < used
-        slot = (h * n_chunks + cc) * mrows + r
-        mc = tl.load(m_ptr + slot, mask=ok, other=float("-inf"))
-        lc = tl.load(l_ptr + slot, mask=ok, other=0.0)
-        ac = tl.load(acc_ptr + slot.to(tl.int64)[:, None] * D + d[None, :],
-                     mask=ok[:, None], other=0.0)
-        m_new = tl.maximum(m_run, tl.max(mc, 0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_use)
-        w = tl.exp2(mc - m_use)
-        l_run = l_run * alpha + tl.sum(lc * w, 0)
-        acc = acc * alpha + tl.sum(ac * w[:, None], 0)
-        m_run = m_new
-    t = r // G
-    g = r % G
-    o = acc / l_run
-    optr = out_ptr + t.to(tl.int64) * stride_ot + (h * G + g) * stride_oh + d
-    tl.store(optr, o.to(out_ptr.dtype.element_ty))
-
-
-PROGRAMS_PER_SM = 2
-
-
-def decode_chunking(table_len: int, page_size: int, n_kv_heads: int, block_n: int,
-                    sms: int, programs_per_sm: int = PROGRAMS_PER_SM) -> tuple[int, int]:
-    """(chunk_len, n_chunks): about `programs_per_sm` programs per SM over the table."""
-    n_tiles = table_len * page_size // block_n
-    want = max(1, (programs_per_sm * sms) // n_kv_heads)
-    tiles_per_chunk = max(1, math.ceil(n_tiles / want))
-    chunk_len = tiles_per_chunk * block_n
-    return chunk_len, math.ceil(table_len * page_size / chunk_len)
 
 
 def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size,
@@ -136,29 +74,15 @@ def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, 
     """Launch the split + reduce kernels; `out` may be given in any float dtype (tests use
     fp32 to see the kernel's own error without the final rounding); `workspace` is an fp32
     buffer for the partials (workspace.py), allocated per call when None."""
-    check_launch(q, k_pool, v_pool, page_table, q_pos, page_size)
-    n_rows, n_q_heads, head_dim = q.shape
-    kg = page_geometry(k_pool, k_type, page_size, head_dim)
-    vg = page_geometry(v_pool, v_type, page_size, head_dim)
-    n_kv = kg.n_heads
-    group = n_q_heads // n_kv
-    if out is None:
-        out = torch.empty_like(q)
-    assert out.shape == q.shape and out.stride(2) == 1, "out must be [T, Hq, D], last dim dense"
+    sh = decode_shape(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, out)
+    kg, vg, head_dim = sh.kg, sh.vg, sh.head_dim
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
     block_n = min(block_n, page_size)
     assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
-    table_len = page_table.shape[0]
-    if chunk_len is None:
-        chunk_len, n_chunks = decode_chunking(table_len, page_size, n_kv, block_n,
-                                              num_sms(q.device), programs_per_sm)
-    else:
-        assert chunk_len % block_n == 0, "chunk_len must be a multiple of block_n"
-        n_chunks = math.ceil(table_len * page_size / chunk_len)
-    mrows = n_rows * group
-    block_m = max(16, triton.next_power_of_2(mrows))
-    m_buf, l_buf, acc_buf = carve(workspace, n_kv, n_chunks, mrows, head_dim, q.device)
+    chunk_len, n_chunks = chunks(sh, page_size, block_n, chunk_len, programs_per_sm, q.device)
+    block_m = max(16, triton.next_power_of_2(sh.mrows))
+    bufs = carve(workspace, sh.n_kv, n_chunks, sh.mrows, head_dim, q.device)
     qk_f16 = dot_mode(q.dtype, kg.kv_type)
     q16 = query_operand(q, qk_f16)
     if num_warps is None:
@@ -167,18 +91,13 @@ def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, 
         num_stages = 2
     kv, ks, kpe, kph, kch = pool_args(k_pool, kg)
     vv, vs, vpe, vph, vch = pool_args(v_pool, vg)
-    launchable(_decode_split)[(n_chunks, n_kv)](
-        q16, kv, ks, vv, vs, page_table, q_pos, m_buf, l_buf, acc_buf,
-        q16.stride(0), q16.stride(1), n_rows, n_chunks, chunk_len, table_len,
+    launchable(_decode_split)[(n_chunks, sh.n_kv)](
+        q16, kv, ks, vv, vs, page_table, q_pos, *bufs,
+        q16.stride(0), q16.stride(1), sh.n_rows, n_chunks, chunk_len, sh.table_len,
         kpe, kph, kch, vpe, vph, vch,
-        QK_SCALE=scale * LOG2E, G=group, D=head_dim, P=page_size, BLOCK_M=block_m,
+        QK_SCALE=scale * LOG2E, G=sh.group, D=head_dim, P=page_size, BLOCK_M=block_m,
         BLOCK_N=block_n,
         K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16, K_SPLIT=k_split(kg.kv_type),
         INTERP=interpreting(),
         num_warps=num_warps, num_stages=num_stages)
-    launchable(_decode_reduce)[(n_kv, mrows)](
-        m_buf, l_buf, acc_buf, q_pos, out, out.stride(0), out.stride(1),
-        n_rows, n_chunks, chunk_len, table_len,
-        G=group, D=head_dim, P=page_size, ROWS_P2=max(2, triton.next_power_of_2(n_rows)),
-        BLOCK_C=16, num_warps=4)
-    return out
+    return launch_reduce(sh, bufs, q_pos, n_chunks, chunk_len, page_size)

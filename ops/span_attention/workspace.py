@@ -14,7 +14,7 @@ from kvcompile.errors import KvLayoutError
 
 
 # Most programs an SM any decode launch config asks for (decode_blocks.blocks_config,
-# decode_kernel.PROGRAMS_PER_SM): what a cache's workspace is sized for.
+# decode_split.PROGRAMS_PER_SM): what a cache's workspace is sized for.
 MAX_PROGRAMS_PER_SM = 4
 
 

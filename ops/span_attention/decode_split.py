@@ -1,0 +1,144 @@
+"""What both decode implementations (decode_kernel, decode_blocks) share around their split
+kernels: the launch's shapes and output, the chunking of the page table, a program's query
+rows and chunk of positions, its partial softmax statistics, and the reduce launch."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcompile.ops.span_attention.launch import (PageGeometry, check_launch, launchable,
+                                                 num_sms, page_geometry)
+
+PROGRAMS_PER_SM = 2
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    n_rows: int
+    head_dim: int
+    group: int                 # query heads a KV head
+    n_kv: int
+    mrows: int                 # query rows x group: the rows of one program's tile
+    table_len: int
+    kg: PageGeometry
+    vg: PageGeometry
+    out: torch.Tensor
+
+
+def decode_shape(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size,
+                 out) -> DecodeShape:
+    """Check the launch and size it; `out` (any float dtype) is allocated like q when None."""
+    check_launch(q, k_pool, v_pool, page_table, q_pos, page_size)
+    n_rows, n_q_heads, head_dim = q.shape
+    kg = page_geometry(k_pool, k_type, page_size, head_dim)
+    vg = page_geometry(v_pool, v_type, page_size, head_dim)
+    group = n_q_heads // kg.n_heads
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(2) == 1, "out must be [T, Hq, D], last dim dense"
+    return DecodeShape(n_rows, head_dim, group, kg.n_heads, n_rows * group,
+                       page_table.shape[0], kg, vg, out)
+
+
+def decode_chunking(table_len: int, page_size: int, n_kv_heads: int, block_n: int,
+                    sms: int, programs_per_sm: int = PROGRAMS_PER_SM) -> tuple[int, int]:
+    """(chunk_len, n_chunks): about `programs_per_sm` programs per SM over the table."""
+    n_tiles = table_len * page_size // block_n
+    want = max(1, (programs_per_sm * sms) // n_kv_heads)
+    tiles_per_chunk = max(1, math.ceil(n_tiles / want))
+    chunk_len = tiles_per_chunk * block_n
+    return chunk_len, math.ceil(table_len * page_size / chunk_len)
+
+
+def chunks(sh: DecodeShape, page_size: int, block_n: int, chunk_len: int | None,
+           programs_per_sm: int, device) -> tuple[int, int]:
+    """(chunk_len, n_chunks): the caller's chunk_len (a multiple of block_n), else about
+    programs_per_sm programs an SM."""
+    if chunk_len is None:
+        return decode_chunking(sh.table_len, page_size, sh.n_kv, block_n, num_sms(device),
+                               programs_per_sm)
+    assert chunk_len % block_n == 0, "chunk_len must be a multiple of block_n"
+    return chunk_len, math.ceil(sh.table_len * page_size / chunk_len)
+
+
+@triton.jit
+def program_rows_and_chunk(q_pos_ptr, n_rows, chunk_len, table_len, G: tl.constexpr,
+                           P: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The program's tile rows r (query row t = r // G), which exist, their positions, the
+    context length and the program's chunk [start, end) of logical positions (empty past
+    the context). The context is read from q_pos on the device: no host sync."""
+    r = tl.arange(0, BLOCK_M)
+    t = r // G
+    row_ok = t < n_rows
+    qp = tl.load(q_pos_ptr + t, mask=row_ok, other=-1)
+    n_ctx = tl.minimum(tl.max(qp, 0) + 1, table_len * P)
+    start = tl.program_id(0) * chunk_len
+    end = tl.minimum(start + chunk_len, n_ctx)  # start >= end: chunk past the context
+    return r, t, row_ok, qp, n_ctx, start, end
+
+
+@triton.jit
+def store_partial_stats(m_ptr, l_ptr, m_i, l_i, r, h, n_chunks, n_rows, start, n_ctx,
+                        G: tl.constexpr):
+    """Store the program's running max and sum; returns (slot, ok) for its accumulator."""
+    mrows = n_rows * G
+    slot = (h * n_chunks + tl.program_id(0)) * mrows + r
+    ok = (r < mrows) & (start < n_ctx)
+    tl.store(m_ptr + slot, m_i, mask=ok)
+    tl.store(l_ptr + slot, l_i, mask=ok)
+    return slot, ok
+
+
+@triton.jit
+def _decode_reduce(m_ptr, l_ptr, acc_ptr, q_pos_ptr, out_ptr, stride_ot, stride_oh,
+                   n_rows, n_chunks, chunk_len, table_len,
+                   G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+                   ROWS_P2: tl.constexpr, BLOCK_C: tl.constexpr):
+    h = tl.program_id(0)
+    r = tl.program_id(1)
+    tr = tl.arange(0, ROWS_P2)
+    qp = tl.load(q_pos_ptr + tr, mask=tr < n_rows, other=-1)
+    n_ctx = tl.minimum(tl.max(qp, 0) + 1, table_len * P)
+    used = tl.cdiv(n_ctx, chunk_len)
+    mrows = n_rows * G
+    d = tl.arange(0, D)
+    m_run = tl.full([1], float("-inf"), tl.float32)
+    l_run = tl.zeros([1], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    for c0 in range(0, used, BLOCK_C):
+        cc = c0 + tl.arange(0, BLOCK_C)
+        ok = cc < used
+        slot = (h * n_chunks + cc) * mrows + r
+        mc = tl.load(m_ptr + slot, mask=ok, other=float("-inf"))
+        lc = tl.load(l_ptr + slot, mask=ok, other=0.0)
+        ac = tl.load(acc_ptr + slot.to(tl.int64)[:, None] * D + d[None, :],
+                     mask=ok[:, None], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(mc, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_use)
+        w = tl.exp2(mc - m_use)
+        l_run = l_run * alpha + tl.sum(lc * w, 0)
+        acc = acc * alpha + tl.sum(ac * w[:, None], 0)
+        m_run = m_new
+    t = r // G
+    g = r % G
+    o = acc / l_run
+    optr = out_ptr + t.to(tl.int64) * stride_ot + (h * G + g) * stride_oh + d
+    tl.store(optr, o.to(out_ptr.dtype.element_ty))
+
+
+def launch_reduce(sh: DecodeShape, bufs, q_pos, n_chunks: int, chunk_len: int,
+                  page_size: int) -> torch.Tensor:
+    """Pass 2: one program per (KV head, tile row) merges the partials in chunk order."""
+    m_buf, l_buf, acc_buf = bufs
+    out = sh.out
+    launchable(_decode_reduce)[(sh.n_kv, sh.mrows)](
+        m_buf, l_buf, acc_buf, q_pos, out, out.stride(0), out.stride(1),
+        sh.n_rows, n_chunks, chunk_len, sh.table_len,
+        G=sh.group, D=sh.head_dim, P=page_size,
+        ROWS_P2=max(2, triton.next_power_of_2(sh.n_rows)), BLOCK_C=16, num_warps=4)
+    return out
