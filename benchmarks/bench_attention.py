@@ -224,7 +224,10 @@ def main() -> None:
             dict(block_n=32, num_warps=1, num_stages=3, programs_per_sm=8),
             dict(block_n=64, num_warps=1, num_stages=3, programs_per_sm=8),
             dict(block_n=32, num_warps=2, num_stages=3, programs_per_sm=6),
-            dict(block_n=32, num_warps=2, num_stages=3, programs_per_sm=8, maxnreg=128)]}
+            dict(block_n=32, num_warps=2, num_stages=3, programs_per_sm=8, maxnreg=128),
+            # fewer, longer chunks: at 32K the fixed cost (partials, reduce) dominates
+            dict(programs_per_sm=1), dict(block_n=64, num_warps=2, num_stages=3,
+                                          programs_per_sm=1)]}
         rows += bench_decode(hbm, [int(r) for r in args.rows.split(",")], ctxs, dcfg,
                              args.impls.split(","))
     if "prefill" in parts:
