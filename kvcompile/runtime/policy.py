@@ -9,7 +9,8 @@ engine has slack ask for more lookahead; a ring mostly idle with no misses gives
 to the resident side. A saturated copy engine keeps the depth: going back to depth 1 would
 save a few percent of the bytes (one layer's ring share becomes resident) but serialises
 each layer's copy behind the previous layer's attention, which costs more than it saves
-(measured on the H200: the split flipped between 1 and 2 every few steps, each flip a drain). Hysteresis: a new split is accepted only when it differs by at least
+(measured on the H200: the split flipped between 1 and 2 every few steps, each flip a
+drain). Hysteresis: a new split is accepted only when it differs by at least
 `hysteresis_pages` per layer and was proposed `patience` steps in a row -- unless the
 current split cannot serve the next forward at all (forced). A change that would hand a
 still-leased page to another role is never accepted; the caller drains and asks again.
