@@ -23,7 +23,8 @@ Systems (`ours*` run once per --kv entry):
 The KV cache holds pages for the 16 main attention layers only: the GDN state
 (RecurrentState, fp32) stays on the device and is never streamed, and the MTP layer gets
 no pages because no speculative (MTP) step runs here. Every row prefills the context in
---ubatch chunks (timed), then decodes greedily: 1 warm-up step, --decode-steps timed.
+--ubatch chunks (timed), then decodes greedily: 1 warm-up step (2 for ours-graphs: the
+eager first step and the capture), --decode-steps timed.
 
 PCIe bound, as in bench_streaming (whose helpers this script imports): pcie_bound_tok_s =
 pcie_gbps_measured / (attention KV bytes of the context - arena bytes), None when the
@@ -42,13 +43,12 @@ import tempfile
 import time
 import traceback
 import zlib
-from types import SimpleNamespace
+from dataclasses import replace
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
 import bench_streaming as S  # noqa: E402
-from kvcompile.errors import KvcompileError  # noqa: E402
 from kvcompile.gguf.arch_config import config_from_metadata  # noqa: E402
 from kvcompile.gguf.synthetic_presets import add_model_metadata, preset_config  # noqa: E402
 from kvcompile.models.qwen35 import Qwen35Model  # noqa: E402
@@ -131,14 +131,12 @@ def weight_bytes(model: Qwen35Model) -> int:
 
 
 def attention_layers(model: Qwen35Model) -> tuple[int, ...]:
-    """The main attention layers (kv_layers ends with the MTP layer, which no step here runs)."""
-    return tuple(i for i in model.kv_layers if i < model.config.n_layers)
+    """The main attention layers (the MTP layer gets no pages: no step here runs it)."""
+    return model.trunk_kv_layers
 
 
 def kv_bytes_per_token(model, k_type: str, v_type: str) -> int:
-    c = model.config
-    return S.kv_bytes_per_token(SimpleNamespace(n_layers=len(attention_layers(model)),
-                                                n_kv_heads=c.n_kv_heads, head_dim=c.head_dim),
+    return S.kv_bytes_per_token(replace(model.config, n_layers=len(attention_layers(model))),
                                 k_type, v_type)
 
 
@@ -213,7 +211,7 @@ def target_line(rows: list[dict]) -> str:
 
 
 def print_report(rows: list[dict], sanity_res: dict | None) -> None:
-    S.print_table(rows, None)
+    S.print_table(rows, None, targets_too=False)   # the hybrid target is its own line
     print("hybrid: weights GB, GDN state MB (on the device, never streamed), first decoded "
           "tokens equal to ours-resident's (else, for ours-graphs, eager ours')")
     for r in rows:
@@ -224,7 +222,7 @@ def print_report(rows: list[dict], sanity_res: dict | None) -> None:
                and x["context"] == r["context"] and x["kv_type"] == r["kv_type"]
                and (name == "ours-resident" or r["system"] == "ours-graphs")]
         a, b = r["decode_tokens"], ref[0]["decode_tokens"] if ref else None
-        same = a[:len(b)] == b[:len(a)] if b is not None else None   # warm-ups differ
+        same = a[:len(b)] == b[:len(a)] if b is not None else None   # lengths may differ
         tel = r.get("telemetry") or {}
         print(f"  {r['system']:14} {r['context']:>8} {r['kv_type']:>10}  weights "
               f"{r['weight_bytes'] / GB:6.2f}  GDN {r['gdn_state_bytes'] / MB:7.1f}  "
@@ -299,9 +297,8 @@ def main(argv=None) -> list[dict]:
     t = time.perf_counter()
     model = build_model(plan, config, dtype, device, args.seed)
     S.sync(device)
-    w_bytes = weight_bytes(model)
-    S.log(f"weights: {w_bytes / GB:.2f} GB in {time.perf_counter() - t:.1f} s; GDN: "
-          f"{gdn_backend(device)}")
+    w_bytes, gdn = weight_bytes(model), gdn_backend(device)
+    S.log(f"weights: {w_bytes / GB:.2f} GB in {time.perf_counter() - t:.1f} s; GDN: {gdn}")
     attn = attention_layers(model)
     meta = dict(geometry=geometry, preset="seed-27b" if not args.tiny else "qwen35 tiny",
                 layers=config.n_layers, attention_layers=list(attn),
@@ -312,7 +309,7 @@ def main(argv=None) -> list[dict]:
                 gdn_k_heads=config.ssm_k_heads, gdn_v_heads=config.ssm_v_heads,
                 gdn_head_dim=config.ssm_head_dim, conv_kernel=config.ssm_conv_kernel,
                 weights_dtype=str(dtype).replace("torch.", ""), weight_bytes=w_bytes,
-                gdn_backend=gdn_backend(device),
+                gdn_backend=gdn,
                 mtp_kv="none: no MTP (speculative) step runs, so the MTP layer gets no pages",
                 device=torch.cuda.get_device_name(device) if device.type == "cuda"
                 else platform.processor() or platform.machine(),
@@ -359,24 +356,14 @@ def main(argv=None) -> list[dict]:
                            decode_steps=args.decode_steps, device=meta["device"])
                 S.log(f"{system} {kv} arena {arena:g} MiB @ {ctx}")
                 try:
-                    row.update(run_row(model, ctx, kv, arena, args, device, ids,
-                                       graphs=system == "ours-graphs"))
-                    row["status"] = "ok"
-                    row["prefill_tok_s"] = ctx / row["prefill_s"]
-                    row["decode_tok_s"] = args.decode_steps / row["decode_s"]
-                    b = row["pcie_bound_tok_s"]
-                    row["decode_vs_bound"] = row["decode_tok_s"] / b if b else None
+                    S.finish(row, run_row(model, ctx, kv, arena, args, device, ids,
+                                          graphs=system == "ours-graphs"), args.decode_steps)
                     S.log(f"  prefill {row['prefill_tok_s']:.0f} tok/s, decode "
                           f"{row['decode_tok_s']:.2f} tok/s (bound "
-                          f"{S.fmt(b, '.2f')}), h2d {row['h2d_bytes_per_token'] / MB:.1f} MB/token")
+                          f"{S.fmt(row['pcie_bound_tok_s'], '.2f')}), h2d "
+                          f"{row['h2d_bytes_per_token'] / MB:.1f} MB/token")
                 except Exception as e:
-                    oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
-                    row.update(status="skipped" if oom or isinstance(e, KvcompileError)
-                               else "error",
-                               reason=f"{'OOM: ' if oom else ''}{type(e).__name__}: {e}"[:500])
-                    if row["status"] == "error":
-                        traceback.print_exc()
-                    S.log(f"{system} @ {ctx}: {row['status']}: {row['reason'][:200]}")
+                    S.failed(row, e)
                 rows.append(row)
                 S.save(rows, meta, args.out)
                 S.free_memory(device)

@@ -224,8 +224,7 @@ def ours_decode(model, cache, first: int, start: int, n: int, device, program=No
 
 def trunk_layers(model):
     """The KV layers a plain forward acquires (a hybrid model's MTP layer excluded)."""
-    layers = getattr(model, "kv_layers", None)
-    return None if layers is None else tuple(i for i in layers if i < model.config.n_layers)
+    return getattr(model, "trunk_kv_layers", None)
 
 
 def timed_generation(model, cache, ids: torch.Tensor, ctx: int, args, device,
@@ -274,6 +273,27 @@ def timed_generation(model, cache, ids: torch.Tensor, ctx: int, args, device,
         row["h2d_bytes_per_token"] = 0
         row["h2d_source"] = "all resident"
     return row
+
+
+def finish(row: dict, res: dict, decode_steps: int) -> None:
+    """A measured row: the run's results, ok, tok/s and the share of its PCIe bound."""
+    row.update(res)
+    row["status"] = "ok"
+    row["prefill_tok_s"] = row["context"] / res["prefill_s"] if res.get("prefill_s") else None
+    row["decode_tok_s"] = decode_steps / res["decode_s"]
+    b = row["pcie_bound_tok_s"]
+    row["decode_vs_bound"] = row["decode_tok_s"] / b if b else None
+
+
+def failed(row: dict, e: Exception) -> None:
+    """A row whose run raised: skipped (out of memory, or refused with a KvcompileError)
+    with the reason, else an error with its traceback in the log."""
+    oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+    row.update(status="skipped" if oom or isinstance(e, KvcompileError) else "error",
+               reason=f"{'OOM: ' if oom else ''}{type(e).__name__}: {e}"[:500])
+    if row["status"] == "error":
+        traceback.print_exc()
+    log(f"{row['system']} @ {row['context']}: {row['status']}: {row['reason'][:200]}")
 
 
 def close_cache(cache) -> None:
@@ -325,8 +345,7 @@ def sanity(ours, hf, g, args, device, kvs) -> dict:
                     first = int(logits[-1].argmax())
                     greedy = [first] + ours_decode(ours, cache, first, n, steps - 1, device)
                 finally:
-                    if hasattr(cache, "close"):
-                        cache.close()
+                    close_cache(cache)
                 key = f"ours {kv} {name}"
                 entry = {"greedy": greedy}
                 if name == "resident":
@@ -405,7 +424,7 @@ def fmt(x, spec: str) -> str:
     return format(x, spec)
 
 
-def print_table(rows: list[dict], sanity_res: dict | None) -> None:
+def print_table(rows: list[dict], sanity_res: dict | None, targets_too: bool = True) -> None:
     hdr = (f"{'system':14} {'context':>8} {'kv':>10} {'arena MiB':>9} {'KV GB':>7} "
            f"{'prefill t/s':>11} {'decode t/s':>10} {'h2d MB/tok':>10} {'PCIe GB/s':>9} "
            f"{'bound t/s':>9} {'x bound':>7}  status")
@@ -420,7 +439,7 @@ def print_table(rows: list[dict], sanity_res: dict | None) -> None:
               f"{r['pcie_gbps_measured']:9.1f} {fmt(r.get('pcie_bound_tok_s'), '9.2f')} "
               f"{fmt(r.get('decode_vs_bound'), '7.2f')}  "
               f"{'ok' if ok else r.get('status')}{'' if ok else ': ' + str(r.get('reason'))[:80]}")
-    for t in targets(rows):
+    for t in targets(rows) if targets_too else ():
         hf = ("" if t["decode_vs_hf_offload"] is None else
               f"{fmt(t['decode_vs_hf_offload'], '.2f')} x hf-offload "
               f"(>= 4: {t['meets_4x_hf_offload']}), ")
@@ -574,22 +593,6 @@ def main(argv=None) -> list[dict]:
                     if system in STREAMED + ("hf-offload",) else None,
                     decode_steps=args.decode_steps, device=meta["device"])
 
-    def finish(row, res):
-        row.update(res)
-        row["status"] = "ok"
-        row["prefill_tok_s"] = row["context"] / res["prefill_s"] if res.get("prefill_s") else None
-        row["decode_tok_s"] = args.decode_steps / res["decode_s"]
-        b = row["pcie_bound_tok_s"]
-        row["decode_vs_bound"] = row["decode_tok_s"] / b if b else None
-
-    def failed(row, e):
-        oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
-        row.update(status="skipped" if oom or isinstance(e, KvcompileError) else "error",
-                   reason=f"{'OOM: ' if oom else ''}{type(e).__name__}: {e}"[:500])
-        if row["status"] == "error":
-            traceback.print_exc()
-        log(f"{row['system']} @ {row['context']}: {row['status']}: {row['reason'][:200]}")
-
     def record(row):
         rows.append(row)
         save(rows, meta, args.out)
@@ -604,7 +607,7 @@ def main(argv=None) -> list[dict]:
                 log(f"{system} {kv} arena {arena:g} MiB @ {ctx}")
                 try:
                     finish(row, run_ours(ours, g, ctx, kv, arena, args, device, ids,
-                                            graphs=system == "ours-graphs"))
+                                            graphs=system == "ours-graphs"), args.decode_steps)
                     log(f"  prefill {row['prefill_tok_s']:.0f} tok/s, decode "
                         f"{row['decode_tok_s']:.2f} tok/s, h2d "
                         f"{row['h2d_bytes_per_token'] / MB:.1f} MB/token")
@@ -628,7 +631,7 @@ def main(argv=None) -> list[dict]:
             for s in todo:
                 row = hf_rows[s]
                 if s in res:
-                    finish(row, res[s])
+                    finish(row, res[s], args.decode_steps)
                     # offloading moves the whole KV in each decode step (layer by layer)
                     row["h2d_bytes_per_token"] = row["kv_bytes"] if s == "hf-offload" else 0
                     row["h2d_source"] = "model: every layer prefetched each step" \

@@ -35,9 +35,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvcompile.config import ModelConfig
-from kvcompile.ops import kv_format as F
-from kvcompile.runtime.arena import MIB, align
-from kvcompile.runtime.streaming_cache import StreamingKvCache, forward
+from kvcompile.runtime.arena import MIB
+from kvcompile.runtime.streaming_cache import StreamingKvCache, forward, min_arena_bytes
 
 HOST_READS = ("tolist", "item", "__int__", "__index__", "__float__", "__bool__", "cpu",
               "numpy")
@@ -209,9 +208,8 @@ def geometry(layers: int = 32):
 
 
 def arena_mib(cfg, pages: int, k="q8_0", v="q4_0", page_size=256) -> float:
-    kb, vb = (F.page_bytes(F.kv_type(t), page_size, cfg.n_kv_heads, cfg.head_dim)
-              for t in (k, v))
-    return (align(pages * kb) + align(pages * vb) + 2 * 256) / MIB
+    """The smallest arena for `pages` pages a layer, plus two alignment units."""
+    return (min_arena_bytes(cfg, pages * page_size, k, v, page_size) + 2 * 256) / MIB
 
 
 def count(layers=32, ctx=8192, arena_pages=630, steps=4, prefill_chunk=4096,

@@ -15,16 +15,12 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
 from bench_streaming import (LLAMA3_8B, TINY, build_models, close_cache,  # noqa: E402
-                             ours_decode, ours_prefill)
+                             device_and_dtype, ours_decode, ours_prefill, random_ids)
+from bench_util import free_memory, sync  # noqa: E402
 
 from kvcompile.runtime.make import make_kv_cache  # noqa: E402
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -37,11 +33,10 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny geometry (a CPU smoke run)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "profile_decode.json"))
     a = ap.parse_args()
-    dev = torch.device(a.device)
+    dev, dtype = device_and_dtype(a.device, "use --device cpu --tiny for a CPU smoke run")
     g = TINY if a.tiny else dataclasses.replace(LLAMA3_8B, n_layers=a.layers)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model, *_ = build_models(g, a.ctx + 64, dtype, dev, 0, want_hf=False)
-    ids = torch.randint(0, g.vocab, (a.ctx,), device=dev)
+    ids = random_ids(a.ctx, g.vocab, 0, dev)
     res = {}
     for name, arena in (("resident", 0), ("streaming", a.arena)):
         kv = ("q8_0", "q4_0") if dev.type == "cuda" else ("f32", "f32")
@@ -50,15 +45,15 @@ def main() -> None:
         with torch.inference_mode():
             first = int(ours_prefill(model, cache, ids, 4096, dev, "prefill").argmax())
             ours_decode(model, cache, first, a.ctx, 2, dev)          # warm
-            sync()
+            sync(dev)
             t = time.perf_counter()
             ours_decode(model, cache, first, a.ctx + 2, a.steps, dev)
-            sync()
+            sync(dev)
             step_ms = (time.perf_counter() - t) / a.steps * 1e3
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
                 ours_decode(model, cache, first, a.ctx + 2 + a.steps, 3, dev)
-                sync()
+                sync(dev)
         ev = prof.key_averages()
         # kernels only: an op's self device time repeats its kernels' time
         cuda_ms = sum(e.self_device_time_total for e in ev
@@ -71,8 +66,7 @@ def main() -> None:
             for e in cpu_top])
         close_cache(cache)
         del cache
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_memory(dev)
     json.dump(res, open(a.out, "w"), indent=1)
 
 

@@ -107,10 +107,7 @@ class Engine:
         """The KV layers a plain forward acquires: a hybrid model's attention layers without
         its MTP layer (no speculative step runs here, so the MTP pages are never read);
         None = every layer of the cache."""
-        layers = getattr(self.model, "kv_layers", None)
-        if layers is None:
-            return None
-        return tuple(i for i in layers if i < self.config.n_layers)
+        return getattr(self.model, "trunk_kv_layers", None)
 
     def _make_cache(self, ctx: int, k_type: str, v_type: str, arena_mib: float):
         """arena_mib 0: every page on the device; else KV history on the host, streamed

@@ -76,6 +76,12 @@ class Qwen35Model(nn.Module):
         main = tuple(i for i in range(c.n_layers) if c.is_attention_layer(i))
         return main + tuple(range(c.n_layers, c.n_layers + c.nextn_layers))
 
+    @property
+    def trunk_kv_layers(self) -> tuple[int, ...]:
+        """The KV layers a plain forward acquires: the attention layers, without the MTP
+        layer (only a speculative step reads that one)."""
+        return tuple(i for i in self.kv_layers if i < self.config.n_layers)
+
     def make_cache(self, max_tokens: int, k_type="f32", v_type="f32", page_size: int = 256,
                    device=None) -> PagedKvCache:
         """A KV cache holding pages only for attention layers, with the recurrent state."""

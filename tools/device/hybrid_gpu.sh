@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Hybrid qwen35 streaming on CUDA (issue 6): tiny arena vs all resident, recurrent state
 # untouched by the KV policy (tests/test_streaming_hybrid_gpu.py). Needs the gguf, fla-core
-# and einops wheels (.whl/). Not run yet; expected ~2 minutes. Writes $OUT/hybrid_gpu/.
+# and einops wheels (.whl/). 95 s on one H200. Writes $OUT/hybrid_gpu/.
 set -uo pipefail
 R=${R:-$(pwd)}
 O="$OUT/hybrid_gpu"; mkdir -p "$O"

@@ -32,7 +32,7 @@ from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
 
 
 sys.path.insert(0, str(Path(sys.argv[2]).resolve().parents[1]))    # benchmarks/
-from bench_attention import events_ms  # noqa: E402
+from bench_util import events_ms  # noqa: E402
 
 
 def ms_of(fn):
