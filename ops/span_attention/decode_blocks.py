@@ -19,7 +19,7 @@ from kvcompile.ops.span_attention.launch import (dot_mode, interpreting, k_split
                                                  pool_args, query_operand)
 from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
                                                      qk_scores, v_operand)
-from kvcompile.ops.span_attention.workspace import MAX_PROGRAMS_PER_SM, carve
+from kvcompile.ops.span_attention.workspace import carve
 from kvcompile.ops.span_attention.quant_blocks import qk_blocks, v_blocks, value_columns
 
 
@@ -93,15 +93,15 @@ def blocks_config(head_dim: int, block_m: int, k_quantized: bool) -> dict:
     registers), 8 warps; float K keeps decode_kernel's tile."""
     if k_quantized and block_m <= 16:
         if head_dim <= 128:
-            return dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, maxnreg=None)
-        return dict(block_n=32, num_warps=2, num_stages=3, programs_per_sm=4, maxnreg=None)
+            return dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2)
+        return dict(block_n=32, num_warps=2, num_stages=3, programs_per_sm=4)
     num_warps = 4 if block_m <= 16 else 8
     if k_quantized:
         block_n = 64 if block_m <= 32 else 32
     else:
         block_n = 64 if head_dim <= 128 else 32
     return dict(block_n=block_n, num_warps=num_warps, num_stages=2,
-                programs_per_sm=PROGRAMS_PER_SM, maxnreg=None)
+                programs_per_sm=PROGRAMS_PER_SM)
 
 
 def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
@@ -119,9 +119,6 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
     num_warps = num_warps or cfg["num_warps"]
     num_stages = num_stages or cfg["num_stages"]
     programs_per_sm = programs_per_sm or cfg["programs_per_sm"]
-    maxnreg = maxnreg or cfg["maxnreg"]
-    assert programs_per_sm <= MAX_PROGRAMS_PER_SM or workspace is None, \
-        "more programs an SM than the cache's workspace was sized for"
     assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
     chunk_len, n_chunks = chunks(sh, page_size, block_n, chunk_len, programs_per_sm, q.device)
     bufs = carve(workspace, sh.n_kv, n_chunks, sh.mrows, head_dim, q.device)

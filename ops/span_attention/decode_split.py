@@ -12,6 +12,7 @@ import triton.language as tl
 
 from kvcompile.ops.span_attention.launch import (PageGeometry, check_launch, launchable,
                                                  num_sms, page_geometry)
+from kvcompile.ops.span_attention.workspace import chunks_per_head
 
 PROGRAMS_PER_SM = 2
 
@@ -48,7 +49,7 @@ def decode_chunking(table_len: int, page_size: int, n_kv_heads: int, block_n: in
                     sms: int, programs_per_sm: int = PROGRAMS_PER_SM) -> tuple[int, int]:
     """(chunk_len, n_chunks): about `programs_per_sm` programs per SM over the table."""
     n_tiles = table_len * page_size // block_n
-    want = max(1, (programs_per_sm * sms) // n_kv_heads)
+    want = chunks_per_head(n_kv_heads, sms, programs_per_sm)
     tiles_per_chunk = max(1, math.ceil(n_tiles / want))
     chunk_len = tiles_per_chunk * block_n
     return chunk_len, math.ceil(table_len * page_size / chunk_len)

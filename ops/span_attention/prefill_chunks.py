@@ -24,13 +24,8 @@ from kvcompile.ops import kv_format as F
 from kvcompile.ops.span_attention.launch import dot_mode, interpreting, query_operand
 from kvcompile.ops.span_attention.naive import span_attention_naive
 from kvcompile.ops.span_attention.op import check_span_attention_args
-from kvcompile.ops.span_attention.prefill_kernel import launch_prefill, state_numel
-
-
-def workspace_numel(n_rows: int, n_q_heads: int, head_dim: int) -> int:
-    """fp32 elements a PrefillAccumulator workspace needs for q of [n_rows, n_q_heads,
-    head_dim] (4 * that bytes: about (head_dim + 2) / head_dim times an fp32 output)."""
-    return state_numel(n_rows, n_q_heads, head_dim)
+from kvcompile.ops.span_attention.prefill_kernel import (  # noqa: F401  (its public home)
+    launch_prefill, workspace_numel)
 
 
 class PrefillAccumulator:
@@ -53,6 +48,9 @@ class PrefillAccumulator:
             raise KvLayoutError(f"n_pages must be a positive int (the layer's logical pages), "
                                 f"got {n_pages!r}")
         n_rows, n_q, d = q.shape
+        if q.device.type == "cuda" and d not in F.SUPPORTED_HEAD_DIMS:
+            raise KvLayoutError(f"the CUDA prefill kernel supports head dims "
+                                f"{F.SUPPORTED_HEAD_DIMS}, got {d}")
         if out is None:
             out = torch.empty_like(q)
         if out.shape != q.shape or out.stride(2) != 1 or out.device != q.device:
@@ -111,9 +109,6 @@ class PrefillAccumulator:
 
     def _launch(self, k_pool, v_pool, piece_table, first, last):
         q = self.q
-        if q.device.type == "cuda" and q.shape[2] not in F.SUPPORTED_HEAD_DIMS:
-            raise KvLayoutError(f"the CUDA prefill kernel supports head dims "
-                                f"{F.SUPPORTED_HEAD_DIMS}, got {q.shape[2]}")
         if self._q16 is None:
             self._q16 = query_operand(q, dot_mode(q.dtype, F.kv_type(self.k_type).ggml_id))
         if self.workspace is None and not last:

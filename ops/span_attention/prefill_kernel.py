@@ -161,8 +161,10 @@ def prefill_config(head_dim: int, page_size: int) -> tuple[int, int, int, int]:
     return cfg[0], min(cfg[1], page_size), cfg[2], cfg[3]
 
 
-def state_numel(n_rows: int, n_q_heads: int, head_dim: int) -> int:
-    """fp32 elements of the carried state: acc [Hq, T, D], then m [Hq, T], then l [Hq, T]."""
+def workspace_numel(n_rows: int, n_q_heads: int, head_dim: int) -> int:
+    """fp32 elements of the state carried between prefill pieces for q of [n_rows,
+    n_q_heads, head_dim]: acc [Hq, T, D], then m [Hq, T], then l [Hq, T] (4 * that bytes:
+    about (head_dim + 2) / head_dim times an fp32 output)."""
     return n_q_heads * n_rows * (head_dim + 2)
 
 

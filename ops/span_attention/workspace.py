@@ -18,12 +18,18 @@ from kvcompile.errors import KvLayoutError
 MAX_PROGRAMS_PER_SM = 4
 
 
+def chunks_per_head(n_kv_heads: int, sms: int, programs_per_sm: int) -> int:
+    """How many chunks a KV head's context is cut into at most: about programs_per_sm
+    programs an SM over all heads (decode_split.decode_chunking; the workspace bound)."""
+    return max(1, (programs_per_sm * sms) // n_kv_heads)
+
+
 def decode_workspace_floats(n_kv_heads: int, head_dim: int, max_rows: int, sms: int,
                             programs_per_sm: int = MAX_PROGRAMS_PER_SM) -> int:
     """fp32 elements the decode split needs for up to `max_rows` query rows a KV head
     (rows x group). decode_chunking never makes more than programs_per_sm * sms // n_kv
     chunks a head (ceil(n / ceil(n / w)) <= w)."""
-    max_chunks = max(1, (programs_per_sm * sms) // n_kv_heads)
+    max_chunks = chunks_per_head(n_kv_heads, sms, programs_per_sm)
     return n_kv_heads * max_chunks * max_rows * (head_dim + 2)
 
 
