@@ -35,7 +35,7 @@ class GenerationResult:
     prefill_s: float
     decode_s: float
     kv: dict = field(default_factory=dict)   # streaming telemetry (empty when all resident)
-    phases: dict = field(default_factory=dict)   # phase manager counters (cuda_graphs only)
+    phases: dict = field(default_factory=dict)   # cuda_graphs only: program counters
 
     @property
     def prefill_tok_s(self) -> float:
@@ -86,9 +86,14 @@ class Engine:
             raise KvcompileError(f"ubatch must be a positive integer, got {ubatch!r}")
         self.ctx_size, self.ubatch = ctx, ubatch
         self.trace = trace
+        # The KV layers a plain forward acquires: a hybrid model's attention layers without
+        # its MTP layer (no speculative step runs here, so the MTP pages are never read);
+        # None = every layer of the cache.
+        self._trunk_kv_layers = getattr(self.model, "trunk_kv_layers", None)
         self.cache = self._make_cache(ctx, cache_type_k, cache_type_v, kv_stream_arena_mib)
         # cuda_graphs: steps run as phase programs (captured on CUDA, eager on the CPU) in the
-        # prefill / decode layouts of one arena (kvcompile/phase, docs/phases.md)
+        # prefill / decode layouts of one arena, or, for a streamed cache or a hybrid model
+        # on CUDA, decode as piecewise graphs (kvcompile/phase, docs/phases.md)
         self.phases = self.piecewise = None
         if cuda_graphs:
             streamed = hasattr(self.cache, "begin_forward")
@@ -101,13 +106,6 @@ class Engine:
             else:
                 from kvcompile.phase import PhaseManager
                 self.phases = PhaseManager(self.model, self.cache, ubatch=min(ubatch, ctx))
-
-    @property
-    def _trunk_kv_layers(self) -> tuple[int, ...] | None:
-        """The KV layers a plain forward acquires: a hybrid model's attention layers without
-        its MTP layer (no speculative step runs here, so the MTP pages are never read);
-        None = every layer of the cache."""
-        return getattr(self.model, "trunk_kv_layers", None)
 
     def _make_cache(self, ctx: int, k_type: str, v_type: str, arena_mib: float):
         """arena_mib 0: every page on the device; else KV history on the host, streamed
@@ -203,9 +201,7 @@ class Engine:
         if self.phases is not None:
             return self.phases.stats()
         if self.piecewise is not None:
-            p = self.piecewise
-            return {"piecewise_graphs": len(p.graphs or ()), "captures": p.captures,
-                    "replays": p.replays, **({"fallback": p.fallback} if p.fallback else {})}
+            return self.piecewise.stats()
         return {}
 
     def _prefill(self, ids: list[int]) -> torch.Tensor:

@@ -7,8 +7,8 @@ Three regions, whatever the phase:
   every layer's `workspace`) plus the reservation for the captured programs' activations;
 - `kv_extra`: everything else. The KV pool of a phase is `kv + kv_extra`: prefill (a wide
   ubatch, large workspace) leaves a small pool, decode (at most 8 rows) a large one. The
-  all-resident cache does not use `kv_extra`; a streaming cache takes resident pages and ring
-  slots from it.
+  all-resident cache does not use `kv_extra`; a streaming cache would take resident pages
+  and ring slots from it (the manager binds only the all-resident cache today).
 
 The decode workspace depends on the model and the widest verify, never on the context, so
 for a fixed arena the decode pool is the same at 8K and 256K (tests print the table).

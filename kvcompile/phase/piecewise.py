@@ -24,8 +24,11 @@ import warnings
 
 import torch
 
-from kvcompile.errors import ContextLengthError, PhaseError
+from kvcompile.errors import PhaseError
+from kvcompile.kv_cache import check_range
 from kvcompile.models.layers import check_rope_range
+from kvcompile.phase.programs import StaticInput
+from kvcompile.runtime.streaming_cache import forward, forward_bracket
 
 
 class _SegmentingCache:
@@ -60,10 +63,7 @@ class PiecewiseDecode:
         self.fallback: str | None = None  # why steps run eagerly after a failed capture
         self.device = dev
         self.stream = torch.cuda.Stream(dev)
-        self._static = torch.zeros(2, rows, dtype=torch.long, device=dev)  # tokens, positions
-        self._host = torch.zeros(2, rows, dtype=torch.long, pin_memory=True)
-        self._staged = torch.cuda.Event()
-        self._offsets = torch.arange(rows, dtype=torch.long)
+        self._input = StaticInput(rows, dev)
         self.graphs: list | None = None
         self.order: list[int] = []        # the hooks' layers, in call order
         self.out = None
@@ -77,18 +77,17 @@ class PiecewiseDecode:
         if len(tokens) != self.rows:
             raise PhaseError(f"this decode program runs {self.rows} rows, got {len(tokens)}")
         hi = start + self.rows - 1
-        if start < 0 or hi >= self.cache.capacity:
-            raise ContextLengthError(f"positions {start}..{hi} are outside the KV cache's "
-                                     f"{self.cache.capacity} positions; raise --ctx-size")
+        check_range(start, hi, self.cache.capacity)
         rope = getattr(self.model, "rope_cos", None)
         if rope is not None:      # the replayed graphs cannot check it themselves
             check_rope_range((start, hi), rope.shape[0])
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)
         with torch.cuda.stream(self.stream), torch.inference_mode():
-            self._load(tokens, start)
-            # position 0 starts a sequence (a hybrid model resets its state there, which a
-            # graph must not replay): such a step, and a program's first, run eagerly
+            self._input.load(tokens, range(start, start + self.rows))
+            # a program's first step runs eagerly (compiles, autotunes, warms the stream);
+            # so does a step at position 0, which starts a sequence (never captured, where a
+            # hybrid model's state reset would be recorded; its replay is not tested)
             if self.graphs is None and self.warm and start and self.fallback is None:
                 self._try_capture(start)
             if self.graphs is None or start == 0:
@@ -110,29 +109,16 @@ class PiecewiseDecode:
             warnings.warn(f"piecewise CUDA graph capture failed ({self.fallback}); decoding "
                           f"eagerly from now on", RuntimeWarning, stacklevel=3)
 
-    def _load(self, tokens, start: int) -> None:
-        if not self._staged.query():
-            self._staged.synchronize()    # the last copy must have read the staging buffer
-        self._host[0] = torch.as_tensor(tokens, dtype=torch.long)
-        self._host[1] = self._offsets + start
-        self._static.copy_(self._host, non_blocking=True)
-        self._staged.record()
-
     def _eager(self, start: int) -> torch.Tensor:
-        from kvcompile.runtime import forward
-        return forward(self.model, self.cache, self._static[0], self._static[1],
+        return forward(self.model, self.cache, self._input.tokens, self._input.positions,
                        last_only=True, layers=self.layers, start=start)
 
-    # ---- the forward bracket (a resident cache has none) -----------------------------
-    def _begin(self, start: int) -> None:
-        begin = getattr(self.cache, "begin_forward", None)
-        if begin is not None:
-            begin(self._static[1], self.layers, start)
+    def _bracket(self, start: int, keep: bool = True):
+        return forward_bracket(self.cache, self._input.positions, self.layers, start, keep)
 
-    def _end(self, ok: bool) -> None:
-        end = getattr(self.cache, "end_forward", None)
-        if end is not None:
-            end(ok)
+    def stats(self) -> dict:
+        return {"piecewise_graphs": len(self.graphs or ()), "captures": self.captures,
+                "replays": self.replays, **({"fallback": self.fallback} if self.fallback else {})}
 
     def _state(self):
         get = getattr(self.model, "recurrent_state", None)
@@ -156,25 +142,26 @@ class PiecewiseDecode:
             return kv
 
         torch.cuda.synchronize(self.device)
-        self._begin(start)
         capturing = False
         try:
-            current[0].capture_begin(pool=pool)
-            capturing = True
-            proxy = _SegmentingCache(self.cache, cut, (start, start + self.rows - 1))
-            out = self.model(self._static[0], self._static[1], proxy, last_only=True)
-            capturing = False
-            current[0].capture_end()
-            graphs.append(current[0])
-        except BaseException:
-            if capturing:
+            with self._bracket(start, keep=False):    # nothing ran: its rows are not history
                 try:
+                    current[0].capture_begin(pool=pool)
+                    capturing = True
+                    proxy = _SegmentingCache(self.cache, cut, (start, start + self.rows - 1))
+                    out = self.model(self._input.tokens, self._input.positions, proxy,
+                                     last_only=True)
+                    capturing = False
                     current[0].capture_end()
-                except RuntimeError:
-                    pass
-            raise
+                    graphs.append(current[0])
+                except BaseException:
+                    if capturing:
+                        try:
+                            current[0].capture_end()
+                        except RuntimeError:
+                            pass
+                    raise
         finally:
-            self._end(False)                  # nothing ran: its rows are not history
             if state is not None:             # the capture's state.begin() did not happen
                 state.n_tokens = n_tokens
             torch.cuda.synchronize(self.device)
@@ -183,9 +170,7 @@ class PiecewiseDecode:
 
     def _replay(self, start: int) -> torch.Tensor:
         state = self._state()
-        self._begin(start)
-        ok = False
-        try:
+        with self._bracket(start):
             if state is not None:
                 state.begin(start, self.rows)
             graphs = self.graphs
@@ -193,8 +178,5 @@ class PiecewiseDecode:
                 graphs[k].replay()
                 self.cache.layer(layer)
             graphs[-1].replay()
-            ok = True
-        finally:
-            self._end(ok)
         self.replays += 1
         return self.out

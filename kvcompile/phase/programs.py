@@ -20,6 +20,28 @@ from kvcompile.runtime.arena import MIB
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # (tokens, positions) -> logits
 
 
+class StaticInput:
+    """A step's tokens and positions at fixed device addresses (`tokens`, `positions`),
+    filled through a pinned staging buffer with a non-blocking copy: no host sync."""
+
+    def __init__(self, rows: int, device):
+        cuda = torch.device(device).type == "cuda"
+        self._static = torch.zeros(2, rows, dtype=torch.long, device=device)
+        self._host = torch.zeros(2, rows, dtype=torch.long, pin_memory=cuda)
+        self._staged = torch.cuda.Event() if cuda else None
+        self.tokens, self.positions = self._static[0], self._static[1]
+
+    def load(self, tokens, positions) -> None:
+        if self._staged is not None and not self._staged.query():
+            self._staged.synchronize()   # the last copy must have read the staging buffer
+            # (never taken in a normal step: sampling the previous logits waited for it)
+        self._host[0] = torch.as_tensor(tokens, dtype=torch.long)
+        self._host[1] = torch.as_tensor(positions, dtype=torch.long)
+        self._static.copy_(self._host, non_blocking=self._staged is not None)
+        if self._staged is not None:
+            self._staged.record()
+
+
 class PhaseProgram:
     def __init__(self, name: str, fn: StepFn, rows: int, device: torch.device, arena,
                  bound: tuple, capture: bool, workspace_limit: int, estimate: int):
@@ -33,11 +55,7 @@ class PhaseProgram:
         self.out = None
         self.workspace = None                          # bytes measured at capture
         self.replays = 0
-        cuda = self.device.type == "cuda"
-        # [0] tokens, [1] positions; device side is what the graph reads
-        self._static = torch.zeros(2, rows, dtype=torch.long, device=self.device)
-        self._host = torch.zeros(2, rows, dtype=torch.long, pin_memory=cuda)
-        self._staged = torch.cuda.Event() if cuda else None
+        self._input = StaticInput(rows, self.device)   # what the graph reads
 
     # ---- validity ------------------------------------------------------------------------
     def invalidate(self) -> None:
@@ -65,7 +83,7 @@ class PhaseProgram:
             raise PhaseError(f"phase program {self.name} runs exactly {self.rows} rows, got "
                              f"{len(tokens)} tokens and {len(positions)} positions; a larger "
                              f"ubatch than the program's batch needs a program of that shape")
-        self._load(tokens, positions)
+        self._input.load(tokens, positions)
         if self.graph is None and self.capture:
             self._capture()
         if self.graph is not None:
@@ -73,19 +91,9 @@ class PhaseProgram:
         else:
             if self.workspace is None:
                 self._charge(self.estimate)
-            self.out = self.fn(self._static[0], self._static[1])
+            self.out = self.fn(self._input.tokens, self._input.positions)
         self.replays += 1
         return self.out
-
-    def _load(self, tokens, positions) -> None:
-        if self._staged is not None and not self._staged.query():
-            self._staged.synchronize()   # the last copy must have read the staging buffer
-            # (never taken in a normal step: sampling the previous logits waited for it)
-        self._host[0] = torch.as_tensor(tokens, dtype=torch.long)
-        self._host[1] = torch.as_tensor(positions, dtype=torch.long)
-        self._static.copy_(self._host, non_blocking=self._staged is not None)
-        if self._staged is not None:
-            self._staged.record()
 
     def _capture(self) -> None:
         dev = self.device
@@ -93,14 +101,14 @@ class PhaseProgram:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):   # warm up on the capture stream (its cuBLAS workspace)
             for _ in range(2):
-                self.fn(self._static[0], self._static[1])
+                self.fn(self._input.tokens, self._input.positions)
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=side):
-            out = self.fn(self._static[0], self._static[1])
+            out = self.fn(self._input.tokens, self._input.positions)
         torch.cuda.synchronize(dev)
         self._charge(torch.cuda.max_memory_allocated(dev) - base)
         self.graph, self.out = graph, out

@@ -5,4 +5,4 @@ from kvcompile.runtime.checker import FenceChecker  # noqa: F401
 from kvcompile.runtime.copy_engine import Instrument  # noqa: F401
 from kvcompile.runtime.make import make_kv_cache  # noqa: F401
 from kvcompile.runtime.streaming_cache import (StreamingKvCache, forward,  # noqa: F401
-                                               min_arena_bytes)
+                                               forward_bracket, min_arena_bytes)

@@ -1,6 +1,6 @@
 """Backends: where device memory, host history and copies come from.
 
-The CPU backend implements the API the CUDA backend will: "device" pages are ordinary
+The CPU backend implements the CUDA backend's API (cuda_backend.py): "device" pages are ordinary
 tensors, host history is plain (pinned on CUDA), compute is synchronous so its fence is
 DONE as soon as the Python call returned (CUDA: an event recorded on the compute stream).
 """

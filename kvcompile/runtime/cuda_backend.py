@@ -8,7 +8,8 @@ way. The pool only ever waits on events already recorded (docs/streaming.md, "th
 keeps them deadlock-free"): a CUDA stream wait on an event not yet recorded would not wait.
 
 Copy-busy time comes from timing events around each copy, read when they are done (never
-synchronizing for it), so a step's copies may be counted in the next step's telemetry.
+synchronizing for it); the streaming cache settles a forward's share at the next begin, so
+copies that land after the host moved on still count for their own forward.
 """
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ class Placement:
                     ring_pages: torch.Tensor | None = None, known: int = 0) -> int:
         """table[:n] = physical pages, by device ops only (no host copy). `resident` holds
         lp * L + li for lp < r (cached); `known` leading entries already hold it (they
-        are skipped); `ring_pages` is the physical page of every ring slot, twice over, so
+        are skipped); `ring_pages` is the physical page of every ring slot, at least twice over, so
         the streamed pages are one slice even when they wrap. Returns the new `known`."""
         if known < self.r:
             table[known:self.r].copy_(resident[known:self.r])

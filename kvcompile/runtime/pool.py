@@ -176,7 +176,8 @@ class StreamingPool:
         return True
 
     def acquire(self, layer: int) -> torch.Tensor:
-        """Make the layer's pages present, rewrite its page table, return the table."""
+        """Make the layer's pages present, its page table in place (written here unless
+        begin wrote every layer's), and return the table."""
         li = self.index[layer]
         if self.current is not None:
             self.release(self.current)

@@ -5,13 +5,15 @@ page table and types; `has_layer`, `check_positions`, `reset`, `capacity`), and 
 every forward with `begin_forward(positions)` / `end_forward()` (use `forward()` below,
 which calls them around `model(...)`). `layer(i)` is the per-layer hook: it releases the
 previous layer, makes layer i's pages present (resident, or copied into ring slots while
-earlier layers computed) and rewrites its page table before the model's kv_write and
-span_attention use it. Release publishes the rows written this forward to host history,
+earlier layers computed) and has its page table in place (written for all layers at
+begin_forward when they run in order) before the model's kv_write and span_attention use
+it. Release publishes the rows written this forward to host history,
 so after every forward the host holds the authoritative KV.
 """
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -251,21 +253,31 @@ class StreamingKvCache:
                 lease.release(AllOf(self.pool.last_use))
 
 
+@contextmanager
+def forward_bracket(cache, positions, layers=None, start: int | None = None,
+                    keep: bool = True):
+    """begin_forward / end_forward around the body when the cache has them (a resident
+    cache has none). The forward's rows become history when the body returns and `keep`
+    (a CUDA graph capture, which computes nothing, passes keep=False)."""
+    begin = getattr(cache, "begin_forward", None)
+    if begin is None:
+        yield
+        return
+    begin(positions, layers, start)
+    ok = False
+    try:
+        yield
+        ok = keep
+    finally:
+        cache.end_forward(ok)
+
+
 def forward(model, cache, tokens, positions, last_only: bool = False, layers=None,
             start: int | None = None):
     """model(tokens, positions, cache) with the streaming bracket when the cache has one.
     start: positions are start, start + 1, ... (saves the cache a read of the tensor)."""
-    begin = getattr(cache, "begin_forward", None)
-    if begin is None:
+    with forward_bracket(cache, positions, layers, start):
         return model(tokens, positions, cache, last_only=last_only)
-    begin(positions, layers, start)
-    ok = False
-    try:
-        out = model(tokens, positions, cache, last_only=last_only)
-        ok = True
-        return out
-    finally:
-        cache.end_forward(ok)
 
 
 def _layer_extras(config, k_type, v_type, page_size, layer) -> dict:
