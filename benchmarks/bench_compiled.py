@@ -2,14 +2,17 @@
 rows merged into benchmarks/results/streaming.json (meta under "compiled").
 
     python benchmarks/bench_compiled.py [--resident-contexts 8192] [--streamed-contexts 131072]
-        [--systems ours-compiled,ours-resident,ours-graphs,ours] [--kv q8_0/q4_0]
+        [--systems ours-compiled,ours-captured,ours-resident,ours-graphs,ours] [--kv q8_0/q4_0]
         [--arena-mib 2048] [--decode-steps 32] [--out PATH]
     python benchmarks/bench_compiled.py --device cpu --tiny      # the logic, seconds
 
 Llama-3-8B geometry, random bf16 weights made on the device (bench_streaming's builder).
 
   ours-compiled   all resident, run by the PhaseManager: the forward compiled through the
-                  pass pipeline, decode and prefill captured as CUDA graphs (--cuda-graphs)
+                  pass pipeline and lowered by inductor (the default on CUDA), decode and
+                  prefill captured as CUDA graphs (--cuda-graphs)
+  ours-captured   the same with lower="graph": the pass pipeline's graph run op by op, then
+                  captured (bitwise equal to eager; shows what inductor's fusion adds)
   ours-resident   all resident, eager: the compiled path's speed-up is over this row
   ours-graphs     streamed through --arena-mib, decode as piecewise CUDA graphs
   ours            streamed, eager
@@ -32,26 +35,29 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
 import bench_streaming as S  # noqa: E402
-from bench_util import free_memory, hbm_bandwidth, log, sync  # noqa: E402
+from bench_util import free_memory, hbm_bandwidth, log, param_bytes, sync  # noqa: E402
 
 from kvcompile.kv_cache import PagedKvCache  # noqa: E402
 
-SYSTEMS = ("ours-compiled", "ours-resident", "ours-graphs", "ours")
-RESIDENT = ("ours-compiled", "ours-resident")
-EAGER_TWIN = {"ours-compiled": "ours-resident", "ours-graphs": "ours"}
+SYSTEMS = ("ours-compiled", "ours-captured", "ours-resident", "ours-graphs", "ours")
+RESIDENT = ("ours-compiled", "ours-captured", "ours-resident")
+EAGER_TWIN = {"ours-compiled": "ours-resident", "ours-captured": "ours-resident",
+              "ours-graphs": "ours"}
+LOWER = {"ours-compiled": "inductor", "ours-captured": "graph"}
 
 
 def weight_read_bytes(model) -> int:
     """Bytes of weights one decode step reads: every parameter once, the embedding table as
     the one row looked up (unless the LM head is the same tensor and reads it all)."""
-    total = sum(p.nbytes for p in model.parameters())
+    total = param_bytes(model)
     emb = model.embed.weight
     if model.lm_head.weight is not emb:
         total += emb[0].nbytes - emb.nbytes
     return total
 
 
-def timed_compiled(model, ctx: int, kv: str, args, device, ids: torch.Tensor) -> dict:
+def timed_compiled(model, ctx: int, kv: str, args, device, ids: torch.Tensor,
+                   lower: str) -> dict:
     """Prefill and decode through a PhaseManager over an all-resident cache. A throwaway
     manager first compiles the forward at both shapes (one ubatch, one row), so the timed
     prefill pays only its program's capture; the first two decode steps (transition to the
@@ -59,8 +65,9 @@ def timed_compiled(model, ctx: int, kv: str, args, device, ids: torch.Tensor) ->
     from kvcompile.phase import PhaseManager
     k_type, v_type = kv.split("/")
     tokens = ids.tolist()
+    torch._dynamo.reset()                       # the other lowering's compiled forward
     warm = PhaseManager(model, PagedKvCache(model.config, args.ubatch + 8, k_type, v_type,
-                                            device=device), ubatch=args.ubatch)
+                                            device=device), ubatch=args.ubatch, lower=lower)
     with torch.inference_mode():
         tok = int(warm.forward(tokens[:args.ubatch], 0)[-1].argmax())
         warm.forward([tok], args.ubatch)
@@ -68,7 +75,7 @@ def timed_compiled(model, ctx: int, kv: str, args, device, ids: torch.Tensor) ->
     free_memory(device)
     cache = PagedKvCache(model.config, ctx + args.decode_steps + 4, k_type, v_type,
                          device=device)
-    m = PhaseManager(model, cache, ubatch=args.ubatch)
+    m = PhaseManager(model, cache, ubatch=args.ubatch, lower=lower)
     del cache                                   # the manager copied it into its arena
     with torch.inference_mode():
         sync(device)
@@ -92,8 +99,8 @@ def timed_compiled(model, ctx: int, kv: str, args, device, ids: torch.Tensor) ->
 
 
 def run_row(system, model, g, ctx, kv, args, device, ids) -> dict:
-    if system == "ours-compiled":
-        return timed_compiled(model, ctx, kv, args, device, ids)
+    if system in LOWER:
+        return timed_compiled(model, ctx, kv, args, device, ids, LOWER[system])
     arena = args.arena_mib if system in S.STREAMED else 0
     return S.run_ours(model, g, ctx, kv, arena, args, device, ids, graphs=system == "ours-graphs")
 

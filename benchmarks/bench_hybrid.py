@@ -49,6 +49,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
 import bench_streaming as S  # noqa: E402
+from bench_util import param_bytes  # noqa: E402
 from kvcompile.gguf.arch_config import config_from_metadata  # noqa: E402
 from kvcompile.gguf.synthetic_presets import add_model_metadata, preset_config  # noqa: E402
 from kvcompile.models.qwen35 import Qwen35Model  # noqa: E402
@@ -127,7 +128,7 @@ def build_model(plan, config, dtype, device, seed: int) -> Qwen35Model:
 
 def weight_bytes(model: Qwen35Model) -> int:
     extra = [t for t in (model.mtp_embed_weight, model.mtp_head_weight) if t is not None]
-    return sum(p.nbytes for p in model.parameters()) + sum(t.nbytes for t in extra)
+    return param_bytes(model) + sum(t.nbytes for t in extra)
 
 
 def attention_layers(model: Qwen35Model) -> tuple[int, ...]:

@@ -25,6 +25,14 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def param_bytes(model) -> int:
+    """Bytes of a model's parameters, each storage once (fused projections keep their
+    parts as views of one weight: counting parameters would count those bytes twice)."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in model.parameters()}
+    return sum(storages.values())
+
+
 def events_ms(fn, reps: int) -> float:
     fn()
     torch.cuda.synchronize()

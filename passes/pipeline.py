@@ -16,6 +16,7 @@ from torch import fx
 from kvcompile.errors import KvcompileError
 
 DISABLE_ENV = "KVCOMPILE_DISABLE_PASSES"
+LOWERS = ("graph", "inductor")
 
 PassFn = Callable[[fx.GraphModule, Sequence], fx.GraphModule]
 
@@ -69,11 +70,23 @@ class PassPipeline:
 
     __call__ = run
 
-    def backend(self, disable: Iterable[str] | None = None):
-        """A torch.compile backend: run the pipeline, then execute the graph as is (CPU).
-        The CUDA path will hand the result to inductor / CUDA-graph capture instead."""
+    def backend(self, disable: Iterable[str] | None = None, lower: str = "graph"):
+        """A torch.compile backend: run the pipeline, then
+        - lower="graph": execute the resulting graph as is (op by op, the eager kernels: the
+          same bits as the eager model, CUDA-graph capturable);
+        - lower="inductor": hand it to inductor, which fuses the torch ops around the
+          kvcompile ops into Triton kernels (the kvcompile ops keep their own kernels).
+          Faster, equal to eager within float rounding, not bitwise (fused reductions and
+          FMAs round differently)."""
+        if lower not in LOWERS:
+            raise PassError(f"unknown lowering {lower!r}; use one of {LOWERS}")
+
         def compile_fn(gm: fx.GraphModule, example_inputs):
-            return self.run(gm, example_inputs, disable=disable).forward
+            gm = self.run(gm, example_inputs, disable=disable)
+            if lower == "graph":
+                return gm.forward
+            from torch._inductor.compile_fx import compile_fx
+            return compile_fx(gm, example_inputs)
         return compile_fn
 
 
@@ -92,15 +105,15 @@ def op_name(target) -> str:
 
 
 def compile_model(model, pipeline: PassPipeline, disable: Iterable[str] | None = None,
-                  **compile_kwargs):
-    """`torch.compile(model, fullgraph=True)` through `pipeline` (executing the graph as is).
+                  lower: str = "graph", **compile_kwargs):
+    """`torch.compile(model, fullgraph=True)` through `pipeline`, then lowered (`backend`).
     A pass's KvcompileError reaches the caller as itself, not wrapped in dynamo's
     BackendCompilerFailed, so bad input reads like every other kvcompile error."""
     import functools
 
     from torch._dynamo.exc import BackendCompilerFailed
 
-    compiled = torch.compile(model, fullgraph=True, backend=pipeline.backend(disable),
+    compiled = torch.compile(model, fullgraph=True, backend=pipeline.backend(disable, lower),
                              **compile_kwargs)
 
     @functools.wraps(compiled)

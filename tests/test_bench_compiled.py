@@ -21,15 +21,19 @@ def test_tiny_run_appends_rows_and_keeps_the_file(tmp_path):
     out.write_text(json.dumps({"meta": {"date": "earlier"}, "rows": [other]}))
     rows = B.main(["--device", "cpu", "--tiny", "--out", str(out)])
     assert [(r["system"], r["context"]) for r in rows] == [
-        ("ours-compiled", 512), ("ours-resident", 512), ("ours-graphs", 1024), ("ours", 1024)]
+        ("ours-compiled", 512), ("ours-captured", 512), ("ours-resident", 512),
+        ("ours-graphs", 1024), ("ours", 1024)]
     by = {r["system"]: r for r in rows}
-    for name in ("ours-compiled", "ours-resident", "ours"):
+    for name in ("ours-compiled", "ours-captured", "ours-resident", "ours"):
         assert by[name]["status"] == "ok" and by[name]["decode_tok_s"] > 0, by[name]
     # on the CPU no piecewise graphs: recorded as skipped, with the reason
     assert by["ours-graphs"]["status"] == "skipped" and "CUDA" in by["ours-graphs"]["reason"]
     # the compiled program decodes the eager path's greedy tokens
     assert by["ours-compiled"]["tokens_equal_eager"] is True
+    assert by["ours-captured"]["tokens_equal_eager"] is True
     assert by["ours-compiled"]["phases"]["arena_bytes"] > 0        # programs in one arena
+    assert by["ours-compiled"]["phases"]["lower"] == "inductor"
+    assert by["ours-captured"]["phases"]["lower"] == "graph"
     assert by["ours"]["pcie_bound_tok_s"] is None or by["ours"]["pcie_bound_tok_s"] > 0
     assert by["ours-resident"]["hbm_roofline_tok_s"] is None       # no HBM on the CPU
     saved = json.loads(out.read_text())
@@ -45,6 +49,8 @@ def test_weight_read_bytes_counts_one_embedding_row():
                       head_dim=32, vocab_size=1000, context_length=64)
     untied = LlamaModel(cfg)
     total = sum(p.nbytes for p in untied.parameters())
+    assert B.weight_read_bytes(untied) == total - 999 * 64 * 4
+    untied.fuse_projections()          # fused q/k/v and gate/up: the same bytes, read once
     assert B.weight_read_bytes(untied) == total - 999 * 64 * 4
     tied = LlamaModel(cfg.__class__(**{**cfg.__dict__, "tie_embeddings": True}))
     assert B.weight_read_bytes(tied) == sum(p.nbytes for p in tied.parameters())

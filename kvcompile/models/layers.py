@@ -70,14 +70,43 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
     return torch.cat([out.to(x.dtype), rest], dim=-1) if rest.shape[-1] else out.to(x.dtype)
 
 
+def fuse_linears(*linears: nn.Linear) -> nn.Linear:
+    """One Linear computing all of `linears` (outputs concatenated), for one GEMM instead of
+    several: a decode step reads every weight once, and small GEMMs reach a much smaller
+    share of HBM bandwidth than one large one. The originals' weights (and biases) become
+    views of the fused ones, so nothing is stored twice and they keep working."""
+    w = torch.cat([m.weight for m in linears])
+    has_bias = linears[0].bias is not None
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=has_bias, device="meta")
+    fused.weight = nn.Parameter(w, requires_grad=False)
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([m.bias for m in linears]), requires_grad=False)
+    start = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(fused.weight[start:start + n], requires_grad=False)
+        if has_bias:
+            m.bias = nn.Parameter(fused.bias[start:start + n], requires_grad=False)
+        start += n
+    return fused
+
+
 class SwiGLU(nn.Module):
     def __init__(self, hidden: int, ffn: int):
         super().__init__()
         self.gate = nn.Linear(hidden, ffn, bias=False)
         self.up = nn.Linear(hidden, ffn, bias=False)
         self.down = nn.Linear(ffn, hidden, bias=False)
+        self.gate_up: nn.Linear | None = None     # set by fuse()
+
+    def fuse(self) -> None:
+        """gate and up as one GEMM (after the weights are loaded)."""
+        self.gate_up = fuse_linears(self.gate, self.up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            g, u = self.gate_up(x).chunk(2, dim=-1)
+            return self.down(F.silu(g) * u)
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
@@ -94,14 +123,27 @@ class PagedAttention(nn.Module):
         self.wk = nn.Linear(hidden, n_kv_heads * head_dim, bias=qkv_bias)
         self.wv = nn.Linear(hidden, n_kv_heads * head_dim, bias=qkv_bias)
         self.wo = nn.Linear(n_heads * head_dim, hidden, bias=False)
+        self.wqkv: nn.Linear | None = None        # set by fuse()
+
+    def fuse(self) -> None:
+        """q, k and v as one GEMM (after the weights are loaded)."""
+        self.wqkv = fuse_linears(self.wq, self.wk, self.wv)
+
+    def project(self, x: torch.Tensor):
+        t, d = x.shape[0], self.head_dim
+        if self.wqkv is None:
+            return (self.wq(x).view(t, self.n_heads, d), self.wk(x).view(t, self.n_kv_heads, d),
+                    self.wv(x).view(t, self.n_kv_heads, d))
+        q, k, v = self.wqkv(x).split([self.n_heads * d, self.n_kv_heads * d,
+                                      self.n_kv_heads * d], dim=-1)
+        return (q.view(t, self.n_heads, d), k.view(t, self.n_kv_heads, d),
+                v.view(t, self.n_kv_heads, d))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 q_pos: torch.Tensor, slots: torch.Tensor, kv) -> torch.Tensor:
         """x [T, hidden]; cos/sin [T, R/2]; q_pos int32 [T]; slots int64 [T]; kv a LayerKv."""
         t = x.shape[0]
-        q = self.wq(x).view(t, self.n_heads, self.head_dim)
-        k = self.wk(x).view(t, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(t, self.n_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
         q = apply_rope(q, cos, sin, self.rope_neox)
         k = apply_rope(k, cos, sin, self.rope_neox)
         if kv.k_rot is not None:      # quantized K is stored rotated (kvcompile.kv_rotation)

@@ -95,7 +95,14 @@ class LlamaModel(nn.Module):
         cos, sin = rope_tables(config.rotary_dim, config.context_length, config.rope_theta,
                                config.rope_scaling)
         model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+        model.fuse_projections()
         return model.eval().requires_grad_(False)   # inference only: no autograd bookkeeping
+
+    def fuse_projections(self) -> None:
+        """q/k/v and gate/up as one GEMM each (layers.fuse_linears): fewer, larger GEMMs."""
+        for block in self.blocks:
+            block.attn.fuse()
+            block.mlp.fuse()
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache,
                 last_only: bool = False) -> torch.Tensor:

@@ -45,10 +45,40 @@ def _fail_on_recompile_limit():
     return contextlib.nullcontext()
 
 
+class _DeviceBytes:
+    """A CUDA byte range as __cuda_array_interface__, holding its owner alive."""
+
+    def __init__(self, view: torch.Tensor):
+        self.owner = view
+        self.__cuda_array_interface__ = {"shape": (view.numel(),), "typestr": "|u1",
+                                         "data": (view.data_ptr(), False), "version": 3,
+                                         "strides": None, "stream": None}
+
+
+def separate_storage(view: torch.Tensor) -> torch.Tensor:
+    """The same device bytes as `view` (a typed view of an arena region) behind a storage of
+    its own. Why: inductor's front end (aot_autograd) sees every KV pool and the attention
+    scratch (when bound) as mutated graph inputs; views of one storage make it merge them into a
+    "synthetic base", which it refuses for views of other dtypes than the base and which
+    would write whole pools back after each step. The arena's regions never overlap, so
+    separate storages tell it the truth. The arena outlives the tensor (`owner` keeps it)."""
+    flat = view.reshape(-1).view(torch.uint8)
+    if view.device.type == "cuda":
+        raw = torch.as_tensor(_DeviceBytes(flat), device=view.device)
+    else:
+        import ctypes
+
+        import numpy as np
+        buf = (ctypes.c_uint8 * flat.numel()).from_address(flat.data_ptr())
+        raw = torch.from_numpy(np.frombuffer(buf, dtype=np.uint8))
+        raw._kvcompile_owner = flat          # keeps the arena alive as long as raw
+    return raw.view(view.dtype).view(view.shape)
+
+
 class PhaseManager:
     def __init__(self, model, cache, *, ubatch: int, arena_bytes: int | None = None,
                  compile: bool | None = None, capture: bool | None = None,
-                 workspace_bytes: dict[str, int] | None = None, buckets=L.BUCKETS):
+                 lower: str | None = None, workspace_bytes: dict[str, int] | None = None, buckets=L.BUCKETS):
         if not all(hasattr(cache, a) for a in ("layers", "layer", "capacity")) or \
                 hasattr(cache, "begin_forward"):
             raise UnsupportedModelError(
@@ -78,6 +108,12 @@ class PhaseManager:
         if self.capture and not self.compile:
             raise PhaseError("captured programs run the compiled forward (the eager one "
                              "synchronises to check positions); pass compile=True")
+        # inductor on the device (fused elementwise work, ~1.5x faster decode), the graph as
+        # is elsewhere; lower="graph" keeps the eager model's bits on the device too
+        from kvcompile.passes.pipeline import LOWERS
+        self.lower = lower or ("inductor" if self.device.type == "cuda" else "graph")
+        if self.lower not in LOWERS:
+            raise PhaseError(f"unknown lowering {lower!r}; use one of {LOWERS}")
         # each pool starts aligned, so typed views of it (f32, fp16 scales) are legal
         self.kv_bytes = sum(align(getattr(cache.layer(i), a).nbytes)
                             for i in cache.layers for a in ("k_pool", "v_pool"))
@@ -138,18 +174,29 @@ class PhaseManager:
             kv = self.cache.layer(i)
             for attr in ("k_pool", "v_pool"):
                 old = getattr(kv, attr)
-                new = view[off:off + old.nbytes].view(old.shape)
+                new = self._own(view[off:off + old.nbytes].view(old.dtype).view(old.shape))
                 new.copy_(old)
                 setattr(kv, attr, new)
                 off += align(old.nbytes)
 
     def _bind_workspace(self) -> None:
-        """The decode kernels' scratch of every layer: the head of the workspace region."""
+        """The decode kernels' scratch of every layer: the head of the workspace region.
+        Inductor programs get none: span_attention does not declare writing its scratch, so
+        inductor would clone a bound one every layer; unbound, the op allocates it inside the
+        graph, from the program's own pool, and the capture measures it (`_bound_scratch`)."""
         scratch = None
-        if self.scratch:
-            scratch = self._leases[L.WORKSPACE].view(0, self.scratch).view(torch.float32)
+        if self._bound_scratch():
+            scratch = self._own(self._leases[L.WORKSPACE].view(0, self.scratch)
+                                .view(torch.float32))
         for i in self.cache.layers:
             self.cache.layer(i).workspace = scratch
+
+    def _bound_scratch(self) -> int:
+        """Bytes of the workspace region the bound attention scratch takes (0 if none)."""
+        return align(self.scratch) if self.scratch and self.lower != "inductor" else 0
+
+    def _own(self, view: torch.Tensor) -> torch.Tensor:
+        return separate_storage(view) if self.lower == "inductor" else view
 
     def kv_pool_bytes(self, phase: str) -> int:
         return self.layouts[phase].kv_pool_bytes
@@ -163,7 +210,7 @@ class PhaseManager:
         if prog is None:
             last_only = phase == "prefill"
             fn = self._step_fn(last_only)
-            limit = self.arena.region(L.WORKSPACE).size - align(self.scratch)
+            limit = self.arena.region(L.WORKSPACE).size - self._bound_scratch()
             estimate = L.activation_bytes(self.model.config, rows, 1 if last_only else rows)
             prog = PhaseProgram(f"{phase}/{rows}", fn, rows, self.device, self.arena,
                                 (self.arena.region(L.KV), self.arena.region(L.WORKSPACE)),
@@ -177,7 +224,8 @@ class PhaseManager:
         if self.compile and self._compiled is None:
             from kvcompile.passes import compile_model, default_pipeline
             # streamed=(): every page is resident, no ring ops to place
-            self._compiled = compile_model(model, default_pipeline(streamed=()), dynamic=False)
+            self._compiled = compile_model(model, default_pipeline(streamed=()),
+                                           lower=self.lower, dynamic=False)
         if not self.compile:
             return lambda tokens, positions: model(tokens, positions, cache, last_only=last_only)
         compiled, limit_hit = self._compiled, _recompile_limit_error()
@@ -233,7 +281,8 @@ class PhaseManager:
                                      f"--ctx-size or shorten the prompt / max tokens")
 
     def stats(self) -> dict:
-        return {"phase": self.phase, "captures": self.captures, "transitions": self.transitions,
+        return {"phase": self.phase, "lower": self.lower if self.compile else "eager",
+                "captures": self.captures, "transitions": self.transitions,
                 "invalidated": self.invalidated, "arena_bytes": self.arena.nbytes,
                 "kv_pool_bytes": {p: self.kv_pool_bytes(p) for p in self.layouts},
                 "workspace_bytes": dict(self.workspaces),
