@@ -67,7 +67,8 @@ def timed_compiled(model, ctx: int, kv: str, args, device, ids: torch.Tensor,
     tokens = ids.tolist()
     torch._dynamo.reset()                       # the other lowering's compiled forward
     warm = PhaseManager(model, PagedKvCache(model.config, args.ubatch + 8, k_type, v_type,
-                                            device=device), ubatch=args.ubatch, lower=lower)
+                                            device=device), ubatch=args.ubatch, lower=lower,
+                     compile=True)
     with torch.inference_mode():
         tok = int(warm.forward(tokens[:args.ubatch], 0)[-1].argmax())
         warm.forward([tok], args.ubatch)
@@ -75,7 +76,8 @@ def timed_compiled(model, ctx: int, kv: str, args, device, ids: torch.Tensor,
     free_memory(device)
     cache = PagedKvCache(model.config, ctx + args.decode_steps + 4, k_type, v_type,
                          device=device)
-    m = PhaseManager(model, cache, ubatch=args.ubatch, lower=lower)
+    m = PhaseManager(model, cache, ubatch=args.ubatch, lower=lower,
+                     compile=True)
     del cache                                   # the manager copied it into its arena
     with torch.inference_mode():
         sync(device)

@@ -38,7 +38,7 @@ def test_tiny_run_appends_rows_and_keeps_the_file(tmp_path):
     assert by["ours-resident"]["hbm_roofline_tok_s"] is None       # no HBM on the CPU
     saved = json.loads(out.read_text())
     assert saved["meta"]["date"] == "earlier" and "compiled" in saved["meta"]
-    assert other in saved["rows"] and len(saved["rows"]) == 5
+    assert other in saved["rows"] and len(saved["rows"]) == 6
 
 
 def test_weight_read_bytes_counts_one_embedding_row():
