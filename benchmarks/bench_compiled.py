@@ -187,7 +187,8 @@ def measure(system, model, g, ctx, kv, args, device, ids, meta) -> dict:
     streamed = system in S.STREAMED
     arena = args.arena_mib if streamed else 0
     hbm = meta["hbm_gbps_measured"]
-    row = dict(system=system, context=ctx, kv_type=kv, arena_mib=arena, geometry=g.name,
+    row = dict(system=system, run="compiled", context=ctx, kv_type=kv, arena_mib=arena,
+               geometry=g.name,
                kv_bytes=kv_bytes, pcie_gbps_measured=meta["pcie_gbps_measured"],
                pcie_bound_tok_s=S.pcie_bound(meta["pcie_gbps_measured"], kv_bytes,
                                              int(arena * 2**20)) if streamed else None,

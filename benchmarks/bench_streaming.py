@@ -366,7 +366,10 @@ def sanity(ours, hf, g, args, device, kvs) -> dict:
 
 # ---- rows, table, JSON -------------------------------------------------------------------------
 def row_key(r: dict) -> tuple:
-    return (r["system"], r["context"], r["kv_type"], r["arena_mib"], r.get("geometry"))
+    """`run` names another script's rows (bench_compiled: "compiled"), so its eager twins
+    never replace this table's rows of the same configuration."""
+    return (r["system"], r["context"], r["kv_type"], r["arena_mib"], r.get("geometry"),
+            r.get("run"))
 
 
 def save(rows: list[dict], meta: dict, path: str, section: str | None = None) -> None:
@@ -395,9 +398,10 @@ def save(rows: list[dict], meta: dict, path: str, section: str | None = None) ->
 
 
 def targets(rows: list[dict]) -> list[dict]:
-    """Per context and KV type: ours-streaming decode / PCIe bound and / hf-offload decode."""
+    """Per context and KV type: ours-streaming decode / PCIe bound and / hf-offload decode
+    (this script's rows only: ratios within one run)."""
     out = []
-    ok = [r for r in rows if r.get("status") == "ok"]
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("run") is None]
     for r in ok:
         if r["system"] not in STREAMED:
             continue

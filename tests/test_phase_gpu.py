@@ -110,7 +110,7 @@ def test_captured_decode_equals_eager_bitwise(tiny, kv):
 
 @pytest.mark.parametrize("kv", ["f32", "q8_0/q4_0"])
 def test_inductor_captured_decode_matches_eager(tiny, kv):
-    """The device default, lower="inductor": the pass pipeline's graph fused by inductor,
+    """The opt-in lower="inductor": the pass pipeline's graph fused by inductor,
     then captured. Fused reductions and FMAs round differently, so not bitwise: every step
     within float noise of the eager model on the same KV (test_phase_manager's tolerance)."""
     _, loaded = tiny
@@ -119,8 +119,7 @@ def test_inductor_captured_decode_matches_eager(tiny, kv):
     ref = PagedKvCache(cfg, 2048, k_type=kt, v_type=vt, device="cuda")
     ours = PagedKvCache(cfg, 2048, k_type=kt, v_type=vt, device="cuda")
     torch._dynamo.reset()
-    m = PhaseManager(model, ours, ubatch=256)
-    assert m.lower == "inductor"
+    m = PhaseManager(model, ours, ubatch=256, lower="inductor")
     g = torch.Generator().manual_seed(fresh_seed())
     ids = torch.randint(0, cfg.vocab_size, (700,), generator=g).tolist()
     eager(model, ref, ids[:600], 0)

@@ -183,7 +183,7 @@ INDUCTOR_TOLERANCE = {"f32": 1e-5, "q8_0/q4_0": 1e-2}
 
 @pytest.mark.parametrize("kv", sorted(INDUCTOR_TOLERANCE))
 def test_inductor_lowered_programs_match_the_model(model_and_ids, kv):
-    """lower="inductor" (the device default): the pass pipeline's graph handed to inductor,
+    """lower="inductor" (opt-in): the pass pipeline's graph handed to inductor,
     which fuses the torch ops around the kvcompile ops. Not bitwise (fused reductions round
     differently): within float noise of the model (relative to the largest logit)."""
     model, ids = model_and_ids
