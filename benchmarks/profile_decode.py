@@ -65,7 +65,8 @@ def main() -> None:
         print(ev.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
         print(f"-- {name}: GPU kernels, ms a step")
         for e in gpu_top:
-            print(f"{e.self_device_time_total / 1e3 / 3:8.3f} ms {e.count / 3:6.1f} x  {e.key[:90]}")
+            ms = e.self_device_time_total / 1e3 / 3
+            print(f"{ms:8.3f} ms {e.count / 3:6.1f} x  {e.key[:90]}")
         res[name] = dict(step_ms=step_ms, gpu_ms=cuda_ms, top_cpu=[
             dict(name=e.key, self_cpu_ms=e.self_cpu_time_total / 1e3 / 3, calls=e.count / 3)
             for e in cpu_top], top_gpu=[

@@ -58,9 +58,9 @@ class _DeviceBytes:
 def separate_storage(view: torch.Tensor) -> torch.Tensor:
     """The same device bytes as `view` (a typed view of an arena region) behind a storage of
     its own. Why: inductor's front end (aot_autograd) sees every KV pool and the attention
-    scratch (when bound) as mutated graph inputs; views of one storage make it merge them into a
-    "synthetic base", which it refuses for views of other dtypes than the base and which
-    would write whole pools back after each step. The arena's regions never overlap, so
+    scratch (when bound) as mutated graph inputs; views of one storage make it merge them
+    into a "synthetic base", which it refuses for views of other dtypes than the base and
+    which would write whole pools back after each step. The arena's regions never overlap, so
     separate storages tell it the truth. The arena outlives the tensor (`owner` keeps it)."""
     flat = view.reshape(-1).view(torch.uint8)
     if view.device.type == "cuda":
@@ -78,7 +78,8 @@ def separate_storage(view: torch.Tensor) -> torch.Tensor:
 class PhaseManager:
     def __init__(self, model, cache, *, ubatch: int, arena_bytes: int | None = None,
                  compile: bool | None = None, capture: bool | None = None,
-                 lower: str | None = None, workspace_bytes: dict[str, int] | None = None, buckets=L.BUCKETS):
+                 lower: str | None = None, workspace_bytes: dict[str, int] | None = None,
+                 buckets=L.BUCKETS):
         if not all(hasattr(cache, a) for a in ("layers", "layer", "capacity")) or \
                 hasattr(cache, "begin_forward"):
             raise UnsupportedModelError(
