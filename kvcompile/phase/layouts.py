@@ -18,11 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcompile.errors import ArenaError, PhaseError
+from kvcompile.ops.span_attention.op import DECODE_MAX_ROWS
 from kvcompile.runtime.arena import ALIGN, MIB, align, mib_for
 
 KV, WORKSPACE, EXTRA = "kv", "workspace", "kv_extra"
 PHASES = ("prefill", "decode")
-BUCKETS = (1, 2, 4, 8)      # decode verify widths captured as programs (DECODE_MAX_ROWS = 8)
+# decode verify widths captured as programs: powers of two, up to the decode kernel's widest
+BUCKETS = tuple(sorted({min(1 << i, DECODE_MAX_ROWS)
+                        for i in range(DECODE_MAX_ROWS.bit_length() + 1)}))
 SLACK = 4 * MIB             # launch / reduction temporaries the per-row estimate misses
 
 

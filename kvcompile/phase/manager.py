@@ -282,13 +282,10 @@ class PhaseManager:
         return self.model(tokens, positions, self.cache, last_only=True)
 
     def _check_positions(self, start: int, n: int) -> None:
-        """The host-side range check the compiled graph leaves out, on Python ints (no sync)."""
-        limit = min(self.cache.capacity, self.model.rope_cos.shape[0])
-        if start < 0 or start + n > limit:
-            from kvcompile.errors import ContextLengthError
-            raise ContextLengthError(f"positions {start}..{start + n - 1} do not fit the "
-                                     f"{limit} positions of the KV cache / model; raise "
-                                     f"--ctx-size or shorten the prompt / max tokens")
+        """The host-side range check the compiled graph leaves out, on Python ints (no sync);
+        the model's rope table bounds it too."""
+        from kvcompile.kv_cache import check_range
+        check_range(start, start + n - 1, min(self.cache.capacity, self.model.rope_cos.shape[0]))
 
     def stats(self) -> dict:
         return {"phase": self.phase, "lower": self.lower if self.compile else "eager",
