@@ -73,6 +73,17 @@ def _blocks(case):
 
 INTERP += [_blocks(c) for c in INTERP if c[1] == "decode"]
 INTERP_IDS = [c[0] for c in INTERP]
+# cases also run with q as a head slice of a wider tensor (the model splits q off one
+# [T, Hq + Hk, D] rope output): placement "strided_q" must equal "resident" bitwise
+STRIDED_Q = {"decode-Kq8_0-Vq4_0-rows8-ctx70", "decode-Kq8_0-Vq4_0-rows8-ctx70-blocks",
+             "prefill-Kq8_0-Vq4_0-rows8-ctx70", "decode-Kbf16-Vbf16-D128-ctx40-blocks"}
+assert STRIDED_Q <= set(INTERP_IDS)
+
+
+def head_slice(q: torch.Tensor, gen) -> torch.Tensor:
+    """q's values as the first heads of a [T, Hq + 3, D] tensor (strides of a split)."""
+    extra = torch.randn(q.shape[0], 3, q.shape[2], generator=gen).to(q.dtype)
+    return torch.cat([q, extra], 1)[:, :q.shape[1]]
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +98,13 @@ def interp_runs():
             jobs.append({"kind": kernel, "opts": opts,
                          "args": args_of(kn, vn, q, q_pos, table, kp, vp, p)})
             keys.append((cid, name))
+        if cid in STRIDED_Q:
+            table, kp, vp = placed["resident"]
+            qs = head_slice(q, gen)
+            assert not qs.is_contiguous() and torch.equal(qs, q)
+            jobs.append({"kind": kernel, "opts": opts,
+                         "args": args_of(kn, vn, qs, q_pos, table, kp, vp, p)})
+            keys.append((cid, "strided_q"))
     outs = {}
     for key, res in zip(keys, run_interpreted(jobs)):
         outs.setdefault(key[0], {})[key[1]] = res["out"]

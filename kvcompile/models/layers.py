@@ -23,9 +23,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        # f32 math; F.rms_norm is one kernel on CUDA where the spelled-out formula was eight
+        w = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
+        return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).to(x.dtype)
 
 
 def rope_tables(rotary_dim: int, max_positions: int, theta: float,
@@ -52,22 +52,35 @@ def check_rope_range(lo_hi: tuple[int, int], n_rope: int) -> tuple[int, int]:
     return lo_hi
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, R/2] for the rows' positions; rotates the first R dims.
+def rope_rows(cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, R/2] -> (cos, signed sin) [T, R] laid out like the rotated dims, so that
+    rotating is `x * cos + partner(x) * sin` (apply_rope_rows). Once per forward, shared by
+    every layer."""
+    if neox:
+        return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+    return cos.repeat_interleave(2, -1), torch.stack([-sin, sin], -1).flatten(-2)
+
+
+def apply_rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    neox: bool) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, R] from rope_rows; rotates the first R dims in f32.
 
     neox=False: GGUF llama layout, pairs (2i, 2i+1). neox=True: pairs (i, i + R/2).
-    """
-    rot = cos.shape[-1] * 2
+    Each output is a*c - b*s or b*c + a*s, rounded as the pairwise formula rounds it (the
+    sign sits in the table: b*(-s) is -(b*s) exactly), in six kernels for all heads."""
+    rot = cos.shape[-1]
     xr, rest = x[..., :rot].float(), x[..., rot:]
-    c, s = cos[:, None, :], sin[:, None, :]
     if neox:
-        a, b = xr[..., : rot // 2], xr[..., rot // 2:]
-        out = torch.cat([a * c - b * s, a * s + b * c], dim=-1)
+        partner = torch.cat([xr[..., rot // 2:], xr[..., :rot // 2]], -1)
     else:
-        pairs = xr.unflatten(-1, (rot // 2, 2))
-        a, b = pairs[..., 0], pairs[..., 1]
-        out = torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2)
-    return torch.cat([out.to(x.dtype), rest], dim=-1) if rest.shape[-1] else out.to(x.dtype)
+        partner = xr.unflatten(-1, (rot // 2, 2)).flip(-1).flatten(-2)
+    out = (xr * cos[:, None, :] + partner * sin[:, None, :]).to(x.dtype)
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, R/2] for the rows' positions; rotates the first R dims."""
+    return apply_rope_rows(x, *rope_rows(cos, sin, neox), neox)
 
 
 def fuse_linears(*linears: nn.Linear) -> nn.Linear:
@@ -129,25 +142,26 @@ class PagedAttention(nn.Module):
         """q, k and v as one GEMM (after the weights are loaded)."""
         self.wqkv = fuse_linears(self.wq, self.wk, self.wv)
 
-    def project(self, x: torch.Tensor):
-        t, d = x.shape[0], self.head_dim
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q and k as one [T, Hq + Hk, D] tensor, v [T, Hk, D]): rope and the K rotation
+        then treat q and k in one kernel each."""
+        t, d, hq, hk = x.shape[0], self.head_dim, self.n_heads, self.n_kv_heads
         if self.wqkv is None:
-            return (self.wq(x).view(t, self.n_heads, d), self.wk(x).view(t, self.n_kv_heads, d),
-                    self.wv(x).view(t, self.n_kv_heads, d))
-        q, k, v = self.wqkv(x).split([self.n_heads * d, self.n_kv_heads * d,
-                                      self.n_kv_heads * d], dim=-1)
-        return (q.view(t, self.n_heads, d), k.view(t, self.n_kv_heads, d),
-                v.view(t, self.n_kv_heads, d))
+            qk = torch.cat([self.wq(x), self.wk(x)], -1)
+            return qk.view(t, hq + hk, d), self.wv(x).view(t, hk, d)
+        qkv = self.wqkv(x)
+        return qkv[:, :(hq + hk) * d].view(t, hq + hk, d), qkv[:, (hq + hk) * d:].view(t, hk, d)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 q_pos: torch.Tensor, slots: torch.Tensor, kv) -> torch.Tensor:
-        """x [T, hidden]; cos/sin [T, R/2]; q_pos int32 [T]; slots int64 [T]; kv a LayerKv."""
+        """x [T, hidden]; cos/sin [T, R] (rope_rows); q_pos int32 [T]; slots int64 [T]; kv a
+        LayerKv."""
         t = x.shape[0]
-        q, k, v = self.project(x)
-        q = apply_rope(q, cos, sin, self.rope_neox)
-        k = apply_rope(k, cos, sin, self.rope_neox)
+        qk, v = self.project(x)
+        qk = apply_rope_rows(qk, cos, sin, self.rope_neox)
         if kv.k_rot is not None:      # quantized K is stored rotated (kvcompile.kv_rotation)
-            q, k = q @ kv.k_rot.to(q.dtype), k @ kv.k_rot.to(k.dtype)
+            qk = qk @ kv.k_rot.to(qk.dtype)
+        q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
         if kv.v_rot is not None:
             v = v @ kv.v_rot.to(v.dtype)
         torch.ops.kvcompile.kv_write(kv.k_pool, kv.v_pool, k, v, slots,

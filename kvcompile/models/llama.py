@@ -9,7 +9,8 @@ from torch import nn
 
 from kvcompile.config import ModelConfig
 from kvcompile.errors import ModelFileError, UnsupportedModelError
-from kvcompile.models.layers import PagedAttention, RMSNorm, SwiGLU, check_rope_range, rope_tables
+from kvcompile.models.layers import (PagedAttention, RMSNorm, SwiGLU, check_rope_range,
+                                     rope_rows, rope_tables)
 
 # GGUF tensor name (after "blk.{i}.") -> parameter name inside LlamaBlock
 _BLOCK_NAMES = {
@@ -88,8 +89,10 @@ class LlamaModel(nn.Module):
                 raise ModelFileError(f"tensor {key} has shape {tuple(state[key].shape)}, the "
                                      f"config expects {tuple(param.shape)}; the file's metadata "
                                      f"and tensors disagree")
-        model.load_state_dict({k: state[k].to(device=device, dtype=dtype) for k in expected},
-                              strict=False, assign=True)
+        # norm weights stay f32 (as GGUF stores them and llama.cpp applies them)
+        model.load_state_dict({k: state[k].to(device=device, dtype=torch.float32 if
+                                              k.endswith("norm.weight") else dtype)
+                               for k in expected}, strict=False, assign=True)
         if tied:
             model.lm_head.weight = model.embed.weight
         cos, sin = rope_tables(config.rotary_dim, config.context_length, config.rope_theta,
@@ -111,7 +114,8 @@ class LlamaModel(nn.Module):
         if not torch.compiler.is_compiling():
             self.check_positions(positions, cache)
         x = self.embed(tokens)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos, sin = rope_rows(self.rope_cos[positions], self.rope_sin[positions],
+                             self.config.rope_neox)
         q_pos = positions.to(torch.int32)
         for i, block in enumerate(self.blocks):
             kv = cache.layer(i)
