@@ -43,6 +43,32 @@ def test_rope_matches_complex_rotation(neox, rot):
     assert torch.equal(ours[..., rot:], x[..., rot:])
 
 
+def pairwise_rope(x, cos, sin, neox):
+    """Rope as written pair by pair in f32: (a*c - b*s, a*s + b*c) for each rotated pair."""
+    rot = cos.shape[-1] * 2
+    xr, c, s = x[..., :rot].float(), cos[:, None, :], sin[:, None, :]
+    if neox:
+        a, b = xr[..., :rot // 2], xr[..., rot // 2:]
+        out = torch.cat([a * c - b * s, a * s + b * c], dim=-1)
+    else:
+        a, b = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2)
+    return torch.cat([out.to(x.dtype), x[..., rot:]], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("rot", [64, 32])
+def test_rope_rows_round_like_the_pairwise_formula(dtype, neox, rot):
+    """apply_rope (rope rows, x*cos + partner*signed sin, q and k heads in one call) gives the
+    pairwise formula's bits: b*(-s) is -(b*s) exactly and addition commutes."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    x = torch.randn(9, 6, 64, generator=g).to(dtype)
+    angles = torch.rand(9, rot // 2, generator=g) * 1000
+    cos, sin = angles.cos(), angles.sin()
+    assert torch.equal(apply_rope(x, cos, sin, neox), pairwise_rope(x, cos, sin, neox))
+
+
 def test_rms_norm_matches_formula():
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     norm = RMSNorm(576, 1e-5)
