@@ -70,24 +70,31 @@ def relocate(cache, a: int, b: int) -> None:
         t[la], t[lb] = b, a
 
 
-@pytest.mark.parametrize("kv", ["f32", "q8_0/q4_0"])
-def test_captured_decode_equals_eager_bitwise(tiny, kv):
-    """Same KV in both caches; every decode step (widths 1, 2, 3 -> 4, 5 -> 8) through the
-    captured program equals the eager model on the same rows bitwise, with pages relocated
-    (page tables rewritten in place) between steps, and no synchronising call in a step."""
+def same_kv_twins(tiny, kv: str, lower: str):
+    """(model, ids, ref cache, our cache, PhaseManager over ours): 600 random tokens
+    prefilled eagerly into ref, then copied into ours, so both hold the same KV."""
     _, loaded = tiny
     model, cfg = loaded.model, loaded.config
     kt, vt = (kv, kv) if "/" not in kv else kv.split("/")
     ref = PagedKvCache(cfg, 2048, k_type=kt, v_type=vt, device="cuda")
     ours = PagedKvCache(cfg, 2048, k_type=kt, v_type=vt, device="cuda")
     torch._dynamo.reset()
-    m = PhaseManager(model, ours, ubatch=256, lower="graph")
+    m = PhaseManager(model, ours, ubatch=256, lower=lower)
     g = torch.Generator().manual_seed(fresh_seed())
     ids = torch.randint(0, cfg.vocab_size, (700,), generator=g).tolist()
-    eager(model, ref, ids[:600], 0)                  # prefill once, then the same KV in both
+    eager(model, ref, ids[:600], 0)
     for i in ref.layers:
         ours.layer(i).k_pool.copy_(ref.layer(i).k_pool)
         ours.layer(i).v_pool.copy_(ref.layer(i).v_pool)
+    return model, ids, ref, ours, m
+
+
+@pytest.mark.parametrize("kv", ["f32", "q8_0/q4_0"])
+def test_captured_decode_equals_eager_bitwise(tiny, kv):
+    """Same KV in both caches; every decode step (widths 1, 2, 3 -> 4, 5 -> 8) through the
+    captured program equals the eager model on the same rows bitwise, with pages relocated
+    (page tables rewritten in place) between steps, and no synchronising call in a step."""
+    model, ids, ref, ours, m = same_kv_twins(tiny, kv, "graph")
     pos, steps = 600, 0
     for w in [1, 1, 2, 3, 1, 5, 8, 1, 4, 1, 1]:
         step = ids[pos:pos + w]
@@ -113,19 +120,7 @@ def test_inductor_captured_decode_matches_eager(tiny, kv):
     """The opt-in lower="inductor": the pass pipeline's graph fused by inductor,
     then captured. Fused reductions and FMAs round differently, so not bitwise: every step
     within float noise of the eager model on the same KV (test_phase_manager's tolerance)."""
-    _, loaded = tiny
-    model, cfg = loaded.model, loaded.config
-    kt, vt = (kv, kv) if "/" not in kv else kv.split("/")
-    ref = PagedKvCache(cfg, 2048, k_type=kt, v_type=vt, device="cuda")
-    ours = PagedKvCache(cfg, 2048, k_type=kt, v_type=vt, device="cuda")
-    torch._dynamo.reset()
-    m = PhaseManager(model, ours, ubatch=256, lower="inductor")
-    g = torch.Generator().manual_seed(fresh_seed())
-    ids = torch.randint(0, cfg.vocab_size, (700,), generator=g).tolist()
-    eager(model, ref, ids[:600], 0)
-    for i in ref.layers:
-        ours.layer(i).k_pool.copy_(ref.layer(i).k_pool)
-        ours.layer(i).v_pool.copy_(ref.layer(i).v_pool)
+    model, ids, ref, ours, m = same_kv_twins(tiny, kv, "inductor")
     pos, worst = 600, 0.0
     for w in [1, 1, 2, 1, 5, 8, 1]:
         step = ids[pos:pos + w]
