@@ -9,10 +9,10 @@ rows merged into benchmarks/results/streaming.json (meta under "compiled").
 Llama-3-8B geometry, random bf16 weights made on the device (bench_streaming's builder).
 
   ours-compiled   all resident, run by the PhaseManager: the forward compiled through the
-                  pass pipeline and lowered by inductor (the default on CUDA), decode and
-                  prefill captured as CUDA graphs (--cuda-graphs)
-  ours-captured   the same with lower="graph": the pass pipeline's graph run op by op, then
-                  captured (bitwise equal to eager; shows what inductor's fusion adds)
+                  pass pipeline and lowered by inductor (opt-in lower="inductor"), decode
+                  and prefill captured as CUDA graphs
+  ours-captured   the same with lower="graph" (the default, --cuda-graphs): the pass
+                  pipeline's graph run op by op, then captured (bitwise equal to eager)
   ours-resident   all resident, eager: the compiled path's speed-up is over this row
   ours-graphs     streamed through --arena-mib, decode as piecewise CUDA graphs
   ours            streamed, eager

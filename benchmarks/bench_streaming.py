@@ -140,7 +140,8 @@ def build_models(g: Geometry, context_length: int, dtype, device, seed: int, wan
     with torch.no_grad():
         fill_weights(tensors, seed)
     named = {gguf_name(n): t for n, t in tensors.items()}
-    # same device and dtype: from_weights assigns the tensors themselves (no second copy)
+    # same device and dtype: from_weights assigns the tensors themselves, except the fused
+    # q/k/v and gate/up weights it builds (the HF model, when there is one, keeps the parts)
     ours = LlamaModel.from_weights(our_config(g, context_length), named, dtype=dtype,
                                    device=device)
     return ours, hf, hf_cfg, reason

@@ -91,11 +91,17 @@ def start_mode(name, model, a, ids, kv, dev):
             logits = m.forward(tokens[s:s + ub], s)
         tok = [int(logits[-1].argmax())]
 
+        held = [m]
+
         def step(n):
             for _ in range(n):
-                tok[0] = int(m.forward([tok[0]], pos[0])[-1].argmax())
+                tok[0] = int(held[0].forward([tok[0]], pos[0])[-1].argmax())
                 pos[0] += 1
-        return step, lambda: None
+
+        def cleanup():
+            held.clear()                     # the manager and its arena
+            torch._dynamo.reset()
+        return step, cleanup
     if name not in ("resident", "streaming"):
         raise SystemExit(f"unknown mode {name!r}: use resident, streaming, compiled")
     cache = make_kv_cache(model.config, a.ctx + 64, a.arena if name == "streaming" else 0,

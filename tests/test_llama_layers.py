@@ -67,6 +67,11 @@ def test_rope_rows_round_like_the_pairwise_formula(dtype, neox, rot):
     angles = torch.rand(9, rot // 2, generator=g) * 1000
     cos, sin = angles.cos(), angles.sin()
     assert torch.equal(apply_rope(x, cos, sin, neox), pairwise_rope(x, cos, sin, neox))
+    # as the model passes it: q and k heads sliced out of a wider projection output
+    wide = torch.cat([x.flatten(1), torch.randn(9, 40, generator=g).to(dtype)], 1)
+    xs = wide[:, :6 * 64].view(9, 6, 64)
+    assert not xs.is_contiguous()
+    assert torch.equal(apply_rope(xs, cos, sin, neox), pairwise_rope(x, cos, sin, neox))
 
 
 def test_rms_norm_matches_formula():

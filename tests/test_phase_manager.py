@@ -176,6 +176,31 @@ def test_compiled_programs_equal_eager(model_and_ids):
     torch.testing.assert_close(torch.cat(runs[1]), want, rtol=1e-5, atol=1e-5)
 
 
+def test_separate_storage_same_bytes_own_storage_and_keeps_the_arena_alive():
+    """The inductor path's pool views: same bytes, a storage of their own, and the arena's
+    memory lives as long as the view does (an ndarray stands in for the arena's owner)."""
+    import gc
+    import weakref
+
+    import numpy as np
+    from kvcompile.phase.manager import separate_storage
+    arr = np.random.default_rng().integers(0, 255, 4096, dtype=np.uint8)
+    alive = weakref.ref(arr)
+    base = torch.from_numpy(arr)
+    del arr
+    view = base[128:1152].view(torch.int32).view(16, 16)    # random bytes: no NaNs
+    sep = separate_storage(view)
+    assert torch.equal(sep, view) and sep.data_ptr() == view.data_ptr()
+    assert sep.untyped_storage().nbytes() == view.nbytes       # not the whole arena's
+    del base, view
+    gc.collect()
+    assert alive() is not None
+    sep.add_(1)                                                # still writable, still there
+    del sep
+    gc.collect()
+    assert alive() is None
+
+
 # f32 KV: float rounding only. Quantized KV: a key or value that rounds differently can
 # land on the other side of a code boundary, one code step (~1/127 of a block's scale) off.
 INDUCTOR_TOLERANCE = {"f32": 1e-5, "q8_0/q4_0": 1e-2}

@@ -45,33 +45,33 @@ def _fail_on_recompile_limit():
     return contextlib.nullcontext()
 
 
-class _DeviceBytes:
-    """A CUDA byte range as __cuda_array_interface__, holding its owner alive."""
+class _Bytes:
+    """A byte range as __cuda_array_interface__ / __array_interface__, holding its owner (a
+    view of the arena) alive: the tensor made from it keeps this object, this the arena."""
 
     def __init__(self, view: torch.Tensor):
         self.owner = view
-        self.__cuda_array_interface__ = {"shape": (view.numel(),), "typestr": "|u1",
-                                         "data": (view.data_ptr(), False), "version": 3,
-                                         "strides": None, "stream": None}
+        iface = {"shape": (view.numel(),), "typestr": "|u1", "data": (view.data_ptr(), False),
+                 "version": 3, "strides": None}
+        if view.device.type == "cuda":
+            self.__cuda_array_interface__ = {**iface, "stream": None}
+        else:
+            self.__array_interface__ = iface
 
 
 def separate_storage(view: torch.Tensor) -> torch.Tensor:
     """The same device bytes as `view` (a typed view of an arena region) behind a storage of
-    its own. Why: inductor's front end (aot_autograd) sees every KV pool and the attention
-    scratch (when bound) as mutated graph inputs; views of one storage make it merge them
-    into a "synthetic base", which it refuses for views of other dtypes than the base and
-    which would write whole pools back after each step. The arena's regions never overlap, so
-    separate storages tell it the truth. The arena outlives the tensor (`owner` keeps it)."""
+    its own. Why: inductor's front end (aot_autograd) sees every KV pool as a mutated graph
+    input; views of one storage make it merge them into a "synthetic base", which it refuses
+    for views of another dtype than the base and which otherwise clones a pool and writes
+    it back every layer. The arena's regions never overlap, so separate storages tell it
+    the truth."""
     flat = view.reshape(-1).view(torch.uint8)
     if view.device.type == "cuda":
-        raw = torch.as_tensor(_DeviceBytes(flat), device=view.device)
+        raw = torch.as_tensor(_Bytes(flat), device=view.device)
     else:
-        import ctypes
-
         import numpy as np
-        buf = (ctypes.c_uint8 * flat.numel()).from_address(flat.data_ptr())
-        raw = torch.from_numpy(np.frombuffer(buf, dtype=np.uint8))
-        raw._kvcompile_owner = flat          # keeps the arena alive as long as raw
+        raw = torch.from_numpy(np.asarray(_Bytes(flat)))    # the ndarray keeps _Bytes
     return raw.view(view.dtype).view(view.shape)
 
 
@@ -128,7 +128,8 @@ class PhaseManager:
             # (_bind_workspace), and its memory planner may keep every one live: on the H200
             # the 8B decode/1 program measured 30.6 MiB, the layout held 25.6 MiB with room
             # for one scratch (the reserve for all layers is untested on the device)
-            ws = {p: w + model.config.n_layers * align(self.scratch) for p, w in ws.items()}
+            ws = {p: w + (model.config.n_layers - 1) * align(self.scratch)
+                  for p, w in ws.items()}
         ws.update(workspace_bytes or {})
         if any(w < self.scratch for w in ws.values()):
             raise PhaseError(f"a phase workspace must hold at least the attention scratch of "
@@ -196,8 +197,7 @@ class PhaseManager:
         graph, from the program's own pool, and the capture measures it (`_bound_scratch`)."""
         scratch = None
         if self._bound_scratch():
-            scratch = self._own(self._leases[L.WORKSPACE].view(0, self.scratch)
-                                .view(torch.float32))
+            scratch = self._leases[L.WORKSPACE].view(0, self.scratch).view(torch.float32)
         for i in self.cache.layers:
             self.cache.layer(i).workspace = scratch
 
@@ -283,9 +283,11 @@ class PhaseManager:
 
     def _check_positions(self, start: int, n: int) -> None:
         """The host-side range check the compiled graph leaves out, on Python ints (no sync);
-        the model's rope table bounds it too."""
+        the KV cache's capacity and the model's rope table."""
         from kvcompile.kv_cache import check_range
-        check_range(start, start + n - 1, min(self.cache.capacity, self.model.rope_cos.shape[0]))
+        from kvcompile.models.layers import check_rope_range
+        check_range(start, start + n - 1, self.cache.capacity)
+        check_rope_range((start, start + n - 1), self.model.rope_cos.shape[0])
 
     def stats(self) -> dict:
         return {"phase": self.phase, "lower": self.lower if self.compile else "eager",
