@@ -18,7 +18,7 @@ import torch
 
 from kvcompile.errors import PhaseError, UnsupportedModelError
 from kvcompile.phase import layouts as L
-from kvcompile.phase.programs import PhaseProgram
+from kvcompile.phase.programs import PhaseProgram, check_step_positions
 from kvcompile.runtime.arena import Arena, align
 from kvcompile.runtime.fences import DONE
 
@@ -121,15 +121,11 @@ class PhaseManager:
         self.kv_bytes = sum(align(getattr(cache.layer(i), a).nbytes)
                             for i in cache.layers for a in ("k_pool", "v_pool"))
         self.scratch = L.attention_scratch_bytes(model.config, _sms(self.device))
-        ws = {p: L.workspace_bytes(model.config, p, ubatch, _sms(self.device))
+        # inductor programs allocate a scratch per attention layer (_bind_workspace; the
+        # reserve for all of them is untested on the device)
+        scratches = model.config.n_layers if self.lower == "inductor" else 1
+        ws = {p: L.workspace_bytes(model.config, p, ubatch, _sms(self.device), scratches)
               for p in L.PHASES}
-        if self.lower == "inductor":
-            # its programs allocate the decode scratch inside the graph, per attention layer
-            # (_bind_workspace), and its memory planner may keep every one live: on the H200
-            # the 8B decode/1 program measured 30.6 MiB, the layout held 25.6 MiB with room
-            # for one scratch (the reserve for all layers is untested on the device)
-            ws = {p: w + (model.config.n_layers - 1) * align(self.scratch)
-                  for p, w in ws.items()}
         ws.update(workspace_bytes or {})
         if any(w < self.scratch for w in ws.values()):
             raise PhaseError(f"a phase workspace must hold at least the attention scratch of "
@@ -266,7 +262,7 @@ class PhaseManager:
             raise PhaseError(f"a prefill chunk of {n} tokens is larger than the ubatch of "
                              f"{self.ubatch} the prefill workspace is sized for; split it or "
                              f"raise --ubatch-size")
-        self._check_positions(start, n)
+        check_step_positions(self.model, self.cache, start, n)
         if n <= self.buckets[-1]:
             rows = L.bucket_for(n, self.buckets)
             pad = rows - n
@@ -281,13 +277,6 @@ class PhaseManager:
         positions = torch.arange(start, start + n, dtype=torch.long, device=self.device)
         return self.model(tokens, positions, self.cache, last_only=True)
 
-    def _check_positions(self, start: int, n: int) -> None:
-        """The host-side range check the compiled graph leaves out, on Python ints (no sync);
-        the KV cache's capacity and the model's rope table."""
-        from kvcompile.kv_cache import check_range
-        from kvcompile.models.layers import check_rope_range
-        check_range(start, start + n - 1, self.cache.capacity)
-        check_rope_range((start, start + n - 1), self.model.rope_cos.shape[0])
 
     def stats(self) -> dict:
         return {"phase": self.phase, "lower": self.lower if self.compile else "eager",

@@ -25,9 +25,7 @@ import warnings
 import torch
 
 from kvcompile.errors import PhaseError
-from kvcompile.kv_cache import check_range
-from kvcompile.models.layers import check_rope_range
-from kvcompile.phase.programs import StaticInput
+from kvcompile.phase.programs import StaticInput, check_step_positions
 from kvcompile.runtime.streaming_cache import forward, forward_bracket
 
 
@@ -76,11 +74,7 @@ class PiecewiseDecode:
         """Logits [rows, vocab] of tokens at positions start.. (valid until the next step)."""
         if len(tokens) != self.rows:
             raise PhaseError(f"this decode program runs {self.rows} rows, got {len(tokens)}")
-        hi = start + self.rows - 1
-        check_range(start, hi, self.cache.capacity)
-        rope = getattr(self.model, "rope_cos", None)
-        if rope is not None:      # the replayed graphs cannot check it themselves
-            check_rope_range((start, hi), rope.shape[0])
+        check_step_positions(self.model, self.cache, start, self.rows)
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)
         with torch.cuda.stream(self.stream), torch.inference_mode():

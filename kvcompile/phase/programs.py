@@ -20,6 +20,19 @@ from kvcompile.runtime.arena import MIB
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # (tokens, positions) -> logits
 
 
+def check_step_positions(model, cache, start: int, rows: int) -> None:
+    """The range check a compiled or replayed step cannot make itself (reading positions
+    back would synchronise): on Python ints, against the KV cache's capacity and the
+    model's rope table."""
+    from kvcompile.kv_cache import check_range
+    from kvcompile.models.layers import check_rope_range
+    hi = start + rows - 1
+    check_range(start, hi, cache.capacity)
+    rope = getattr(model, "rope_cos", None)
+    if rope is not None:
+        check_rope_range((start, hi), rope.shape[0])
+
+
 class StaticInput:
     """A step's tokens and positions at fixed device addresses (`tokens`, `positions`),
     filled through a pinned staging buffer with a non-blocking copy: no host sync."""
