@@ -131,20 +131,15 @@ def weight_bytes(model: Qwen35Model) -> int:
     return param_bytes(model) + sum(t.nbytes for t in extra)
 
 
-def attention_layers(model: Qwen35Model) -> tuple[int, ...]:
-    """The main attention layers (the MTP layer gets no pages: no step here runs it)."""
-    return model.trunk_kv_layers
-
-
 def kv_bytes_per_token(model, k_type: str, v_type: str) -> int:
-    return S.kv_bytes_per_token(replace(model.config, n_layers=len(attention_layers(model))),
+    return S.kv_bytes_per_token(replace(model.config, n_layers=len(model.trunk_kv_layers)),
                                 k_type, v_type)
 
 
 def make_cache(model, max_tokens: int, arena_mib: float, kv: str, device):
     k_type, v_type = kv.split("/")
     return make_kv_cache(model.config, max_tokens, arena_mib, k_type=k_type, v_type=v_type,
-                         device=device, layers=attention_layers(model))
+                         device=device, layers=model.trunk_kv_layers)
 
 
 def gdn_backend(device) -> str:
@@ -155,16 +150,11 @@ def gdn_backend(device) -> str:
 # ---- one row -------------------------------------------------------------------------------
 def run_row(model, ctx: int, kv: str, arena_mib: float, args, device, ids,
             graphs: bool = False) -> dict:
-    cache = make_cache(model, ctx + args.decode_steps + 2, arena_mib, kv, device)
-    try:
-        row = S.timed_generation(model, cache, ids, ctx, args, device, graphs)
-        row.update(gdn_state_bytes=model.recurrent_state(cache).nbytes,
-                   kv_device_bytes=int(getattr(cache, "nbytes", 0)),
-                   kv_layers=len(attention_layers(model)))
-        return row
-    finally:
-        S.close_cache(cache)
-        del cache
+    return S.run_ours(model, None, ctx, kv, arena_mib, args, device, ids, graphs,
+                      extra=lambda cache: dict(
+                          gdn_state_bytes=model.recurrent_state(cache).nbytes,
+                          kv_device_bytes=int(getattr(cache, "nbytes", 0)),
+                          kv_layers=len(model.trunk_kv_layers)))
 
 
 def sanity(model, args, device) -> dict:
@@ -300,7 +290,7 @@ def main(argv=None) -> list[dict]:
     S.sync(device)
     w_bytes, gdn = weight_bytes(model), gdn_backend(device)
     S.log(f"weights: {w_bytes / GB:.2f} GB in {time.perf_counter() - t:.1f} s; GDN: {gdn}")
-    attn = attention_layers(model)
+    attn = model.trunk_kv_layers
     meta = dict(geometry=geometry, preset="seed-27b" if not args.tiny else "qwen35 tiny",
                 layers=config.n_layers, attention_layers=list(attn),
                 gdn_layers=config.n_layers - len(attn), nextn_layers=config.nextn_layers,

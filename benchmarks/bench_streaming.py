@@ -303,12 +303,16 @@ def close_cache(cache) -> None:
         close()
 
 
-def run_ours(model, g, ctx, kv, arena_mib, args, device, ids, graphs=False) -> dict:
+def run_ours(model, g, ctx, kv, arena_mib, args, device, ids, graphs=False,
+             extra=None) -> dict:
+    """One timed generation over a fresh cache (pages for the trunk's KV layers);
+    `extra(cache)`: more row fields read from the cache before it closes."""
     k_type, v_type = kv.split("/")
     cache = make_kv_cache(model.config, ctx + args.decode_steps + 2, arena_mib, k_type=k_type,
-                          v_type=v_type, device=device)
+                          v_type=v_type, device=device, layers=trunk_layers(model))
     try:
-        return timed_generation(model, cache, ids, ctx, args, device, graphs)
+        row = timed_generation(model, cache, ids, ctx, args, device, graphs)
+        return {**row, **extra(cache)} if extra is not None else row
     finally:
         close_cache(cache)
         del cache

@@ -87,6 +87,13 @@ def check_geometry(t: KvType, head_dim: int) -> None:
             f"{t.name} KV pages need head dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
 
 
+def check_cuda_head_dim(device: torch.device, head_dim: int, what: str) -> None:
+    """The Triton kernels are built for SUPPORTED_HEAD_DIMS (the CPU reference takes any)."""
+    if device.type == "cuda" and head_dim not in SUPPORTED_HEAD_DIMS:
+        raise KvLayoutError(f"the CUDA {what} supports head dims {SUPPORTED_HEAD_DIMS}, "
+                            f"got {head_dim}")
+
+
 def n_kv_heads_of(pool: torch.Tensor, t: KvType, page_size: int, head_dim: int) -> int:
     per_head = page_size * head_dim // QK * t.bytes_per_block
     if pool.dim() != 2 or pool.dtype != torch.uint8 or pool.shape[1] % per_head:

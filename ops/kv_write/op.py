@@ -24,9 +24,7 @@ def check_kv_write_args(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, pag
     _, n_heads, head_dim = k_new.shape
     F.check_geometry(kt, head_dim)
     F.check_geometry(vt, head_dim)
-    if k_pool.device.type == "cuda" and head_dim not in F.SUPPORTED_HEAD_DIMS:
-        raise KvLayoutError(f"the CUDA kv_write supports head dims {F.SUPPORTED_HEAD_DIMS}, "
-                            f"got {head_dim}")
+    F.check_cuda_head_dim(k_pool.device, head_dim, "kv_write")
     for name, pool, t in (("k_pool", k_pool, kt), ("v_pool", v_pool, vt)):
         if F.n_kv_heads_of(pool, t, page_size, head_dim) != n_heads:
             raise KvLayoutError(f"{name} pages hold {F.n_kv_heads_of(pool, t, page_size, head_dim)}"

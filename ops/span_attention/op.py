@@ -25,8 +25,9 @@ from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
 
 
 def check_span_attention_args(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
-                              page_size) -> int:
-    """Raise KvLayoutError for inconsistent arguments; returns the number of KV heads."""
+                              page_size) -> tuple[F.KvType, F.KvType, int]:
+    """Raise KvLayoutError for inconsistent arguments; returns the K and V types and the
+    number of KV heads."""
     kt, vt = F.kv_type(k_type), F.kv_type(v_type)
     if q.dim() != 3:
         raise KvLayoutError(f"q must be [T, n_q_heads, head_dim], got {tuple(q.shape)}")
@@ -43,7 +44,7 @@ def check_span_attention_args(q, k_pool, v_pool, page_table, q_pos, k_type, v_ty
         raise KvLayoutError(f"q_pos must be [T={q.shape[0]}], got {tuple(q_pos.shape)}")
     if page_table.dim() != 1:
         raise KvLayoutError("page_table must be 1-D (physical page per logical page)")
-    return hk
+    return kt, vt, hk
 
 
 @torch.library.custom_op("kvcompile::span_attention_reference", mutates_args=())
@@ -74,18 +75,16 @@ def span_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                    page_table: torch.Tensor, q_pos: torch.Tensor, k_type: int, v_type: int,
                    page_size: int, scale: float,
                    workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
-    n_kv = check_span_attention_args(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
-                                     page_size)
+    kt, vt, n_kv = check_span_attention_args(q, k_pool, v_pool, page_table, q_pos, k_type,
+                                             v_type, page_size)
     if q.device.type != "cuda":
         return span_attention_reference(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
                                         page_size, scale)
-    if q.shape[2] not in F.SUPPORTED_HEAD_DIMS:
-        raise KvLayoutError(f"the CUDA span_attention supports head dims "
-                            f"{F.SUPPORTED_HEAD_DIMS}, got {q.shape[2]}")
+    F.check_cuda_head_dim(q.device, q.shape[2], "span_attention")
     if q.shape[0] <= DECODE_MAX_ROWS:
         # legacy or blocks by shape (KVCOMPILE_DECODE_IMPL overrides, read once at import)
         group = q.shape[1] // n_kv
-        quantized = F.kv_type(k_type).quantized or F.kv_type(v_type).quantized
+        quantized = kt.quantized or vt.quantized
         launch = decode_launcher(rows_per_kv_head=q.shape[0] * group, quantized=quantized)
         return launch(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, scale,
                       workspace=workspace)

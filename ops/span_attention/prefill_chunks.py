@@ -48,9 +48,7 @@ class PrefillAccumulator:
             raise KvLayoutError(f"n_pages must be a positive int (the layer's logical pages), "
                                 f"got {n_pages!r}")
         n_rows, n_q, d = q.shape
-        if q.device.type == "cuda" and d not in F.SUPPORTED_HEAD_DIMS:
-            raise KvLayoutError(f"the CUDA prefill kernel supports head dims "
-                                f"{F.SUPPORTED_HEAD_DIMS}, got {d}")
+        F.check_cuda_head_dim(q.device, d, "prefill kernel")
         if out is None:
             out = torch.empty_like(q)
         if out.shape != q.shape or out.stride(2) != 1 or out.device != q.device:
