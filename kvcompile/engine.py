@@ -17,6 +17,7 @@ from kvcompile.errors import ContextLengthError, KvcompileError
 from kvcompile.loader import load_model
 from kvcompile.runtime import forward as run_forward
 from kvcompile.runtime import make_kv_cache
+from kvcompile.runtime.streaming_cache import is_streamed
 from kvcompile.runtime.telemetry import summarize
 from kvcompile.sampling import Sampler, SamplingParams
 from kvcompile.stop_strings import StopStringFilter
@@ -96,8 +97,8 @@ class Engine:
         # on CUDA, decode as piecewise graphs (kvcompile/phase, docs/phases.md)
         self.phases = self.piecewise = None
         if cuda_graphs:
-            streamed = hasattr(self.cache, "begin_forward")
-            if (streamed or hasattr(self.model, "make_cache")) and self.device.type == "cuda":
+            hybrid = self._trunk_kv_layers is not None
+            if (is_streamed(self.cache) or hybrid) and self.device.type == "cuda":
                 # a streamed cache or a hybrid model: decode as CUDA graphs between the
                 # per-layer KV hooks (kvcompile/phase/piecewise.py), prefill eagerly
                 from kvcompile.phase.piecewise import PiecewiseDecode

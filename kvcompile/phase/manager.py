@@ -21,6 +21,7 @@ from kvcompile.phase import layouts as L
 from kvcompile.phase.programs import PhaseProgram, check_step_positions
 from kvcompile.runtime.arena import Arena, align
 from kvcompile.runtime.fences import DONE
+from kvcompile.runtime.streaming_cache import is_streamed
 
 
 def _sms(device: torch.device) -> int | None:
@@ -81,7 +82,7 @@ class PhaseManager:
                  lower: str | None = None, workspace_bytes: dict[str, int] | None = None,
                  buckets=L.BUCKETS):
         if not all(hasattr(cache, a) for a in ("layers", "layer", "capacity")) or \
-                hasattr(cache, "begin_forward"):
+                is_streamed(cache):
             raise UnsupportedModelError(
                 f"phase programs bind an all-resident paged KV cache, not "
                 f"{type(cache).__name__}; run the streaming cache without --cuda-graphs for now")

@@ -39,6 +39,11 @@ def min_arena_bytes(config, max_tokens: int, k_type="f32", v_type="f32", page_si
     return align(workspace_bytes) + align(pages * kb) + align(pages * vb)
 
 
+
+def _busy_pct(busy_s: float, wall_s: float) -> float:
+    """The copy engine's busy share of a wall-clock span, in percent (capped at 100)."""
+    return min(100.0, 100.0 * busy_s / wall_s)
+
 class StreamingKvCache:
     def __init__(self, config, max_tokens: int, arena_mib: float, k_type="f32", v_type="f32",
                  page_size: int = 256, layers=None, backend=None, workspace_bytes: int = 0,
@@ -175,7 +180,7 @@ class StreamingKvCache:
             resident_pages=self.pool.L * self.pool.r, ring_slots=ring,
             h2d_bytes=self.engine.bytes_h2d - s["h2d"], d2h_bytes=self.engine.bytes_d2h - s["d2h"],
             readiness_misses=c.misses,
-            copy_busy_pct=min(100.0, 100.0 * (self.engine.busy_s - s["busy"]) / wall),
+            copy_busy_pct=_busy_pct(self.engine.busy_s - s["busy"], wall),
             ring_occupancy=c.peak_held / ring if ring else 0.0,
             resident_reads=c.resident_reads, streamed_reads=c.streamed_reads, layers=len(s["layers"]),
             repartitioned=s["repart"], policy=s["reason"], wall_ms=1e3 * wall))
@@ -189,8 +194,7 @@ class StreamingKvCache:
         last, self._last = self._last, None
         if last is None or not self.telemetry:
             return
-        wall = max(now - last[0], 1e-9)
-        pct = min(100.0, 100.0 * (busy - last[1]) / wall)
+        pct = _busy_pct(busy - last[1], max(now - last[0], 1e-9))
         self.telemetry[-1] = replace(self.telemetry[-1], copy_busy_pct=pct)
 
     def _apply_policy(self, n_pages: int) -> tuple[bool, str]:
@@ -253,17 +257,22 @@ class StreamingKvCache:
                 lease.release(AllOf(self.pool.last_use))
 
 
+def is_streamed(cache) -> bool:
+    """A cache whose forwards are bracketed (begin_forward / end_forward: the streaming
+    cache), as opposed to one whose pages all sit on the device."""
+    return hasattr(cache, "begin_forward")
+
+
 @contextmanager
 def forward_bracket(cache, positions, layers=None, start: int | None = None,
                     keep: bool = True):
     """begin_forward / end_forward around the body when the cache has them (a resident
     cache has none). The forward's rows become history when the body returns and `keep`
     (a CUDA graph capture, which computes nothing, passes keep=False)."""
-    begin = getattr(cache, "begin_forward", None)
-    if begin is None:
+    if not is_streamed(cache):
         yield
         return
-    begin(positions, layers, start)
+    cache.begin_forward(positions, layers, start)
     ok = False
     try:
         yield
