@@ -14,12 +14,10 @@ import triton.language as tl
 from kvcompile.ops.span_attention.decode_kernel import LOG2E, span_attention_decode
 from kvcompile.ops.span_attention.decode_split import (PROGRAMS_PER_SM, chunks, decode_shape,
                                                        launch_reduce, program_rows_and_chunk,
-                                                       store_partial_stats)
-from kvcompile.ops.span_attention.launch import (dot_mode, interpreting, k_split, launchable,
-                                                 pool_args, query_operand)
+                                                       split_operands, store_partial_stats)
+from kvcompile.ops.span_attention.launch import interpreting, k_split, launchable
 from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
                                                      qk_scores, v_operand)
-from kvcompile.ops.span_attention.workspace import carve
 from kvcompile.ops.span_attention.quant_blocks import qk_blocks, v_blocks, value_columns
 
 
@@ -113,7 +111,7 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
     blocks_config."""
     sh = decode_shape(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, out)
     kg, vg, head_dim = sh.kg, sh.vg, sh.head_dim
-    block_m = max(16, triton.next_power_of_2(sh.mrows))
+    block_m = sh.block_m
     cfg = blocks_config(head_dim, block_m, kg.kv_type in (2, 8))
     block_n = min(block_n or cfg["block_n"], page_size)
     num_warps = num_warps or cfg["num_warps"]
@@ -121,11 +119,8 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
     programs_per_sm = programs_per_sm or cfg["programs_per_sm"]
     assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
     chunk_len, n_chunks = chunks(sh, page_size, block_n, chunk_len, programs_per_sm, q.device)
-    bufs = carve(workspace, sh.n_kv, n_chunks, sh.mrows, head_dim, q.device)
-    qk_f16 = dot_mode(q.dtype, kg.kv_type)
-    q16 = query_operand(q, qk_f16)
-    kv, ks, kpe, kph, kch = pool_args(k_pool, kg, raw_codes=True)
-    vv, vs, vpe, vph, vch = pool_args(v_pool, vg, raw_codes=True)
+    bufs, q16, qk_f16, (kv, ks, kpe, kph, kch), (vv, vs, vpe, vph, vch) = split_operands(
+        sh, q, k_pool, v_pool, workspace, n_chunks, raw_codes=True)
     launchable(_decode_split_blocks)[(n_chunks, sh.n_kv)](
         q16, kv, ks, vv, vs, page_table, q_pos, *bufs,
         q16.stride(0), q16.stride(1), sh.n_rows, n_chunks, chunk_len, sh.table_len,

@@ -15,12 +15,10 @@ import triton.language as tl
 
 from kvcompile.ops.span_attention.decode_split import (PROGRAMS_PER_SM, chunks, decode_shape,
                                                        launch_reduce, program_rows_and_chunk,
-                                                       store_partial_stats)
-from kvcompile.ops.span_attention.launch import (dot_mode, interpreting, k_split, launchable,
-                                                 pool_args, query_operand)
+                                                       split_operands, store_partial_stats)
+from kvcompile.ops.span_attention.launch import interpreting, k_split, launchable
 from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
                                                      qk_quantized, qk_scores, v_operand)
-from kvcompile.ops.span_attention.workspace import carve
 
 LOG2E = 1.4426950408889634
 
@@ -81,21 +79,17 @@ def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, 
     block_n = min(block_n, page_size)
     assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
     chunk_len, n_chunks = chunks(sh, page_size, block_n, chunk_len, programs_per_sm, q.device)
-    block_m = max(16, triton.next_power_of_2(sh.mrows))
-    bufs = carve(workspace, sh.n_kv, n_chunks, sh.mrows, head_dim, q.device)
-    qk_f16 = dot_mode(q.dtype, kg.kv_type)
-    q16 = query_operand(q, qk_f16)
+    bufs, q16, qk_f16, (kv, ks, kpe, kph, kch), (vv, vs, vpe, vph, vch) = split_operands(
+        sh, q, k_pool, v_pool, workspace, n_chunks)
     if num_warps is None:
         num_warps = 4
     if num_stages is None:
         num_stages = 2
-    kv, ks, kpe, kph, kch = pool_args(k_pool, kg)
-    vv, vs, vpe, vph, vch = pool_args(v_pool, vg)
     launchable(_decode_split)[(n_chunks, sh.n_kv)](
         q16, kv, ks, vv, vs, page_table, q_pos, *bufs,
         q16.stride(0), q16.stride(1), sh.n_rows, n_chunks, chunk_len, sh.table_len,
         kpe, kph, kch, vpe, vph, vch,
-        QK_SCALE=scale * LOG2E, G=sh.group, D=head_dim, P=page_size, BLOCK_M=block_m,
+        QK_SCALE=scale * LOG2E, G=sh.group, D=head_dim, P=page_size, BLOCK_M=sh.block_m,
         BLOCK_N=block_n,
         K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16, K_SPLIT=k_split(kg.kv_type),
         INTERP=interpreting(),

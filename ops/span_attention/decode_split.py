@@ -10,9 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompile.ops.span_attention.launch import (PageGeometry, check_launch, launchable,
-                                                 num_sms, page_geometry)
-from kvcompile.ops.span_attention.workspace import chunks_per_head
+from kvcompile.ops.span_attention.launch import (PageGeometry, check_launch, dot_mode,
+                                                 launchable, num_sms, page_geometry, pool_args,
+                                                 query_operand)
+from kvcompile.ops.span_attention.workspace import carve, chunks_per_head
 
 PROGRAMS_PER_SM = 2
 
@@ -29,6 +30,11 @@ class DecodeShape:
     vg: PageGeometry
     out: torch.Tensor
 
+    @property
+    def block_m(self) -> int:
+        """The query-row tile: every row of a KV head, at least 16 (tl.dot's minimum)."""
+        return max(16, triton.next_power_of_2(self.mrows))
+
 
 def decode_shape(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size,
                  out) -> DecodeShape:
@@ -43,6 +49,17 @@ def decode_shape(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size
     assert out.shape == q.shape and out.stride(2) == 1, "out must be [T, Hq, D], last dim dense"
     return DecodeShape(n_rows, head_dim, group, kg.n_heads, n_rows * group,
                        page_table.shape[0], kg, vg, out)
+
+
+def split_operands(sh: DecodeShape, q, k_pool, v_pool, workspace, n_chunks: int,
+                   raw_codes: bool = False):
+    """What either split kernel reads besides its tile config: (the partials' buffers in
+    the workspace, the query operand, whether Q.K runs in fp16, the K pool's and the V
+    pool's arguments)."""
+    bufs = carve(workspace, sh.n_kv, n_chunks, sh.mrows, sh.head_dim, q.device)
+    qk_f16 = dot_mode(q.dtype, sh.kg.kv_type)
+    return (bufs, query_operand(q, qk_f16), qk_f16, pool_args(k_pool, sh.kg, raw_codes),
+            pool_args(v_pool, sh.vg, raw_codes))
 
 
 def decode_chunking(table_len: int, page_size: int, n_kv_heads: int, block_n: int,
