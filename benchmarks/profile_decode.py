@@ -59,15 +59,17 @@ def main() -> None:
         # kernels only: an op's self device time repeats its kernels' time
         kernels = [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]
         cuda_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / 3
+        n_kernels = sum(e.count for e in kernels) / 3
         cpu_top = sorted(ev, key=lambda e: -e.self_cpu_time_total)[:25]
         gpu_top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]
-        print(f"== {name}: step {step_ms:.2f} ms, GPU kernel time {cuda_ms:.2f} ms a step")
+        print(f"== {name}: step {step_ms:.2f} ms, GPU kernel time {cuda_ms:.2f} ms a step, "
+              f"{n_kernels:.0f} kernels a step")
         print(ev.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
         print(f"-- {name}: GPU kernels, ms a step")
         for e in gpu_top:
             ms = e.self_device_time_total / 1e3 / 3
             print(f"{ms:8.3f} ms {e.count / 3:6.1f} x  {e.key[:90]}")
-        res[name] = dict(step_ms=step_ms, gpu_ms=cuda_ms, top_cpu=[
+        res[name] = dict(step_ms=step_ms, gpu_ms=cuda_ms, kernels=n_kernels, top_cpu=[
             dict(name=e.key, self_cpu_ms=e.self_cpu_time_total / 1e3 / 3, calls=e.count / 3)
             for e in cpu_top], top_gpu=[
             dict(name=e.key, gpu_ms=e.self_device_time_total / 1e3 / 3, calls=e.count / 3)

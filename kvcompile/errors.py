@@ -32,3 +32,8 @@ class ArenaError(KvcompileError):
 class PhaseError(KvcompileError):
     """A phase program cannot run: captured against a layout that has since changed, or
     asked for a shape it was not built for."""
+
+
+class OpInputError(KvcompileError, ValueError):
+    """A kvcompile row op (rms_norm, rope_rotate, silu_mul) got inputs that do not fit
+    together."""

@@ -14,6 +14,10 @@ LOWERINGS = {
     "kvcompile.span_attention": "ops/span_attention (triton_op: decode / prefill kernels)",
     "kvcompile.ring_acquire": "ops/ring (copy-stream fork, ring page table)",
     "kvcompile.ring_release": "ops/ring (consumed fence, publish)",
+    "kvcompile.rms_norm": "ops/rms_norm (triton_op: one kernel a norm)",
+    "kvcompile.add_rms_norm": "ops/rms_norm (triton_op: residual add + norm)",
+    "kvcompile.rope_rotate": "ops/rope_rotate (triton_op: rope + KV Hadamard rotations)",
+    "kvcompile.silu_mul": "ops/silu_mul (triton_op: SwiGLU activation)",
 }
 # namespaces torch itself lowers (inductor / the eager fallback)
 BUILTIN_NAMESPACES = {"aten", "prims", "higher_order", "_c10d_functional", "_dtensor"}

@@ -1,7 +1,8 @@
 """Child process of kernel_oracle.run_interpreted: runs Triton kernels under the interpreter.
 
 usage: TRITON_INTERPRET=1 python tests/interp_worker.py JOBS.pt RESULTS.pt
-Each job is {"kind": "kv_write" | "decode" | "prefill", "args": {...}, "opts": {...}};
+Each job is {"kind": "kv_write" | "decode" | "prefill" | ROW_KERNELS, "args": {...},
+"opts": {...}};
 decode / prefill write into an fp32 `out` so the parent sees the kernel's own error.
 """
 from __future__ import annotations
@@ -14,12 +15,27 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates any kernel
 import torch  # noqa: E402
 
 
+def _row_kernel(module: str, name: str):
+    def load():
+        import importlib
+        return getattr(importlib.import_module(f"kvcompile.ops.{module}.triton_kernel"), name)
+    return load
+
+
+# the row ops' launchers (tests/test_kernels_rows.py), imported once the flag is set
+ROW_KERNELS = {"rms_norm": _row_kernel("rms_norm", "rms_norm_triton"),
+               "rope_rotate": _row_kernel("rope_rotate", "rope_rotate_triton"),
+               "silu_mul": _row_kernel("silu_mul", "silu_mul_triton")}
+
+
 def run(job: dict) -> dict:
     from kvcompile.ops.kv_write.triton_kernel import kv_write_triton
     from kvcompile.ops.span_attention.decode_blocks import decode_launcher
     from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
 
     a, opts = job["args"], job.get("opts", {})
+    if job["kind"] in ROW_KERNELS:
+        return {"out": ROW_KERNELS[job["kind"]]()(**a)}
     if job["kind"] == "kv_write":
         kp, vp = a["k_pool"].clone(), a["v_pool"].clone()
         kv_write_triton(kp, vp, a["k_new"], a["v_new"], a["slots"], a["k_type"], a["v_type"],

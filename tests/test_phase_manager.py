@@ -203,7 +203,9 @@ def test_separate_storage_same_bytes_own_storage_and_keeps_the_arena_alive():
 
 # f32 KV: float rounding only. Quantized KV: a key or value that rounds differently can
 # land on the other side of a code boundary, one code step (~1/127 of a block's scale) off.
-INDUCTOR_TOLERANCE = {"f32": 1e-5, "q8_0/q4_0": 1e-2}
+# f32: fused reductions round in another order; measured 1.5e-5 on the H200 (2026-11-30,
+# two layers), a wrong program is off by O(1)
+INDUCTOR_TOLERANCE = {"f32": 1e-4, "q8_0/q4_0": 1e-2}
 
 
 @pytest.mark.parametrize("kv", sorted(INDUCTOR_TOLERANCE))

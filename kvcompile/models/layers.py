@@ -23,9 +23,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # f32 math (.float() of an f32 tensor is the tensor itself); torch's rms_norm in
-        # place of eight separate ops (pow, mean, add, ...)
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        """f32 math, x's dtype out: one kernel on CUDA (ops/rms_norm)."""
+        return torch.ops.kvcompile.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, its norm): the residual add fused into the norm's kernel."""
+        return torch.ops.kvcompile.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_tables(rotary_dim: int, max_positions: int, theta: float,
@@ -118,8 +121,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            g, u = self.gate_up(x).chunk(2, dim=-1)
-            return self.down(F.silu(g) * u)
+            return self.down(torch.ops.kvcompile.silu_mul(self.gate_up(x)))
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
@@ -142,33 +144,28 @@ class PagedAttention(nn.Module):
         """q, k and v as one GEMM (after the weights are loaded)."""
         self.wqkv = fuse_linears(self.wq, self.wk, self.wv)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q and k as one [T, Hq + Hk, D] tensor, v [T, Hk, D]): rope and the K rotation
-        then treat q and k in one kernel each."""
-        t, d, hq, hk = x.shape[0], self.head_dim, self.n_heads, self.n_kv_heads
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        """The q, k and v heads of x as one [T, Hq + 2 Hk, D] tensor."""
+        t, d = x.shape[0], self.head_dim
         if self.wqkv is None:
-            qk = torch.cat([self.wq(x), self.wk(x)], -1)
-            return qk.view(t, hq + hk, d), self.wv(x).view(t, hk, d)
-        qkv = self.wqkv(x)
-        return qkv[:, :(hq + hk) * d].view(t, hq + hk, d), qkv[:, (hq + hk) * d:].view(t, hk, d)
+            return torch.cat([self.wq(x), self.wk(x), self.wv(x)], -1).view(t, -1, d)
+        return self.wqkv(x).view(t, -1, d)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 q_pos: torch.Tensor, slots: torch.Tensor, kv) -> torch.Tensor:
         """x [T, hidden]; cos/sin [T, R] (rope_rows); q_pos int32 [T]; slots int64 [T]; kv a
-        LayerKv."""
-        t = x.shape[0]
-        qk, v = self.project(x)
-        qk = apply_rope_rows(qk, cos, sin, self.rope_neox)
-        if kv.k_rot is not None:      # quantized K is stored rotated (kvcompile.kv_rotation)
-            qk = qk @ kv.k_rot.to(qk.dtype)
-        q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
-        if kv.v_rot is not None:
-            v = v @ kv.v_rot.to(v.dtype)
+        LayerKv. Quantized K / V are stored rotated (kvcompile.kv_rotation): rope and both
+        rotations are one rope_rotate, the output's rotation back another."""
+        t, hq, hk = x.shape[0], self.n_heads, self.n_kv_heads
+        qkv = torch.ops.kvcompile.rope_rotate(self.heads(x), cos, sin, self.rope_neox, hq + hk,
+                                              kv.k_rot, kv.v_rot)
+        q, k, v = qkv.split([hq, hk, hk], dim=1)
         torch.ops.kvcompile.kv_write(kv.k_pool, kv.v_pool, k, v, slots,
                                      kv.k_type, kv.v_type, kv.page_size)
         out = torch.ops.kvcompile.span_attention(q, kv.k_pool, kv.v_pool, kv.page_table, q_pos,
                                                  kv.k_type, kv.v_type, kv.page_size, self.scale,
                                                  getattr(kv, "workspace", None))
         if kv.v_rot is not None:
-            out = out @ kv.v_rot.to(out.dtype)
-        return self.wo(out.reshape(t, self.n_heads * self.head_dim))
+            out = torch.ops.kvcompile.rope_rotate(out, cos, sin, self.rope_neox, 0, None,
+                                                  kv.v_rot)
+        return self.wo(out.reshape(t, hq * self.head_dim))

@@ -9,6 +9,7 @@ from torch import nn
 
 from kvcompile.config import ModelConfig
 from kvcompile.errors import ModelFileError, UnsupportedModelError
+from kvcompile.kv_cache import page_split
 from kvcompile.models.layers import (PagedAttention, RMSNorm, SwiGLU, check_rope_range,
                                      rope_rows, rope_tables)
 
@@ -38,9 +39,16 @@ class LlamaBlock(nn.Module):
         self.ffn_norm = RMSNorm(c.hidden, c.rms_eps)
         self.mlp = SwiGLU(c.hidden, c.ffn)
 
-    def forward(self, x, cos, sin, q_pos, slots, kv):
-        x = x + self.attn(self.attn_norm(x), cos, sin, q_pos, slots, kv)
-        return x + self.mlp(self.ffn_norm(x))
+    def forward(self, x, mlp_out, cos, sin, q_pos, slots, kv):
+        """x: the residual stream; mlp_out: the previous block's MLP output, not yet added
+        (None in the first block). Returns (x, this block's MLP output): every residual add
+        runs inside the norm after it (RMSNorm.add), one kernel for both."""
+        if mlp_out is None:
+            h = self.attn_norm(x)
+        else:
+            x, h = self.attn_norm.add(x, mlp_out)
+        x, h = self.ffn_norm.add(x, self.attn(h, cos, sin, q_pos, slots, kv))
+        return x, self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -117,12 +125,14 @@ class LlamaModel(nn.Module):
         cos, sin = rope_rows(self.rope_cos[positions], self.rope_sin[positions],
                              self.config.rope_neox)
         q_pos = positions.to(torch.int32)
+        mlp_out, split = None, None
         for i, block in enumerate(self.blocks):
             kv = cache.layer(i)
-            x = block(x, cos, sin, q_pos, kv.slots(positions), kv)
+            split = split or page_split(positions, kv.page_size)   # shared by the layers
+            x, mlp_out = block(x, mlp_out, cos, sin, q_pos, kv.slots(positions, split), kv)
         if last_only:
-            x = x[-1:]
-        return self.lm_head(self.norm(x)).float()
+            x, mlp_out = x[-1:], mlp_out[-1:]
+        return self.lm_head(self.norm.add(x, mlp_out)[1]).float()
 
     def check_positions(self, positions: torch.Tensor, cache) -> tuple[int, int]:
         """Host-side range check, (min, max) (eager only: the cache reads the positions

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kvcompile.ops.cast import to_bf16 as _to_bf16
 from kvcompile.ops.span_attention.launch import interpreting, launchable, page_geometry
 
 
@@ -20,16 +21,6 @@ def _mul_rn(a, b, EXACT_MUL: tl.constexpr):
     if EXACT_MUL:
         return libdevice.mul_rn(a, tl.broadcast_to(b, a.shape))
     return a * b  # interpreter: numpy rounds every operation on its own
-
-
-@triton.jit
-def _to_bf16(x, EXACT_MUL: tl.constexpr):
-    if EXACT_MUL:
-        return x.to(tl.bfloat16)  # cvt.rn: round to nearest even
-    # interpreter: its fp32 -> bf16 cast truncates, so round to nearest even by hand
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit

@@ -7,6 +7,8 @@ set -uo pipefail
 export R=$(pwd) PYTHONPATH=/tmp/site PYTHONSAFEPATH=1
 par=0; [ "${1:-}" = "-p" ] && { par=1; shift; }
 t0=$(date +%s)
+# a warm machine keeps /tmp/site: pip --target does not replace what is there
+rm -rf /tmp/site
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
   && python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . \
   || { echo "install failed"; exit 2; }

@@ -16,6 +16,6 @@ R=${R:-$(pwd)}
 D="$OUT/phase_gpu"
 mkdir -p "$D"
 cd /tmp
-timeout 230 python3 -m pytest -q -s -m gpu -rfEP "$R/tests/test_phase_gpu.py" 2>&1 \
+timeout 420 python3 -m pytest -q -s -m gpu -rfEP "$R/tests/test_phase_gpu.py" 2>&1 \
     | tee "$D/pytest.log"
 exit "${PIPESTATUS[0]}"
