@@ -15,7 +15,7 @@ def to_bf16(x, EXACT: tl.constexpr):
     cast truncates) rounds by hand on the bits."""
     if EXACT:
         return x.to(tl.bfloat16)  # cvt.rn
-    bits = x.to(tl.uint32, bitcast=True)
+    bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 

@@ -177,3 +177,26 @@ def test_gpu_row_ops_match_references(dtype):
             err = rel_err(got.cpu(), rope_rotate_naive(**a))
             print(f"{cid} {dtype} rows {rows}: rel err {err:.2e}")
             assert err <= TOL[dtype], cid
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_row_ops_under_inductor():
+    """lower="inductor" compiles these kernels itself (user-defined Triton kernels, float
+    arguments as fp64 constants): bf16 rows through torch.compile(inductor) equal the ops
+    run eagerly."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    x, r, w = (t.cuda() for t in norm_case(torch.bfloat16, gen, rows=2, n=4096))
+    a, _ = rope_case(128, 128, False, "q8_0", "q4_0", torch.bfloat16, gen, rows=2)
+    a = {k: v.cuda() if torch.is_tensor(v) else v for k, v in a.items()}
+    g = torch.randn(2, 2 * 1024, generator=gen).to(torch.bfloat16).cuda()
+
+    def rows(x, r, w, g, a):
+        s, y = torch.ops.kvcompile.add_rms_norm(x, r, w, 1e-5)
+        return (s, y, torch.ops.kvcompile.rms_norm(x, w, 1e-5), torch.ops.kvcompile.silu_mul(g),
+                torch.ops.kvcompile.rope_rotate(*a.values()))
+    torch._dynamo.reset()
+    got = torch.compile(rows, backend="inductor", fullgraph=True)(x, r, w, g, a)
+    want = rows(x, r, w, g, a)
+    for i, (o, e) in enumerate(zip(got, want)):
+        assert o.dtype == e.dtype and rel_err(o, e) <= TOL[torch.bfloat16], i

@@ -112,8 +112,8 @@ class PhaseManager:
                              "synchronises to check positions); pass compile=True")
         # "graph" (default): the pass pipeline's graph op by op, bitwise the eager model.
         # "inductor" (opt-in, experimental): torch ops fused around the kvcompile ops, not
-        # bitwise; its 8B decode program has not been captured on the device yet
-        # (docs/phases.md), so it is not the default.
+        # bitwise, and slower than "graph" on the 8B decode (0.57 vs 0.66 of the HBM
+        # roofline, docs/phases.md), so it is not the default.
         from kvcompile.passes.pipeline import LOWERS
         self.lower = lower or "graph"
         if self.lower not in LOWERS:
@@ -122,8 +122,7 @@ class PhaseManager:
         self.kv_bytes = sum(align(getattr(cache.layer(i), a).nbytes)
                             for i in cache.layers for a in ("k_pool", "v_pool"))
         self.scratch = L.attention_scratch_bytes(model.config, _sms(self.device))
-        # inductor programs allocate a scratch per attention layer (_bind_workspace; the
-        # reserve for all of them is untested on the device)
+        # inductor programs allocate a scratch per attention layer (_bind_workspace)
         scratches = model.config.n_layers if self.lower == "inductor" else 1
         ws = {p: L.workspace_bytes(model.config, p, ubatch, _sms(self.device), scratches)
               for p in L.PHASES}

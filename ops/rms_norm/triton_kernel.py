@@ -25,7 +25,8 @@ def _rms_norm(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, n, eps, HAS_RESIDUAL: tl.conste
         s = round_to(x + r, DTYPE, EXACT)
         tl.store(s_ptr + row + c, s, mask=m)
         x = s.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n + eps)
+    # eps to fp32: inductor hands a float argument over as an fp64 constant
+    inv = 1.0 / tl.sqrt((tl.sum(x * x, 0) / n + eps).to(tl.float32))
     w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
     tl.store(y_ptr + row + c, round_to(x * inv * w, DTYPE, EXACT), mask=m)
 
