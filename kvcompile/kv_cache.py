@@ -36,7 +36,7 @@ class LayerKv(nn.Module):
         self.register_buffer("workspace", workspace)    # decode scratch (fp32), or None (CPU)
         self.k_type, self.v_type, self.page_size = k_type, v_type, page_size  # ggml ids
 
-    def slots(self, positions: torch.Tensor, split: "PageSplit | None" = None) -> torch.Tensor:
+    def slots(self, positions: torch.Tensor, split: PageSplit | None = None) -> torch.Tensor:
         """Physical slot (page * page_size + offset) of each absolute position; tensor ops only.
         `split`: page_split(positions, page_size), made once a forward for every layer."""
         if split is None or split.page_size != self.page_size:

@@ -97,3 +97,36 @@ def test_kv_rotations_are_orthonormal_involutions(head_dim):
         print(f"{name} rotation, head dim {head_dim}: max |R R - I| = {err:.1e}")
         assert torch.equal(r, r.T) and err < 1e-6
         assert make(kv_type("f16"), head_dim) is None      # float pages are stored as is
+
+
+@pytest.mark.parametrize("n_layers", [1, 2])
+def test_llama_forward_adds_each_residual_once(n_layers):
+    """LlamaModel.forward defers each block's MLP residual add into the next norm
+    (RMSNorm.add): its logits equal, bit for bit, the plain pre-norm formula written out
+    with the same modules, x += attn(norm(x)); x += mlp(norm(x)); and last_only gives the
+    last row of them."""
+    from dataclasses import replace
+
+    from test_kv_cache import TINY, tiny_weights
+    from kvcompile.kv_cache import PagedKvCache
+    from kvcompile.models.layers import rope_rows
+    from kvcompile.models.llama import LlamaModel
+
+    c = replace(TINY, n_layers=n_layers)
+    model = LlamaModel.from_weights(c, tiny_weights(c, torch.Generator().manual_seed(11)))
+    tokens = torch.randint(0, c.vocab_size, (9,), generator=torch.Generator().manual_seed(12))
+    positions = torch.arange(9)
+    with torch.inference_mode():
+        got = model(tokens, positions, PagedKvCache(c, 64, page_size=16))
+        last = model(tokens, positions, PagedKvCache(c, 64, page_size=16), last_only=True)
+        cache = PagedKvCache(c, 64, page_size=16)
+        x = model.embed(tokens)
+        cos, sin = rope_rows(model.rope_cos[positions], model.rope_sin[positions], c.rope_neox)
+        for i, b in enumerate(model.blocks):
+            kv = cache.layer(i)
+            x = x + b.attn(b.attn_norm(x), cos, sin, positions.int(), kv.slots(positions), kv)
+            x = x + b.mlp(b.ffn_norm(x))
+        want = model.lm_head(model.norm(x)).float()
+    assert torch.equal(got, want)
+    # one row through the LM head's GEMM instead of nine: other blocking, fp32 noise only
+    assert ((last - want[-1:]).abs().max() / want.abs().max()).item() < 1e-6

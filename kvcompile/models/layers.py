@@ -55,10 +55,11 @@ def check_rope_range(lo_hi: tuple[int, int], n_rope: int) -> tuple[int, int]:
     return lo_hi
 
 
-def rope_rows(cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_rows(cos: torch.Tensor, sin: torch.Tensor,
+              neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [T, R/2] -> (cos, signed sin) [T, R] laid out like the rotated dims, so that
-    rotating is `x * cos + partner(x) * sin` (apply_rope_rows). Once per forward, shared by
-    every layer."""
+    rotating is `x * cos + partner(x) * sin` (rope_rotate, apply_rope_rows). Llama builds
+    them once a forward for every layer."""
     if neox:
         return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
     return cos.repeat_interleave(2, -1), torch.stack([-sin, sin], -1).flatten(-2)
@@ -70,7 +71,8 @@ def apply_rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
     neox=False: GGUF llama layout, pairs (2i, 2i+1). neox=True: pairs (i, i + R/2).
     Each output is a*c - b*s or b*c + a*s, rounded as the pairwise formula rounds it (the
-    sign sits in the table: b*(-s) is -(b*s) exactly), in six kernels for all heads."""
+    sign sits in the table: b*(-s) is -(b*s) exactly). Torch ops (qwen35's attention; llama
+    layers use the rope_rotate op)."""
     rot = cos.shape[-1]
     xr, rest = x[..., :rot].float(), x[..., rot:]
     if neox:

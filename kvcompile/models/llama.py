@@ -128,7 +128,8 @@ class LlamaModel(nn.Module):
         mlp_out, split = None, None
         for i, block in enumerate(self.blocks):
             kv = cache.layer(i)
-            split = split or page_split(positions, kv.page_size)   # shared by the layers
+            if split is None:                   # the page split every layer shares
+                split = page_split(positions, kv.page_size)
             x, mlp_out = block(x, mlp_out, cos, sin, q_pos, kv.slots(positions, split), kv)
         if last_only:
             x, mlp_out = x[-1:], mlp_out[-1:]

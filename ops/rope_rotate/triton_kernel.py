@@ -1,11 +1,12 @@
 """Triton rope_rotate: rope and the KV Hadamard rotations of every head of a step in one
-kernel (was: six rope kernels, two casts of the rotations and two GEMMs a layer).
+kernel (was: six rope kernels, two rotation casts and two GEMMs a layer).
 
 Program (row t, block of BH heads, block of BN output columns): rope heads load x and its
-rope partner and rotate in fp32; then, where a rotation is given, multiply by its columns. The rotations are block Hadamard matrices
-c * S with S in {-1, 0, 1} (kv_rotation), so the product runs on tensor cores exactly: S is
-exact in bf16, x is split into three bf16 parts (hi + lo + lo2 == x in fp32), the three
-dots accumulate in fp32, then times c (rot[0, 0], the Hadamard's first entry, is +c).
+rope partner and rotate in fp32; then, where a rotation is given, multiply by its columns.
+A rotation must be c * S with c = rot[0, 0] > 0 and S in {-1, 0, 1} (kv_rotation's block
+Hadamards are), so the product runs on tensor cores exactly: S is exact in bf16, x is split
+into three bf16 parts (hi + lo + lo2 == x in fp32), the three dots accumulate in fp32, then
+times c.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def _load(rows, hm, cols, D, R, cos_row, sin_row, ROPE: tl.constexpr, NEOX: tl.c
         xp = tl.load(rows + partner[None, :], mask=hm[:, None] & (cols < D)[None, :], other=0.0)
         c = tl.load(cos_row + cols, mask=roped, other=1.0)
         s = tl.load(sin_row + cols, mask=roped, other=0.0)
-        x = x * c[None, :] + xp.to(tl.float32) * s[None, :]
+        # columns past R pass through as they are (x * 1 + x * 0 would turn inf into nan)
+        x = tl.where(roped[None, :], x * c[None, :] + xp.to(tl.float32) * s[None, :], x)
     return x
 
 
@@ -95,7 +97,8 @@ def _rope_rotate(x_ptr, out_ptr, cos_ptr, sin_ptr, rot_a, rot_b, stride_xt, stri
 def rope_rotate_triton(x, cos, sin, neox: bool, n_rope: int, rot_a, rot_b) -> torch.Tensor:
     """Launch (arguments checked by the op): a new contiguous [T, H, D] in x's dtype."""
     n_rows, n_heads, head_dim = x.shape
-    assert x.stride(2) == 1, "x needs a dense last dim"
+    if x.stride(2) != 1:
+        x = x.contiguous()
     out = torch.empty((n_rows, n_heads, head_dim), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
