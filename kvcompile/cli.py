@@ -41,12 +41,15 @@ def _add_generate(sub) -> None:
                         "with --kv-stream-arena-mib or a hybrid model on CUDA, decode runs as "
                         "piecewise CUDA graphs between the per-layer KV hooks")
     p.add_argument("--device", default=None, help="cpu (default) or cuda")
+    p.add_argument("--dtype", default="auto",
+                   help="weights and activations: auto (bf16 on cuda, f32 on cpu), f32, f16, bf16")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     p.add_argument("--no-stats", action="store_true", help="no statistics line at the end")
     p.set_defaults(func=_run_generate)
 
 
 def _run_generate(args) -> int:
+    from kvcompile.dtypes import resolve_dtype
     from kvcompile.engine import Engine
     from kvcompile.ops.kv_format import kv_type
     from kvcompile.sampling import SamplingParams
@@ -57,10 +60,11 @@ def _run_generate(args) -> int:
                    seed=args.seed, stop=tuple(args.stop))
     SamplingParams(**request).validated()
     kv_type(args.cache_type_k), kv_type(args.cache_type_v)
+    dtype = resolve_dtype(args.dtype, args.device or "cpu")
     engine = Engine(args.model, ctx_size=args.ctx_size, cache_type_k=args.cache_type_k,
                     cache_type_v=args.cache_type_v, device=args.device, ubatch=args.ubatch_size,
                     progress=not args.no_progress, kv_stream_arena_mib=args.kv_stream_arena_mib,
-                    trace=args.trace, cuda_graphs=args.cuda_graphs)
+                    trace=args.trace, cuda_graphs=args.cuda_graphs, dtype=dtype)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})

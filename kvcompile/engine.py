@@ -13,6 +13,7 @@ from typing import Iterator
 
 import torch
 
+from kvcompile.dtypes import resolve_dtype
 from kvcompile.errors import ContextLengthError, KvcompileError
 from kvcompile.loader import load_model
 from kvcompile.runtime import forward as run_forward
@@ -70,10 +71,12 @@ class TokenStream:
 class Engine:
     def __init__(self, model=None, *, ctx_size: int | None = None, cache_type_k: str = "f32",
                  cache_type_v: str = "f32", device: str | None = None,
-                 dtype: torch.dtype = torch.float32, ubatch: int = 256, progress: bool = True,
+                 dtype: torch.dtype | str | None = None, ubatch: int = 256, progress: bool = True,
                  kv_stream_arena_mib: float = 0, trace: bool = False, cuda_graphs: bool = False):
         self.device = torch.device(device or "cpu")
-        loaded = load_model(model, device=self.device, dtype=dtype, progress=progress)
+        # weights and activations: None / "auto" = bf16 on CUDA, f32 on the CPU
+        self.dtype = resolve_dtype(dtype, self.device)
+        loaded = load_model(model, device=self.device, dtype=self.dtype, progress=progress)
         self.path, self.config, self.tokenizer, self.model = (
             loaded.path, loaded.config, loaded.tokenizer, loaded.model)
         limit = self.config.context_length

@@ -24,8 +24,10 @@ def test_generate_streams_text_and_stats():
     (["generate", "hi", "-m", "/nonexistent/model.gguf"], "does not exist"),
     (["generate", "hi " * 600, "-c", "256"], "ctx-size"),
     (["generate", "hi", "-ctk", "q3_k"], "KV cache type"),
+    (["generate", "hi", "--dtype", "int8"], "dtype"),
     (["info", __file__], "GGUF"),
-], ids=["temperature", "top-p", "top-k", "missing-model", "too-long", "cache-type", "not-gguf"])
+], ids=["temperature", "top-p", "top-k", "missing-model", "too-long", "cache-type", "dtype",
+        "not-gguf"])
 def test_errors_are_one_clear_line(args, words):
     r = cli(*args)
     print(r.stderr)

@@ -30,7 +30,7 @@ def test_cuda_engine_agrees_with_cpu_reference(tiny_llama, kv):
     cpu = Engine(str(tiny_llama), ctx_size=1024, cache_type_k=kv, cache_type_v=kv,
                  progress=False)
     gpu = Engine(str(tiny_llama), ctx_size=1024, cache_type_k=kv, cache_type_v=kv,
-                 device="cuda", progress=False)
+                 device="cuda", dtype="f32", progress=False)
     gen = torch.Generator().manual_seed(11)
     ids = torch.randint(0, cpu.config.vocab_size, (600,), generator=gen).tolist()
     with torch.inference_mode():
@@ -43,7 +43,7 @@ def test_cuda_engine_agrees_with_cpu_reference(tiny_llama, kv):
 
 def test_cuda_generate_runs_and_memory_is_flat(tiny_llama):
     gpu = Engine(str(tiny_llama), ctx_size=1024, device="cuda", cache_type_k="q8_0",
-                 cache_type_v="q4_0", progress=False)
+                 cache_type_v="q4_0", dtype="f32", progress=False)
     gpu.generate("warm up", max_tokens=4, temperature=0)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -52,3 +52,20 @@ def test_cuda_generate_runs_and_memory_is_flat(tiny_llama):
     grown = torch.cuda.memory_allocated() - before
     print(f"decode {r.decode_tok_s:.1f} tok/s, memory growth {grown} B")
     assert r.completion_tokens > 0 and grown < 1 << 20
+
+
+def test_cuda_engine_defaults_to_bf16(tiny_llama):
+    """dtype "auto" on CUDA: bf16 weights and activations (f32 stays the CPU default); its
+    logits within bf16 noise of the CPU fp32 reference."""
+    cpu = Engine(str(tiny_llama), ctx_size=1024, progress=False)
+    gpu = Engine(str(tiny_llama), ctx_size=1024, device="cuda", progress=False)
+    assert cpu.dtype == torch.float32 and gpu.dtype == torch.bfloat16
+    assert gpu.model.lm_head.weight.dtype == torch.bfloat16
+    gen = torch.Generator().manual_seed(13)
+    ids = torch.randint(0, cpu.config.vocab_size, (600,), generator=gen).tolist()
+    with torch.inference_mode():
+        a, b = logits_of(cpu, ids), logits_of(gpu, ids)
+    top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    rel = ((a - b).abs().max() / a.abs().max()).item()
+    print(f"bf16 default: top-1 {top1:.3f}, max |diff| / max |logit| {rel:.2e}")
+    assert top1 >= 0.8 and rel < 0.1

@@ -192,8 +192,9 @@ def test_phase_sequence_with_layouts_that_differ(tiny):
             prog.run([1] * prog.rows, [0] * prog.rows)
 
     from kvcompile.engine import Engine
-    plain = Engine(str(path), ctx_size=1024, device="cuda", progress=False)
-    graphs = Engine(str(path), ctx_size=1024, device="cuda", progress=False, cuda_graphs=True)
+    plain = Engine(str(path), ctx_size=1024, device="cuda", dtype="f32", progress=False)
+    graphs = Engine(str(path), ctx_size=1024, device="cuda", dtype="f32", progress=False,
+                    cuda_graphs=True)
     prompt = "a lighthouse keeper wrote that the storm " * 4
     for _ in range(2):
         a = plain.generate(prompt, max_tokens=48, temperature=0)

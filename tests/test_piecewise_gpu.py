@@ -115,10 +115,10 @@ def test_engine_cuda_graphs_with_a_streamed_cache(tmp_path, arch):
     from kvcompile.make_model import make_model
     path = tmp_path / f"{arch}.gguf"
     make_model(arch, "tiny", path, weight_type="f32", seed=SEED % 1000)
-    ref = Engine(str(path), ctx_size=1024, device=DEV, progress=False)
+    ref = Engine(str(path), ctx_size=1024, device=DEV, dtype="f32", progress=False)
     mib = min_arena_bytes(ref.config, 1024) * 1.05 / MIB     # ~everything streamed
-    eng = Engine(str(path), ctx_size=1024, device=DEV, progress=False, kv_stream_arena_mib=mib,
-                 cuda_graphs=True)
+    eng = Engine(str(path), ctx_size=1024, device=DEV, dtype="f32", progress=False,
+                 kv_stream_arena_mib=mib, cuda_graphs=True)
     assert eng.piecewise is not None and eng.phases is None
     assert eng.cache.backend.name == "cuda"
     for text in ("the quick brown fox " * 30, "a different prompt, " * 12):

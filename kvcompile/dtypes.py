@@ -1,0 +1,33 @@
+"""The model's compute dtype: named by the user, or picked for the device."""
+from __future__ import annotations
+
+import torch
+
+from kvcompile.errors import KvcompileError
+
+DTYPES = {"f32": torch.float32, "float32": torch.float32, "f16": torch.float16,
+          "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+CHOICES = ("auto", "f32", "f16", "bf16")
+
+
+class DtypeError(KvcompileError, ValueError):
+    """The requested weight / activation dtype is not one kvcompile runs."""
+
+
+def resolve_dtype(spec: str | torch.dtype | None, device: torch.device | str) -> torch.dtype:
+    """None or "auto": bf16 on CUDA (f16 where the GPU has no bf16), f32 on the CPU (the
+    reference path: exact against llama.cpp's fp32 math). Else f32 / f16 / bf16 by name or
+    torch dtype."""
+    if isinstance(spec, torch.dtype):
+        if spec in DTYPES.values():
+            return spec
+        raise DtypeError(f"dtype {spec} is not supported; use one of {', '.join(CHOICES)}")
+    if spec is None or str(spec).lower() == "auto":
+        if torch.device(device).type != "cuda":
+            return torch.float32
+        ok = not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if ok else torch.float16
+    dtype = DTYPES.get(str(spec).lower())
+    if dtype is None:
+        raise DtypeError(f"unknown dtype {spec!r}; use one of {', '.join(CHOICES)}")
+    return dtype
