@@ -68,4 +68,4 @@ def test_cuda_engine_defaults_to_bf16(tiny_llama):
     top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     rel = ((a - b).abs().max() / a.abs().max()).item()
     print(f"bf16 default: top-1 {top1:.3f}, max |diff| / max |logit| {rel:.2e}")
-    assert top1 >= 0.8 and rel < 0.1
+    assert top1 >= 0.85 and rel < 0.05      # measured 0.938 and 9.5e-3 on the H200
