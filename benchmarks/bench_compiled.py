@@ -35,7 +35,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
 import bench_streaming as S  # noqa: E402
-from bench_util import free_memory, hbm_bandwidth, log, param_bytes, sync  # noqa: E402
+from bench_util import (free_memory, hbm_bandwidth, log, param_bytes,  # noqa: E402
+                        timed_prefill_decode)
 
 from kvcompile.kv_cache import PagedKvCache  # noqa: E402
 
@@ -73,25 +74,22 @@ def timed_compiled(model, ctx: int, kv: str, args, device, ids: torch.Tensor,
     with torch.inference_mode():                # warm: the timed prefill rewrites this KV
         tok = int(m.forward(tokens[:args.ubatch], 0)[-1].argmax())
         m.forward([tok], args.ubatch)
-    with torch.inference_mode():
-        sync(device)
-        t = time.perf_counter()
+
+    def prefill():
         for s in range(0, ctx, args.ubatch):
             logits = m.forward(tokens[s:s + args.ubatch], s)
-        tok = int(logits[-1].argmax())
-        sync(device)
-        prefill_s = time.perf_counter() - t
-        out = [tok]
-        for i in range(2):
-            out.append(int(m.forward([out[-1]], ctx + i)[-1].argmax()))
-        sync(device)
-        t = time.perf_counter()
-        for i in range(args.decode_steps):
-            out.append(int(m.forward([out[-1]], ctx + 2 + i)[-1].argmax()))
-        sync(device)
-        decode_s = time.perf_counter() - t
-    return dict(prefill_s=prefill_s, decode_s=decode_s, decode_tokens=out[1:9], warm_steps=2,
-                phases=m.stats(), h2d_bytes_per_token=0, h2d_source="all resident")
+        return int(logits[-1].argmax())
+
+    def decode(tok, pos, n):
+        out = []
+        for i in range(n):
+            tok = int(m.forward([tok], pos + i)[-1].argmax())
+            out.append(tok)
+        return out
+
+    # two warm steps: the transition to the decode layout, the capture
+    row = timed_prefill_decode(prefill, decode, ctx, 2, args.decode_steps, device)
+    return dict(row, phases=m.stats(), h2d_bytes_per_token=0, h2d_source="all resident")
 
 
 def run_row(system, model, g, ctx, kv, args, device, ids) -> dict:

@@ -52,7 +52,7 @@ from kvcompile.runtime import forward as run_forward
 from kvcompile.runtime import make_kv_cache, min_arena_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
-from bench_util import free_memory, log, sync  # noqa: E402
+from bench_util import free_memory, log, sync, timed_prefill_decode  # noqa: E402
 from hf_baseline import build_hf, hf_available, hf_decode, hf_prefill, run_hf  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "streaming.json")
@@ -237,26 +237,15 @@ def timed_generation(model, cache, ids: torch.Tensor, ctx: int, args, device,
     if graphs:
         from kvcompile.phase.piecewise import PiecewiseDecode
         program = PiecewiseDecode(model, cache, layers=trunk_layers(model))
-    n_warm = 2 if graphs else 1
-    sync(device)
-    t = time.perf_counter()
-    with torch.inference_mode():
-        last = ours_prefill(model, cache, ids, args.ubatch, device, f"prefill {ctx}")
-        first = int(last.argmax())
-    sync(device)
-    prefill_s = time.perf_counter() - t
     tel = getattr(cache, "telemetry", None)
-    with torch.inference_mode():
-        warm = ours_decode(model, cache, first, ctx, n_warm, device, program)  # excluded
-        n_before = len(tel) if tel is not None else 0
-        sync(device)
-        t = time.perf_counter()
-        toks = ours_decode(model, cache, warm[-1], ctx + n_warm, args.decode_steps, device,
-                           program)
-        sync(device)
-        decode_s = time.perf_counter() - t
-    row = dict(prefill_s=prefill_s, decode_s=decode_s, decode_tokens=(warm + toks)[:8],
-               warm_steps=n_warm)
+    marks = {}
+    row = timed_prefill_decode(
+        lambda: int(ours_prefill(model, cache, ids, args.ubatch, device,
+                                 f"prefill {ctx}").argmax()),
+        lambda tok, pos, n: ours_decode(model, cache, tok, pos, n, device, program),
+        ctx, 2 if graphs else 1, args.decode_steps, device,
+        after_warm=lambda: marks.update(n_before=len(tel) if tel is not None else 0))
+    n_before = marks["n_before"]
     if program is not None:
         row.update(graphs=len(program.graphs), graph_replays=program.replays)
     if tel is not None:

@@ -1,5 +1,6 @@
 """Small helpers the device benchmarks share: a timestamped log line, a device sync for
-timing, freeing device memory between systems, event timing and the HBM bandwidth."""
+timing, freeing device memory between systems, a timed prefill + greedy decode, event timing
+and the HBM bandwidth."""
 from __future__ import annotations
 
 import gc
@@ -31,6 +32,30 @@ def param_bytes(model) -> int:
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
                 for p in model.parameters()}
     return sum(storages.values())
+
+
+def timed_prefill_decode(prefill, decode, ctx: int, n_warm: int, n_steps: int, device,
+                         after_warm=None) -> dict:
+    """Time `prefill()` (returns the first token), then `decode(token, position, n)` (returns
+    n greedy tokens): `n_warm` untimed steps (captures, compiles), `after_warm()` if given
+    (e.g. marking telemetry), then `n_steps` timed ones. All under inference_mode.
+    Returns prefill_s, decode_s, the first 8 tokens after the prefill's, warm_steps."""
+    with torch.inference_mode():
+        sync(device)
+        t = time.perf_counter()
+        first = prefill()
+        sync(device)
+        prefill_s = time.perf_counter() - t
+        warm = decode(first, ctx, n_warm)
+        if after_warm is not None:
+            after_warm()
+        sync(device)
+        t = time.perf_counter()
+        toks = decode(warm[-1], ctx + n_warm, n_steps)
+        sync(device)
+        decode_s = time.perf_counter() - t
+    return dict(prefill_s=prefill_s, decode_s=decode_s, decode_tokens=(warm + toks)[:8],
+                warm_steps=n_warm)
 
 
 def events_ms(fn, reps: int) -> float:
