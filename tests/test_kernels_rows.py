@@ -193,6 +193,29 @@ def test_row_ops_reject_inputs_that_do_not_fit():
         assert isinstance(e.value, KvcompileError) and "got" in str(e.value)
 
 
+def test_model_entry_points_equal_the_ops_on_the_cpu():
+    """ops/rows (what the models call): on the CPU the reference itself, bit for bit the
+    ops' CPU results, and the same argument checks."""
+    from kvcompile.ops import rows
+    gen = torch.Generator().manual_seed(fresh_seed())
+    x, r, w = norm_case(torch.bfloat16, gen)
+    a, _ = rope_case(*ROPE_CASES[0], torch.bfloat16, gen)
+    g = torch.randn(3, 64, generator=gen).bfloat16()
+    pairs = [(rows.rms_norm(x, w, 1e-5), torch.ops.kvcompile.rms_norm(x, w, 1e-5)),
+             *zip(rows.add_rms_norm(x, r, w, 1e-5),
+                  torch.ops.kvcompile.add_rms_norm(x, r, w, 1e-5)),
+             (rows.rope_rotate(*a.values()), torch.ops.kvcompile.rope_rotate(*a.values())),
+             (rows.silu_mul(g), torch.ops.kvcompile.silu_mul(g))]
+    for got, want in pairs:
+        assert torch.equal(got, want)
+    with pytest.raises(OpInputError):
+        rows.add_rms_norm(x, r[:1], w, 1e-5)
+    with pytest.raises(OpInputError):
+        rows.rope_rotate(a["x"], a["cos"], a["sin"], False, 99, None, None)
+    with pytest.raises(OpInputError):
+        rows.silu_mul(torch.randn(2, 7))
+
+
 # ---- GPU ------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @gpu

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kvcompile.ops  # noqa: F401  (registers torch.ops.kvcompile.*)
+from kvcompile.ops import rows
 from kvcompile.errors import ContextLengthError, UnsupportedModelError
 
 
@@ -24,11 +25,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """f32 math, x's dtype out: one kernel on CUDA (ops/rms_norm)."""
-        return torch.ops.kvcompile.rms_norm(x, self.weight, self.eps)
+        return rows.rms_norm(x, self.weight, self.eps)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, its norm): the residual add fused into the norm's kernel."""
-        return torch.ops.kvcompile.add_rms_norm(x, residual, self.weight, self.eps)
+        return rows.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_tables(rotary_dim: int, max_positions: int, theta: float,
@@ -123,7 +124,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            return self.down(torch.ops.kvcompile.silu_mul(self.gate_up(x)))
+            return self.down(rows.silu_mul(self.gate_up(x)))
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
@@ -159,8 +160,8 @@ class PagedAttention(nn.Module):
         LayerKv. Quantized K / V are stored rotated (kvcompile.kv_rotation): rope and both
         rotations are one rope_rotate, the output's rotation back another."""
         t, hq, hk = x.shape[0], self.n_heads, self.n_kv_heads
-        qkv = torch.ops.kvcompile.rope_rotate(self.heads(x), cos, sin, self.rope_neox, hq + hk,
-                                              kv.k_rot, kv.v_rot)
+        qkv = rows.rope_rotate(self.heads(x), cos, sin, self.rope_neox, hq + hk, kv.k_rot,
+                               kv.v_rot)
         q, k, v = qkv.split([hq, hk, hk], dim=1)
         torch.ops.kvcompile.kv_write(kv.k_pool, kv.v_pool, k, v, slots,
                                      kv.k_type, kv.v_type, kv.page_size)
@@ -168,6 +169,5 @@ class PagedAttention(nn.Module):
                                                  kv.k_type, kv.v_type, kv.page_size, self.scale,
                                                  getattr(kv, "workspace", None))
         if kv.v_rot is not None:
-            out = torch.ops.kvcompile.rope_rotate(out, cos, sin, self.rope_neox, 0, None,
-                                                  kv.v_rot)
+            out = rows.rope_rotate(out, cos, sin, self.rope_neox, 0, None, kv.v_rot)
         return self.wo(out.reshape(t, hq * self.head_dim))

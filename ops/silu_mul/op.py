@@ -20,11 +20,15 @@ def _(gate_up):
     return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
 
-@torch.library.triton_op("kvcompile::silu_mul", mutates_args=())
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def check_silu_mul_args(gate_up):
     if gate_up.dim() == 0 or gate_up.shape[-1] % 2 or gate_up.dtype not in TL_DTYPES:
         raise OpInputError(f"silu_mul needs gate_up [..., 2F] (gate, then up) in f32, f16 or "
                            f"bf16; got {tuple(gate_up.shape)} {gate_up.dtype}")
+
+
+@torch.library.triton_op("kvcompile::silu_mul", mutates_args=())
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    check_silu_mul_args(gate_up)
     if gate_up.device.type == "cuda":
         return silu_mul_triton(gate_up)
     return silu_mul_reference(gate_up)

@@ -1,0 +1,45 @@
+"""The decoder's row ops as the models call them: the custom op (one Triton kernel) on CUDA,
+the fp32 reference itself elsewhere. Why: on the CPU the op's dispatch (a triton_op around
+the reference's custom_op) costs more than the reference's work, 5% of a SmolLM2 decode
+step; the reference traces into plain aten ops under torch.compile."""
+from __future__ import annotations
+
+import torch
+
+from kvcompile.ops.rms_norm.naive import rms_norm_naive
+from kvcompile.ops.rms_norm.op import check_rms_norm_args
+from kvcompile.ops.rope_rotate.naive import rope_rotate_naive
+from kvcompile.ops.rope_rotate.op import check_rope_rotate_args
+from kvcompile.ops.silu_mul.naive import silu_mul_naive
+from kvcompile.ops.silu_mul.op import check_silu_mul_args
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.is_cuda:
+        return torch.ops.kvcompile.rms_norm(x, weight, eps)
+    check_rms_norm_args(x, weight)
+    return rms_norm_naive(x, weight, eps)[1]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.is_cuda:
+        return torch.ops.kvcompile.add_rms_norm(x, residual, weight, eps)
+    check_rms_norm_args(x, weight, residual)
+    return rms_norm_naive(x, weight, eps, residual)
+
+
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool,
+                n_rope: int, rot_a: torch.Tensor | None,
+                rot_b: torch.Tensor | None) -> torch.Tensor:
+    if x.is_cuda:
+        return torch.ops.kvcompile.rope_rotate(x, cos, sin, neox, n_rope, rot_a, rot_b)
+    check_rope_rotate_args(x, cos, sin, n_rope, rot_a, rot_b)
+    return rope_rotate_naive(x, cos, sin, neox, n_rope, rot_a, rot_b)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if gate_up.is_cuda:
+        return torch.ops.kvcompile.silu_mul(gate_up)
+    check_silu_mul_args(gate_up)
+    return silu_mul_naive(gate_up)
