@@ -75,20 +75,10 @@ def timed_compiled(model, ctx: int, kv: str, args, device, ids: torch.Tensor,
         tok = int(m.forward(tokens[:args.ubatch], 0)[-1].argmax())
         m.forward([tok], args.ubatch)
 
-    def prefill():
-        for s in range(0, ctx, args.ubatch):
-            logits = m.forward(tokens[s:s + args.ubatch], s)
-        return int(logits[-1].argmax())
-
-    def decode(tok, pos, n):
-        out = []
-        for i in range(n):
-            tok = int(m.forward([tok], pos + i)[-1].argmax())
-            out.append(tok)
-        return out
-
     # two warm steps: the transition to the decode layout, the capture
-    row = timed_prefill_decode(prefill, decode, ctx, 2, args.decode_steps, device)
+    row = timed_prefill_decode(lambda: S.manager_prefill(m, tokens, args.ubatch),
+                               lambda tok, pos, n: S.greedy_steps(m.forward, tok, pos, n),
+                               ctx, 2, args.decode_steps, device)
     return dict(row, phases=m.stats(), h2d_bytes_per_token=0, h2d_source="all resident")
 
 

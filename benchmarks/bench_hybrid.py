@@ -54,7 +54,7 @@ from kvcompile.gguf.arch_config import config_from_metadata  # noqa: E402
 from kvcompile.gguf.synthetic_presets import add_model_metadata, preset_config  # noqa: E402
 from kvcompile.models.qwen35 import Qwen35Model  # noqa: E402
 from kvcompile.runtime import forward as run_forward  # noqa: E402
-from kvcompile.runtime import make_kv_cache, min_arena_bytes  # noqa: E402
+from kvcompile.runtime import min_arena_bytes  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "hybrid.json")
 SYSTEMS = ("ours", "ours-graphs", "ours-resident")
@@ -136,12 +136,6 @@ def kv_bytes_per_token(model, k_type: str, v_type: str) -> int:
                                 k_type, v_type)
 
 
-def make_cache(model, max_tokens: int, arena_mib: float, kv: str, device):
-    k_type, v_type = kv.split("/")
-    return make_kv_cache(model.config, max_tokens, arena_mib, k_type=k_type, v_type=v_type,
-                         device=device, layers=model.trunk_kv_layers)
-
-
 def gdn_backend(device) -> str:
     from kvcompile.models import gdn_fla
     return "fla (Triton)" if gdn_fla.usable(torch.empty(1, device=device)) else "torch reference"
@@ -169,7 +163,7 @@ def sanity(model, args, device) -> dict:
         need = min_arena_bytes(model.config, n + steps + 1, k_type, v_type)
         got = {}
         for name, arena in (("resident", 0), ("stream", (need + 256) / 2**20)):
-            cache = make_cache(model, n + steps + 1, arena, kv, device)
+            cache = S.make_cache(model, n + steps + 1, arena, kv, device)
             try:
                 with torch.inference_mode():
                     logits = run_forward(model, cache, ids, pos).float()
@@ -320,7 +314,7 @@ def main(argv=None) -> list[dict]:
     # warm-up outside the timed rows: attention kernels of each KV type, GDN prefill/decode
     for kv in args.kv:
         S.log(f"warm-up: {kv}")
-        c = make_cache(model, args.ubatch + 8, 0, kv, device)
+        c = S.make_cache(model, args.ubatch + 8, 0, kv, device)
         with torch.inference_mode():
             last = S.ours_prefill(model, c, S.random_ids(args.ubatch, config.vocab_size, 7,
                                                          device), args.ubatch, device, "")

@@ -182,11 +182,12 @@ def pcie_bound(gbps: float, kv_bytes: int, arena_bytes: int) -> float | None:
 
 def device_and_dtype(name: str, cpu_hint: str) -> tuple[torch.device, torch.dtype]:
     """The run's device (a missing CUDA device is an exit with `cpu_hint`) and the weights'
-    dtype: bf16 on CUDA, fp32 on the CPU."""
+    dtype: the engine's default for it (bf16 on CUDA, fp32 on the CPU)."""
+    from kvcompile.dtypes import resolve_dtype
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"no CUDA device; {cpu_hint}")
-    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, resolve_dtype(None, device)
 
 
 def random_ids(n: int, vocab: int, seed: int, device) -> torch.Tensor:
@@ -207,20 +208,43 @@ def ours_prefill(model, cache, ids: torch.Tensor, ubatch: int, device, desc: str
 
 def ours_decode(model, cache, first: int, start: int, n: int, device, program=None
                 ) -> list[int]:
-    """n greedy steps from token `first` at position `start`; through `program` (a
-    PiecewiseDecode) when given, else eager forwards."""
-    toks, tok = [], first
+    """n greedy steps from token `first` at position `start`; through `program` (anything
+    with step(ids, start) -> logits rows: a PiecewiseDecode) when given, else eager
+    forwards."""
+    if program is not None:
+        return greedy_steps(program.step, first, start, n)
     layers = trunk_layers(model)
+
+    def eager(ids, pos):
+        return run_forward(model, cache, torch.tensor(ids, device=device),
+                           torch.tensor([pos], device=device), last_only=True, layers=layers,
+                           start=pos)
+    return greedy_steps(eager, first, start, n)
+
+
+def greedy_steps(step, first: int, start: int, n: int) -> list[int]:
+    """n greedy one-token steps of `step(ids, start) -> logits rows` from token `first` at
+    position `start` (a PhaseManager's forward, a piecewise program's step, an eager one)."""
+    toks, tok = [], first
     for i in range(n):
-        if program is not None:
-            tok = int(program.step([tok], start + i)[-1].argmax())
-        else:
-            t = torch.tensor([tok], device=device)
-            pos = torch.tensor([start + i], device=device)
-            tok = int(run_forward(model, cache, t, pos, last_only=True, layers=layers,
-                                  start=start + i)[-1].argmax())
+        tok = int(step([tok], start + i)[-1].argmax())
         toks.append(tok)
     return toks
+
+
+def manager_prefill(m, tokens: list[int], ubatch: int) -> int:
+    """Prefill `tokens` through a PhaseManager in ubatch chunks; the first decoded token."""
+    for s in range(0, len(tokens), ubatch):
+        logits = m.forward(tokens[s:s + ubatch], s)
+    return int(logits[-1].argmax())
+
+
+def make_cache(model, max_tokens: int, arena_mib: float, kv: str, device):
+    """The KV cache a run of ours uses: `kv` is "K/V" types; arena_mib 0 = all resident;
+    only the layers a plain forward acquires (a hybrid model's MTP layer left out)."""
+    k_type, v_type = kv.split("/")
+    return make_kv_cache(model.config, max_tokens, arena_mib, k_type=k_type, v_type=v_type,
+                         device=device, layers=trunk_layers(model))
 
 
 def trunk_layers(model):
@@ -296,9 +320,7 @@ def run_ours(model, g, ctx, kv, arena_mib, args, device, ids, graphs=False,
              extra=None) -> dict:
     """One timed generation over a fresh cache (pages for the trunk's KV layers);
     `extra(cache)`: more row fields read from the cache before it closes."""
-    k_type, v_type = kv.split("/")
-    cache = make_kv_cache(model.config, ctx + args.decode_steps + 2, arena_mib, k_type=k_type,
-                          v_type=v_type, device=device, layers=trunk_layers(model))
+    cache = make_cache(model, ctx + args.decode_steps + 2, arena_mib, kv, device)
     try:
         row = timed_generation(model, cache, ids, ctx, args, device, graphs)
         return {**row, **extra(cache)} if extra is not None else row

@@ -19,7 +19,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
 from bench_streaming import (LLAMA3_8B, TINY, build_models, close_cache,  # noqa: E402
-                             device_and_dtype, ours_decode, ours_prefill, random_ids)
+                             device_and_dtype, greedy_steps, manager_prefill,
+                             ours_decode, ours_prefill, random_ids)
 from bench_util import free_memory, sync  # noqa: E402
 
 from kvcompile.runtime.make import make_kv_cache  # noqa: E402
@@ -88,17 +89,12 @@ def start_mode(name, model, a, ids, kv, dev):
         ub = min(4096, a.ctx)
         m = PhaseManager(model, PagedKvCache(model.config, a.ctx + 64, *kv, device=dev),
                          ubatch=ub)
-        tokens = ids.tolist()
-        for s in range(0, a.ctx, ub):
-            logits = m.forward(tokens[s:s + ub], s)
-        tok = [int(logits[-1].argmax())]
-
+        tok = [manager_prefill(m, ids.tolist(), ub)]
         held = [m]
 
         def step(n):
-            for _ in range(n):
-                tok[0] = int(held[0].forward([tok[0]], pos[0])[-1].argmax())
-                pos[0] += 1
+            tok[0] = greedy_steps(held[0].forward, tok[0], pos[0], n)[-1]
+            pos[0] += n
 
         def cleanup():
             held.clear()                     # the manager and its arena

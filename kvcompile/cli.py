@@ -49,7 +49,6 @@ def _add_generate(sub) -> None:
 
 
 def _run_generate(args) -> int:
-    from kvcompile.dtypes import resolve_dtype
     from kvcompile.engine import Engine
     from kvcompile.ops.kv_format import kv_type
     from kvcompile.sampling import SamplingParams
@@ -60,11 +59,10 @@ def _run_generate(args) -> int:
                    seed=args.seed, stop=tuple(args.stop))
     SamplingParams(**request).validated()
     kv_type(args.cache_type_k), kv_type(args.cache_type_v)
-    dtype = resolve_dtype(args.dtype, args.device or "cpu")
     engine = Engine(args.model, ctx_size=args.ctx_size, cache_type_k=args.cache_type_k,
                     cache_type_v=args.cache_type_v, device=args.device, ubatch=args.ubatch_size,
                     progress=not args.no_progress, kv_stream_arena_mib=args.kv_stream_arena_mib,
-                    trace=args.trace, cuda_graphs=args.cuda_graphs, dtype=dtype)
+                    trace=args.trace, cuda_graphs=args.cuda_graphs, dtype=args.dtype)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})

@@ -4,9 +4,10 @@ from __future__ import annotations
 import torch
 
 from kvcompile.errors import KvcompileError
+from kvcompile.ops.kv_format import FLOAT_DTYPES
 
-DTYPES = {"f32": torch.float32, "float32": torch.float32, "f16": torch.float16,
-          "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+DTYPES = {**FLOAT_DTYPES, "float32": torch.float32, "float16": torch.float16,
+          "bfloat16": torch.bfloat16}
 CHOICES = ("auto", "f32", "f16", "bf16")
 
 

@@ -38,21 +38,19 @@ class LayerKv(nn.Module):
 
     def slots(self, positions: torch.Tensor, split: PageSplit | None = None) -> torch.Tensor:
         """Physical slot (page * page_size + offset) of each absolute position; tensor ops only.
-        `split`: page_split(positions, page_size), made once a forward for every layer."""
-        if split is None or split.page_size != self.page_size:
-            split = page_split(positions, self.page_size)
-        return torch.add(split.offset, self.page_table[split.page], alpha=self.page_size)
+        `split`: page_split(positions, cache.page_size), made once a forward for every layer."""
+        page, offset = split or page_split(positions, self.page_size)
+        return torch.add(offset, self.page_table[page], alpha=self.page_size)
 
 
 class PageSplit(NamedTuple):
     page: torch.Tensor       # logical page of each position
     offset: torch.Tensor     # position inside it
-    page_size: int
 
 
 def page_split(positions: torch.Tensor, page_size: int) -> PageSplit:
     """Logical page and offset of each position: the part of a slot every layer shares."""
-    return PageSplit(positions // page_size, positions % page_size, page_size)
+    return PageSplit(positions // page_size, positions % page_size)
 
 
 def decode_workspace(device: torch.device, config) -> torch.Tensor | None:

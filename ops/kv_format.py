@@ -55,7 +55,7 @@ BF16 = KvType("bf16", 30, 64)
 
 KV_TYPES = {t.name: t for t in (F32, F16, BF16, Q8_0, Q4_0)}
 _BY_ID = {t.ggml_id: t for t in KV_TYPES.values()}
-_FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
@@ -161,7 +161,7 @@ def split_pages(pages: torch.Tensor, t: KvType, n_kv_heads: int, page_size: int,
     n = pages.shape[0]
     if not t.quantized:
         position_major(t, role)                      # validates role
-        vals = pages.view(_FLOAT_DTYPES[t.name]).view(n, n_kv_heads, page_size, head_dim)
+        vals = pages.view(FLOAT_DTYPES[t.name]).view(n, n_kv_heads, page_size, head_dim)
         return vals, None
     code_cols = head_dim if t.name == "q8_0" else head_dim // 2
     code_bytes = n_kv_heads * page_size * code_cols
@@ -201,5 +201,5 @@ def decode_pages(pages: torch.Tensor, t: KvType, n_kv_heads: int, page_size: int
 def encode_rows(rows: torch.Tensor, t: KvType) -> tuple[torch.Tensor, torch.Tensor | None]:
     """rows [..., D] -> (values or codes, scales or None) in the page's element types."""
     if not t.quantized:
-        return rows.to(_FLOAT_DTYPES[t.name]), None
+        return rows.to(FLOAT_DTYPES[t.name]), None
     return quantize_q8_0(rows) if t.name == "q8_0" else quantize_q4_0(rows)

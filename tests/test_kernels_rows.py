@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvcompile.ops  # noqa: F401
-from kernel_oracle import fresh_seed, run_interpreted
+from kernel_oracle import fresh_seed, rel_err, run_interpreted
 from kvcompile.errors import KvcompileError, OpInputError
 from kvcompile.kv_rotation import k_rotation, v_rotation
 from kvcompile.models.layers import rope_rows, rope_tables
@@ -33,10 +33,6 @@ ROPE_CASES = [(128, 128, False, "q8_0", "q4_0"), (64, 32, True, "q4_0", "f16"),
               (192, 64, True, "q8_0", "q4_0"), (80, 40, False, "f16", "f16")]
 ROPE_IDS = [f"D{d}-R{r}-{'neox' if n else 'pairs'}-K{k}-V{v}" for d, r, n, k, v in ROPE_CASES]
 MANTISSA = {torch.float16: 10, torch.bfloat16: 7}
-
-
-def rel_err(out, ref) -> float:
-    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
 
 
 def close_in_ulps(got, ref) -> float:
@@ -94,7 +90,7 @@ def test_rope_rotate_reference_against_fp64(case):
     """The pairwise rope formula on angles (not the rope_rows tables), then the rotations."""
     gen = torch.Generator().manual_seed(fresh_seed())
     a, (cos, sin) = rope_case(*case, torch.float32, gen)
-    d, r, neox = case[0], case[1], case[2]
+    r, neox = case[1], case[2]
     x = a["x"].double()
     q = x[:, :a["n_rope"]].clone()
     i = torch.arange(r // 2)

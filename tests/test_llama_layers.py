@@ -8,7 +8,12 @@ import os
 import pytest
 import torch
 
-from kvcompile.models.layers import RMSNorm, apply_rope, rope_tables
+from kvcompile.models.layers import RMSNorm, apply_rope_rows, rope_rows, rope_tables
+
+
+def apply_rope(x, cos, sin, neox):
+    """Rope from the half tables [T, R/2] as the models apply it: rows built, then applied."""
+    return apply_rope_rows(x, *rope_rows(cos, sin, neox), neox)
 
 
 def complex_rope(x: torch.Tensor, pos: torch.Tensor, rot: int, theta: float, neox: bool):

@@ -14,6 +14,7 @@ from torch import nn
 
 import kvcompile.ops  # noqa: F401  (registers torch.ops.kvcompile.*)
 from kvcompile.ops import rows
+from kvcompile.ops.rope_rotate.naive import rope_f32
 from kvcompile.errors import ContextLengthError, UnsupportedModelError
 
 
@@ -59,7 +60,7 @@ def check_rope_range(lo_hi: tuple[int, int], n_rope: int) -> tuple[int, int]:
 def rope_rows(cos: torch.Tensor, sin: torch.Tensor,
               neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [T, R/2] -> (cos, signed sin) [T, R] laid out like the rotated dims, so that
-    rotating is `x * cos + partner(x) * sin` (rope_rotate, apply_rope_rows). Llama builds
+    rotating is `x * cos + partner(x) * sin` (rope_rotate, apply_rope_rows). The models build
     them once a forward for every layer."""
     if neox:
         return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
@@ -68,25 +69,15 @@ def rope_rows(cos: torch.Tensor, sin: torch.Tensor,
 
 def apply_rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     neox: bool) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, R] from rope_rows; rotates the first R dims in f32.
-
-    neox=False: GGUF llama layout, pairs (2i, 2i+1). neox=True: pairs (i, i + R/2).
-    Each output is a*c - b*s or b*c + a*s, rounded as the pairwise formula rounds it (the
-    sign sits in the table: b*(-s) is -(b*s) exactly). Torch ops (qwen35's attention; llama
-    layers use the rope_rotate op)."""
+    """x [T, H, D]; cos/sin [T, R] from rope_rows; rotates the first R dims in f32 and rounds
+    once (rope_rotate's formula, ops/rope_rotate/naive.rope_f32): each output is a*c - b*s
+    or b*c + a*s, rounded as the pairwise formula rounds it (the sign sits in the table:
+    b*(-s) is -(b*s) exactly). Torch ops: qwen35's attention (llama layers use the
+    rope_rotate op)."""
     rot = cos.shape[-1]
-    xr, rest = x[..., :rot].float(), x[..., rot:]
-    if neox:
-        partner = torch.cat([xr[..., rot // 2:], xr[..., :rot // 2]], -1)
-    else:
-        partner = xr.unflatten(-1, (rot // 2, 2)).flip(-1).flatten(-2)
-    out = (xr * cos[:, None, :] + partner * sin[:, None, :]).to(x.dtype)
+    out = rope_f32(x[..., :rot].float(), cos, sin, neox).to(x.dtype)
+    rest = x[..., rot:]
     return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, R/2] for the rows' positions; rotates the first R dims."""
-    return apply_rope_rows(x, *rope_rows(cos, sin, neox), neox)
 
 
 def fuse_linears(*linears: nn.Linear) -> nn.Linear:

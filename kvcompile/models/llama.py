@@ -125,11 +125,10 @@ class LlamaModel(nn.Module):
         cos, sin = rope_rows(self.rope_cos[positions], self.rope_sin[positions],
                              self.config.rope_neox)
         q_pos = positions.to(torch.int32)
-        mlp_out, split = None, None
+        split = page_split(positions, cache.page_size)     # shared by every layer's slots
+        mlp_out = None
         for i, block in enumerate(self.blocks):
             kv = cache.layer(i)
-            if split is None:                   # the page split every layer shares
-                split = page_split(positions, kv.page_size)
             x, mlp_out = block(x, mlp_out, cos, sin, q_pos, kv.slots(positions, split), kv)
         if last_only:
             x, mlp_out = x[-1:], mlp_out[-1:]

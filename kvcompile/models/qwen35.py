@@ -19,8 +19,8 @@ from torch import nn
 
 from kvcompile.config import ModelConfig
 from kvcompile.errors import ModelFileError, UnsupportedModelError
-from kvcompile.kv_cache import PagedKvCache
-from kvcompile.models.layers import RMSNorm, check_rope_range, rope_tables
+from kvcompile.kv_cache import PagedKvCache, page_split
+from kvcompile.models.layers import RMSNorm, check_rope_range, rope_rows, rope_tables
 from kvcompile.models.qwen35_layers import HybridBlock, NextNLayer
 from kvcompile.models.recurrent_state import RecurrentState
 
@@ -110,12 +110,13 @@ class Qwen35Model(nn.Module):
             lo, _ = self._check_positions(positions, cache)   # consecutive: lo = positions[0]
             state.begin(lo, positions.shape[0])
         x = self.embed(tokens)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos, sin = rope_rows(self.rope_cos[positions], self.rope_sin[positions], neox=True)
         q_pos = positions.to(torch.int32)
+        split = page_split(positions, cache.page_size)     # shared by every layer's slots
         for i, block in enumerate(self.blocks):
             if block.attention:
                 kv = cache.layer(i)
-                x = block(x, cos, sin, q_pos, kv.slots(positions), kv)
+                x = block(x, cos, sin, q_pos, kv.slots(positions, split), kv)
             else:
                 x = block(x, *state.layer(i))
         hidden = self.norm(x)
@@ -138,7 +139,7 @@ class Qwen35Model(nn.Module):
         if not torch.compiler.is_compiling():
             self._check_positions(positions, cache)
         kv = cache.layer(layer)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos, sin = rope_rows(self.rope_cos[positions], self.rope_sin[positions], neox=True)
         emb = (self.embed(tokens) if self.mtp_embed_weight is None
                else F.embedding(tokens, self.mtp_embed_weight))
         h = self.mtp(emb, hidden.to(emb.dtype), cos, sin, positions.to(torch.int32),

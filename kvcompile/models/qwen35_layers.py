@@ -22,7 +22,7 @@ from torch import nn
 import kvcompile.ops  # noqa: F401  (registers torch.ops.kvcompile.*)
 from kvcompile.config import ModelConfig
 from kvcompile.models.gated_deltanet import causal_conv, gdn_chunked, gdn_recurrent
-from kvcompile.models.layers import RMSNorm, SwiGLU, apply_rope
+from kvcompile.models.layers import RMSNorm, SwiGLU, apply_rope_rows
 
 
 class GatedAttention(nn.Module):
@@ -43,7 +43,7 @@ class GatedAttention(nn.Module):
         q, gate = self.q_norm(qg[..., :d]), qg[..., d:]
         k = self.k_norm(self.wk(x).view(t, self.n_kv_heads, d))
         v = self.wv(x).view(t, self.n_kv_heads, d)
-        q, k = apply_rope(q, cos, sin, neox=True), apply_rope(k, cos, sin, neox=True)
+        q, k = apply_rope_rows(q, cos, sin, neox=True), apply_rope_rows(k, cos, sin, neox=True)
         k_rot, v_rot = getattr(kv, "k_rot", None), getattr(kv, "v_rot", None)
         if k_rot is not None:         # quantized K is stored rotated (kvcompile.kv_rotation)
             q, k = q @ k_rot.to(q.dtype), k @ k_rot.to(k.dtype)
@@ -118,8 +118,9 @@ class HybridBlock(nn.Module):
         self.mlp = SwiGLU(c.hidden, c.ffn)
 
     def forward(self, x, *mixer_args):
-        x = x + self.mixer(self.attn_norm(x), *mixer_args)
-        return x + self.mlp(self.post_norm(x))
+        # the mixer's residual add inside the post norm's kernel (RMSNorm.add), same bits
+        x, h = self.post_norm.add(x, self.mixer(self.attn_norm(x), *mixer_args))
+        return x + self.mlp(h)
 
 
 class NextNLayer(nn.Module):

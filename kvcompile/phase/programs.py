@@ -40,7 +40,10 @@ class StaticInput:
     def __init__(self, rows: int, device):
         cuda = torch.device(device).type == "cuda"
         self._static = torch.zeros(2, rows, dtype=torch.long, device=device)
-        self._host = torch.zeros(2, rows, dtype=torch.long, pin_memory=cuda)
+        # on the CPU the static buffer is host memory already: no staging, no copy
+        self._host = torch.zeros(2, rows, dtype=torch.long, pin_memory=True) if cuda else \
+            self._static
+        self._host_np = self._host.numpy()     # writes from Python ints without tensor ops
         self._staged = torch.cuda.Event() if cuda else None
         self.tokens, self.positions = self._static[0], self._static[1]
 
@@ -48,10 +51,10 @@ class StaticInput:
         if self._staged is not None and not self._staged.query():
             self._staged.synchronize()   # the last copy must have read the staging buffer
             # (never taken in a normal step: sampling the previous logits waited for it)
-        self._host[0] = torch.as_tensor(tokens, dtype=torch.long)
-        self._host[1] = torch.as_tensor(positions, dtype=torch.long)
-        self._static.copy_(self._host, non_blocking=self._staged is not None)
+        self._host_np[0] = tokens
+        self._host_np[1] = positions
         if self._staged is not None:
+            self._static.copy_(self._host, non_blocking=True)
             self._staged.record()
 
 

@@ -7,7 +7,6 @@ rounded multiply (mul.rn: never contracted into an fma with the following add).
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice

@@ -24,35 +24,14 @@ def check_rms_norm_args(x, weight, residual=None):
                              f"{residual.dtype} vs {tuple(x.shape)} {x.dtype}")
 
 
-@torch.library.custom_op("kvcompile::add_rms_norm_reference", mutates_args=())
-def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    s, y = rms_norm_naive(x, weight, eps, residual)
-    return s, y
-
-
-@add_rms_norm_reference.register_fake
-def _(x, residual, weight, eps):
-    return torch.empty_like(x), torch.empty_like(x)
-
-
-@torch.library.custom_op("kvcompile::rms_norm_reference", mutates_args=())
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return rms_norm_naive(x, weight, eps)[1]
-
-
-@rms_norm_reference.register_fake
-def _(x, weight, eps):
-    return torch.empty_like(x)
-
-
-# triton_op: torch.compile sees the kernel on CUDA; elsewhere the body calls the reference.
+# triton_op: torch.compile sees the kernel on CUDA; elsewhere the body is the reference
+# (plain torch ops; the models call it directly there, through ops/rows.py).
 @torch.library.triton_op("kvcompile::rms_norm", mutates_args=())
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     check_rms_norm_args(x, weight)
     if x.device.type == "cuda":
         return rms_norm_triton(x, weight, eps)[1]
-    return rms_norm_reference(x, weight, eps)
+    return rms_norm_naive(x, weight, eps)[1]
 
 
 @torch.library.triton_op("kvcompile::add_rms_norm", mutates_args=())
@@ -62,4 +41,4 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     check_rms_norm_args(x, weight, residual)
     if x.device.type == "cuda":
         return rms_norm_triton(x, weight, eps, residual)
-    return add_rms_norm_reference(x, residual, weight, eps)
+    return rms_norm_naive(x, weight, eps, residual)

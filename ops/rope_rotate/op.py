@@ -39,18 +39,6 @@ def check_rope_rotate_args(x, cos, sin, n_rope, rot_a, rot_b):
             raise OpInputError(f"{name} must be [D, D] = [{d}, {d}], got {tuple(rot.shape)}")
 
 
-@torch.library.custom_op("kvcompile::rope_rotate_reference", mutates_args=())
-def rope_rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool,
-                          n_rope: int, rot_a: Optional[torch.Tensor],
-                          rot_b: Optional[torch.Tensor]) -> torch.Tensor:
-    return rope_rotate_naive(x, cos, sin, neox, n_rope, rot_a, rot_b)
-
-
-@rope_rotate_reference.register_fake
-def _(x, cos, sin, neox, n_rope, rot_a, rot_b):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
 @torch.library.triton_op("kvcompile::rope_rotate", mutates_args=())
 def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool,
                 n_rope: int, rot_a: Optional[torch.Tensor],
@@ -58,4 +46,4 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: boo
     check_rope_rotate_args(x, cos, sin, n_rope, rot_a, rot_b)
     if x.device.type == "cuda":
         return rope_rotate_triton(x, cos, sin, neox, n_rope, rot_a, rot_b)
-    return rope_rotate_reference(x, cos, sin, neox, n_rope, rot_a, rot_b)
+    return rope_rotate_naive(x, cos, sin, neox, n_rope, rot_a, rot_b)   # plain torch ops

@@ -10,16 +10,6 @@ from kvcompile.ops.silu_mul.naive import silu_mul_naive
 from kvcompile.ops.silu_mul.triton_kernel import silu_mul_triton
 
 
-@torch.library.custom_op("kvcompile::silu_mul_reference", mutates_args=())
-def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    return silu_mul_naive(gate_up)
-
-
-@silu_mul_reference.register_fake
-def _(gate_up):
-    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
-
-
 def check_silu_mul_args(gate_up):
     if gate_up.dim() == 0 or gate_up.shape[-1] % 2 or gate_up.dtype not in TL_DTYPES:
         raise OpInputError(f"silu_mul needs gate_up [..., 2F] (gate, then up) in f32, f16 or "
@@ -31,4 +21,4 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     check_silu_mul_args(gate_up)
     if gate_up.device.type == "cuda":
         return silu_mul_triton(gate_up)
-    return silu_mul_reference(gate_up)
+    return silu_mul_naive(gate_up)   # plain torch ops
