@@ -1,11 +1,13 @@
 """The decoder's row ops as the models call them: the custom op (one Triton kernel) on CUDA,
-the fp32 reference itself elsewhere. Why: on the CPU the op's dispatch (a triton_op around
+the fp32 reference itself elsewhere (linear: F.linear off CUDA and past the GEMV's shapes). Why: on the CPU the op's dispatch (a triton_op around
 the reference's custom_op) costs more than the reference's work, 5% of a SmolLM2 decode
 step; the reference traces into plain aten ops under torch.compile."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from kvcompile.ops.gemv.op import GEMV_DTYPES, GEMV_MAX_ROWS
 from kvcompile.ops.rms_norm.naive import rms_norm_naive
 from kvcompile.ops.rms_norm.op import check_rms_norm_args
 from kvcompile.ops.rope_rotate.naive import rope_rotate_naive
@@ -43,3 +45,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.kvcompile.silu_mul(gate_up)
     check_silu_mul_args(gate_up)
     return silu_mul_naive(gate_up)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T + bias: the gemv op for a decode step's few rows on CUDA (f16 / bf16),
+    F.linear (cuBLAS) for prefill, fp32 and other devices."""
+    if (x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
+            and x.dtype in GEMV_DTYPES and weight.dtype == x.dtype):
+        return torch.ops.kvcompile.gemv(x, weight, bias)
+    return F.linear(x, weight, bias)

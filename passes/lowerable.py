@@ -18,6 +18,7 @@ LOWERINGS = {
     "kvcompile.add_rms_norm": "ops/rms_norm (triton_op: residual add + norm)",
     "kvcompile.rope_rotate": "ops/rope_rotate (triton_op: rope + KV Hadamard rotations)",
     "kvcompile.silu_mul": "ops/silu_mul (triton_op: SwiGLU activation)",
+    "kvcompile.gemv": "ops/gemv (triton_op: weight-streaming GEMV for <= 8 rows)",
 }
 # namespaces torch itself lowers (inductor / the eager fallback)
 BUILTIN_NAMESPACES = {"aten", "prims", "higher_order", "_c10d_functional", "_dtensor"}

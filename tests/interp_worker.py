@@ -22,10 +22,12 @@ def _row_kernel(module: str, name: str):
     return load
 
 
-# the row ops' launchers (tests/test_kernels_rows.py), imported once the flag is set
+# the row ops' launchers (tests/test_kernels_rows.py, test_kernels_gemv.py), imported once
+# the flag is set
 ROW_KERNELS = {"rms_norm": _row_kernel("rms_norm", "rms_norm_triton"),
                "rope_rotate": _row_kernel("rope_rotate", "rope_rotate_triton"),
-               "silu_mul": _row_kernel("silu_mul", "silu_mul_triton")}
+               "silu_mul": _row_kernel("silu_mul", "silu_mul_triton"),
+               "gemv": _row_kernel("gemv", "gemv_triton")}
 
 
 def run(job: dict) -> dict:

@@ -80,6 +80,16 @@ def apply_rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose decode calls (a few rows, f16 / bf16, CUDA) take the gemv op, which
+    streams the weight closer to HBM bandwidth than cuBLAS does for them (ops/gemv)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            return rows.linear(x, self.weight, self.bias)
+        return super().forward(x)
+
+
 def fuse_linears(*linears: nn.Linear) -> nn.Linear:
     """One Linear computing all of `linears` (outputs concatenated), for one GEMM instead of
     several: a decode step reads every weight once, and small GEMMs reach a much smaller
@@ -87,7 +97,7 @@ def fuse_linears(*linears: nn.Linear) -> nn.Linear:
     views of the fused ones, so nothing is stored twice and they keep working."""
     w = torch.cat([m.weight for m in linears])
     has_bias = linears[0].bias is not None
-    fused = nn.Linear(w.shape[1], w.shape[0], bias=has_bias, device="meta")
+    fused = Linear(w.shape[1], w.shape[0], bias=has_bias, device="meta")
     fused.weight = nn.Parameter(w, requires_grad=False)
     if has_bias:
         fused.bias = nn.Parameter(torch.cat([m.bias for m in linears]), requires_grad=False)
@@ -104,9 +114,9 @@ def fuse_linears(*linears: nn.Linear) -> nn.Linear:
 class SwiGLU(nn.Module):
     def __init__(self, hidden: int, ffn: int):
         super().__init__()
-        self.gate = nn.Linear(hidden, ffn, bias=False)
-        self.up = nn.Linear(hidden, ffn, bias=False)
-        self.down = nn.Linear(ffn, hidden, bias=False)
+        self.gate = Linear(hidden, ffn, bias=False)
+        self.up = Linear(hidden, ffn, bias=False)
+        self.down = Linear(ffn, hidden, bias=False)
         self.gate_up: nn.Linear | None = None     # set by fuse()
 
     def fuse(self) -> None:
@@ -128,10 +138,10 @@ class PagedAttention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.rope_neox = rope_neox
         self.scale = 1.0 / math.sqrt(head_dim)
-        self.wq = nn.Linear(hidden, n_heads * head_dim, bias=qkv_bias)
-        self.wk = nn.Linear(hidden, n_kv_heads * head_dim, bias=qkv_bias)
-        self.wv = nn.Linear(hidden, n_kv_heads * head_dim, bias=qkv_bias)
-        self.wo = nn.Linear(n_heads * head_dim, hidden, bias=False)
+        self.wq = Linear(hidden, n_heads * head_dim, bias=qkv_bias)
+        self.wk = Linear(hidden, n_kv_heads * head_dim, bias=qkv_bias)
+        self.wv = Linear(hidden, n_kv_heads * head_dim, bias=qkv_bias)
+        self.wo = Linear(n_heads * head_dim, hidden, bias=False)
         self.wqkv: nn.Linear | None = None        # set by fuse()
 
     def fuse(self) -> None:

@@ -10,7 +10,7 @@ from torch import nn
 from kvcompile.config import ModelConfig
 from kvcompile.errors import ModelFileError, UnsupportedModelError
 from kvcompile.kv_cache import page_split
-from kvcompile.models.layers import (PagedAttention, RMSNorm, SwiGLU, check_rope_range,
+from kvcompile.models.layers import (Linear, PagedAttention, RMSNorm, SwiGLU, check_rope_range,
                                      rope_rows, rope_tables)
 
 # GGUF tensor name (after "blk.{i}.") -> parameter name inside LlamaBlock
@@ -58,7 +58,7 @@ class LlamaModel(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden)
         self.blocks = nn.ModuleList(LlamaBlock(config, qkv_bias) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.hidden, config.rms_eps)
-        self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         cos, sin = rope_tables(config.rotary_dim, config.context_length, config.rope_theta,

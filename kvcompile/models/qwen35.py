@@ -20,7 +20,7 @@ from torch import nn
 from kvcompile.config import ModelConfig
 from kvcompile.errors import ModelFileError, UnsupportedModelError
 from kvcompile.kv_cache import PagedKvCache, page_split
-from kvcompile.models.layers import RMSNorm, check_rope_range, rope_rows, rope_tables
+from kvcompile.models.layers import Linear, RMSNorm, check_rope_range, rope_rows, rope_tables
 from kvcompile.models.qwen35_layers import HybridBlock, NextNLayer
 from kvcompile.models.recurrent_state import RecurrentState
 
@@ -54,7 +54,7 @@ class Qwen35Model(nn.Module):
         self.blocks = nn.ModuleList(HybridBlock(config, config.is_attention_layer(i))
                                     for i in range(config.n_layers))
         self.norm = RMSNorm(config.hidden, config.rms_eps)
-        self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden, config.vocab_size, bias=False)
         self.mtp = NextNLayer(config) if config.nextn_layers else None
         # the MTP layer's own embedding / LM head when the file has them (else shared)
         self.mtp_embed_weight: torch.Tensor | None = None

@@ -22,7 +22,7 @@ from torch import nn
 import kvcompile.ops  # noqa: F401  (registers torch.ops.kvcompile.*)
 from kvcompile.config import ModelConfig
 from kvcompile.models.gated_deltanet import causal_conv, gdn_chunked, gdn_recurrent
-from kvcompile.models.layers import RMSNorm, SwiGLU, apply_rope_rows
+from kvcompile.models.layers import Linear, RMSNorm, SwiGLU, apply_rope_rows
 
 
 class GatedAttention(nn.Module):
@@ -30,10 +30,10 @@ class GatedAttention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
         self.scale = 1.0 / math.sqrt(c.head_dim)
-        self.wq = nn.Linear(c.hidden, 2 * c.n_heads * c.head_dim, bias=False)
-        self.wk = nn.Linear(c.hidden, c.n_kv_heads * c.head_dim, bias=False)
-        self.wv = nn.Linear(c.hidden, c.n_kv_heads * c.head_dim, bias=False)
-        self.wo = nn.Linear(c.n_heads * c.head_dim, c.hidden, bias=False)
+        self.wq = Linear(c.hidden, 2 * c.n_heads * c.head_dim, bias=False)
+        self.wk = Linear(c.hidden, c.n_kv_heads * c.head_dim, bias=False)
+        self.wv = Linear(c.hidden, c.n_kv_heads * c.head_dim, bias=False)
+        self.wo = Linear(c.n_heads * c.head_dim, c.hidden, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_eps)
 
@@ -68,15 +68,15 @@ class GatedDeltaNetMixer(nn.Module):
         self.eps, self.chunk = c.rms_eps, chunk
         value_dim = self.hv * self.d
         conv_dim = 2 * self.hk * self.d + value_dim
-        self.in_qkv = nn.Linear(c.hidden, conv_dim, bias=False)
-        self.in_z = nn.Linear(c.hidden, value_dim, bias=False)
-        self.in_beta = nn.Linear(c.hidden, self.hv, bias=False)
-        self.in_alpha = nn.Linear(c.hidden, self.hv, bias=False)
+        self.in_qkv = Linear(c.hidden, conv_dim, bias=False)
+        self.in_z = Linear(c.hidden, value_dim, bias=False)
+        self.in_beta = Linear(c.hidden, self.hv, bias=False)
+        self.in_alpha = Linear(c.hidden, self.hv, bias=False)
         self.conv_weight = nn.Parameter(torch.zeros(conv_dim, c.ssm_conv_kernel))
         self.dt_bias = nn.Parameter(torch.zeros(self.hv))
         self.a = nn.Parameter(torch.zeros(self.hv))       # -exp(A_log), as stored
         self.norm = RMSNorm(self.d, c.rms_eps)
-        self.out = nn.Linear(value_dim, c.hidden, bias=False)
+        self.out = Linear(value_dim, c.hidden, bias=False)
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor):
         """x [T, hidden]; conv_state [K-1, conv_dim] and ssm_state [Hv, D, D] (fp32) are
@@ -131,7 +131,7 @@ class NextNLayer(nn.Module):
         super().__init__()
         self.enorm = RMSNorm(c.hidden, c.rms_eps)
         self.hnorm = RMSNorm(c.hidden, c.rms_eps)
-        self.eh_proj = nn.Linear(2 * c.hidden, c.hidden, bias=False)
+        self.eh_proj = Linear(2 * c.hidden, c.hidden, bias=False)
         self.block = HybridBlock(c, attention=True)
         self.head_norm = RMSNorm(c.hidden, c.rms_eps)
 

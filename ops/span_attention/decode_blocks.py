@@ -11,8 +11,9 @@ import os
 import triton
 import triton.language as tl
 
-from kvcompile.ops.span_attention.decode_kernel import LOG2E, span_attention_decode
-from kvcompile.ops.span_attention.decode_split import (PROGRAMS_PER_SM, chunks, decode_shape,
+from kvcompile.ops.span_attention.decode_kernel import (LOG2E, legacy_programs_per_sm,
+                                                        span_attention_decode)
+from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape,
                                                        launch_reduce, program_rows_and_chunk,
                                                        split_operands, store_partial_stats)
 from kvcompile.ops.span_attention.launch import interpreting, k_split, launchable
@@ -83,23 +84,24 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
 
 def blocks_config(head_dim: int, block_m: int, k_quantized: bool) -> dict:
     """Launch defaults. Quantized K with all query rows of a KV head in one 16-row tile
-    (decode, narrow verify): configs that measured well at 32K-256K in the page-layout probe
-    (docs/performance.md) and compile without spills (sm_90): 128 positions, 4 warps,
-    3 stages, 2 programs an SM for D <= 128; 32 positions, 2 warps, 3 stages, 4 programs an
-    SM for D = 256. No register cap by default: torch.compile's wrap_triton does not pass
-    `maxnreg` through as a launch option. Wider verify: 64 positions (32 past 32 rows:
-    registers), 8 warps; float K keeps decode_kernel's tile."""
+    (decode, narrow verify): the best of a sweep at 8K-256K (H200, 1 query row, 2026-11-30,
+    benchmarks/probe_overhead.py --only sweep; docs/performance.md): small programs, many an
+    SM (the loop is latency bound): 64 positions, 1 warp, 8 programs an SM for D <= 128
+    (0.58 of HBM at 256K, was 0.44 with 128 positions x 4 warps x 2 programs); 64 positions,
+    2 warps, 4 programs an SM for D = 256 (0.45, was 0.38). No register cap: torch.compile's
+    wrap_triton does not pass `maxnreg` through as a launch option. Wider verify: 64
+    positions (32 past 32 rows: registers), 8 warps; float K keeps decode_kernel's tile."""
     if k_quantized and block_m <= 16:
         if head_dim <= 128:
-            return dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2)
-        return dict(block_n=32, num_warps=2, num_stages=3, programs_per_sm=4)
+            return dict(block_n=64, num_warps=1, num_stages=3, programs_per_sm=8)
+        return dict(block_n=64, num_warps=2, num_stages=3, programs_per_sm=4)
     num_warps = 4 if block_m <= 16 else 8
     if k_quantized:
         block_n = 64 if block_m <= 32 else 32
     else:
         block_n = 64 if head_dim <= 128 else 32
     return dict(block_n=block_n, num_warps=num_warps, num_stages=2,
-                programs_per_sm=PROGRAMS_PER_SM)
+                programs_per_sm=legacy_programs_per_sm(head_dim))
 
 
 def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvcompile.ops.span_attention.decode_split import (PROGRAMS_PER_SM, chunks, decode_shape,
+from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape,
                                                        launch_reduce, program_rows_and_chunk,
                                                        split_operands, store_partial_stats)
 from kvcompile.ops.span_attention.launch import interpreting, k_split, launchable
@@ -21,6 +21,13 @@ from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, onl
                                                      qk_quantized, qk_scores, v_operand)
 
 LOG2E = 1.4426950408889634
+
+
+def legacy_programs_per_sm(head_dim: int) -> int:
+    """Split programs an SM: 4 for D <= 128 (bf16 KV 0.80 / 0.98 of HBM at 32K / 128K vs
+    0.73 / 0.88 with 2), 2 for D = 256 (4 measured slower: 0.61 vs 0.70 at 32K); H200 sweep,
+    2026-11-30 (blocks_config)."""
+    return 4 if head_dim <= 128 else 2
 
 
 @triton.jit
@@ -68,7 +75,7 @@ def _decode_split(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
 
 def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size,
                           scale, out=None, chunk_len=None, block_n=None, num_warps=None,
-                          num_stages=None, programs_per_sm=PROGRAMS_PER_SM, workspace=None):
+                          num_stages=None, programs_per_sm=None, workspace=None):
     """Launch the split + reduce kernels; `out` may be given in any float dtype (tests use
     fp32 to see the kernel's own error without the final rounding); `workspace` is an fp32
     buffer for the partials (workspace.py), allocated per call when None."""
@@ -78,6 +85,7 @@ def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, 
         block_n = 64 if head_dim <= 128 else 32
     block_n = min(block_n, page_size)
     assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
+    programs_per_sm = programs_per_sm or legacy_programs_per_sm(head_dim)
     chunk_len, n_chunks = chunks(sh, page_size, block_n, chunk_len, programs_per_sm, q.device)
     bufs, q16, qk_f16, (kv, ks, kpe, kph, kch), (vv, vs, vpe, vph, vch) = split_operands(
         sh, q, k_pool, v_pool, workspace, n_chunks)

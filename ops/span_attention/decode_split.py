@@ -149,6 +149,16 @@ def _decode_reduce(m_ptr, l_ptr, acc_ptr, q_pos_ptr, out_ptr, stride_ot, stride_
     tl.store(optr, o.to(out_ptr.dtype.element_ty))
 
 
+# fp32 partial accumulators one reduce program holds at once ([BLOCK_C, D] tile)
+REDUCE_TILE_FLOATS = 8192
+
+
+def reduce_block(n_chunks: int, head_dim: int) -> int:
+    """Chunks merged a loop step: all of them in one step when they fit the tile (the
+    reduce is latency bound: each step is a round trip to memory), at least 16."""
+    return max(16, min(triton.next_power_of_2(n_chunks), REDUCE_TILE_FLOATS // head_dim))
+
+
 def launch_reduce(sh: DecodeShape, bufs, q_pos, n_chunks: int, chunk_len: int,
                   page_size: int) -> torch.Tensor:
     """Pass 2: one program per (KV head, tile row) merges the partials in chunk order."""
@@ -158,5 +168,6 @@ def launch_reduce(sh: DecodeShape, bufs, q_pos, n_chunks: int, chunk_len: int,
         m_buf, l_buf, acc_buf, q_pos, out, out.stride(0), out.stride(1),
         sh.n_rows, n_chunks, chunk_len, sh.table_len,
         G=sh.group, D=sh.head_dim, P=page_size,
-        ROWS_P2=max(2, triton.next_power_of_2(sh.n_rows)), BLOCK_C=16, num_warps=4)
+        ROWS_P2=max(2, triton.next_power_of_2(sh.n_rows)),
+        BLOCK_C=reduce_block(n_chunks, sh.head_dim), num_warps=4)
     return out

@@ -13,9 +13,9 @@ import torch
 from kvcompile.errors import KvLayoutError
 
 
-# Most programs an SM any decode launch config asks for (decode_blocks.blocks_config,
-# decode_split.PROGRAMS_PER_SM): what a cache's workspace is sized for.
-MAX_PROGRAMS_PER_SM = 4
+# Most programs an SM any decode launch default asks for (decode_blocks.blocks_config,
+# decode_kernel.legacy_programs_per_sm): what a cache's workspace is sized for.
+MAX_PROGRAMS_PER_SM = 8
 
 
 def chunks_per_head(n_kv_heads: int, sms: int, programs_per_sm: int) -> int:

@@ -1,0 +1,236 @@
+"""Probe (device): where a decode attention call's fixed time goes, and whether a Triton
+GEMV beats cuBLAS on the 8B decode shapes. Prints tables; --json writes the rows.
+
+- attention: split + reduce vs split only vs reduce only, 8 KV heads x 128, contexts 256
+  .. 128K, q8_0/q4_0 and bf16, graph replays over 4 disjoint KV copies; an empty Triton
+  kernel gives the per-launch floor of a graph.
+- gemv: y = x @ W^T, x [M, K] bf16 (M = 1, 4, 8), W [N, K] bf16, 4 rotated weight copies.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attention import graph_ms, make_pools  # noqa: E402
+from bench_util import hbm_bandwidth  # noqa: E402
+
+import kvcompile.ops  # noqa: F401,E402
+from kvcompile.ops import kv_format as F  # noqa: E402
+from kvcompile.ops.span_attention import decode_blocks, decode_kernel, decode_split  # noqa: E402
+
+
+@triton.jit
+def _empty(x_ptr):
+    pass
+
+
+def attention_rows(hbm):
+    rows = []
+    x = torch.zeros(1, device="cuda")
+    floor = graph_ms([lambda: _empty[(256,)](x)] * 40)
+    print(f"empty triton kernel in a graph: {floor * 1e3:.2f} us a launch", flush=True)
+    rows.append(dict(probe="empty_kernel", us=floor * 1e3))
+    real_reduce = decode_split.launch_reduce
+    for kn, vn in [("q8_0", "q4_0"), ("bf16", "bf16")]:
+        for n_ctx in [256, 2048, 8192, 32768, 131072]:
+            kp, vp, tables, kv_bytes = make_pools(kn, vn, n_ctx, 8, 128, 4)
+            q = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16)
+            q_pos = torch.tensor([n_ctx - 1], device="cuda", dtype=torch.int32)
+            out = torch.empty_like(q)
+            launch = decode_blocks.decode_launcher(quantized=kn != "bf16", rows_per_kv_head=4)
+            kt, vt = F.kv_type(kn).ggml_id, F.kv_type(vn).ggml_id
+            res = {}
+            for pps in (None, 1, 4):
+                cfg = {} if pps is None else dict(programs_per_sm=pps)
+                full = graph_ms([lambda t=t: launch(q, kp, vp, t, q_pos, kt, vt, 256, 0.088,
+                                                    out=out, **cfg) for t in tables] * 5)
+                saved = []
+
+                def no_reduce(sh, bufs, *a):
+                    saved.append(bufs)
+                    return sh.out
+                for mod in (decode_blocks, decode_kernel):
+                    mod.launch_reduce = no_reduce
+                try:
+                    split = graph_ms([lambda t=t: launch(q, kp, vp, t, q_pos, kt, vt, 256,
+                                                         0.088, out=out, **cfg)
+                                      for t in tables] * 5)
+                finally:
+                    for mod in (decode_blocks, decode_kernel):
+                        mod.launch_reduce = real_reduce
+                res[pps] = (full, split)
+                ideal = kv_bytes / (hbm * 1e9) * 1e3
+                row = dict(probe="attention", kv=f"{kn}/{vn}", context=n_ctx,
+                           programs_per_sm=pps, full_us=full * 1e3, split_us=split * 1e3,
+                           reduce_us=(full - split) * 1e3, ideal_us=ideal * 1e3,
+                           frac_of_hbm=ideal / full)
+                rows.append(row)
+                print(f"{kn}/{vn} ctx {n_ctx:>6} pps {pps}: full {full*1e3:7.2f} us, split "
+                      f"{split*1e3:7.2f}, reduce {(full-split)*1e3:6.2f}, ideal {ideal*1e3:7.2f}"
+                      f" ({ideal/full:.2f} of HBM)", flush=True)
+            del kp, vp
+            torch.cuda.empty_cache()
+    return rows
+
+
+@triton.jit
+def _gemv_dot(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k0 + kk[None, :])
+        x = tl.load(x_ptr + m[None, :] * K + k0 + kk[:, None], mask=m[None, :] < M, other=0.0)
+        acc = tl.dot(w, x, acc)
+    tl.store(y_ptr + m[None, :] * N + n[:, None], acc.to(tl.bfloat16), mask=m[None, :] < M)
+
+
+@triton.jit
+def _gemv_fma(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k0 + kk[None, :])
+        x = tl.load(x_ptr + k0 + kk)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    tl.store(y_ptr + n, tl.sum(acc, 1).to(tl.bfloat16))
+
+
+SWEEP = {("q8_0", 128): [{}, dict(block_n=64, num_warps=1, num_stages=3, programs_per_sm=8),
+                         dict(block_n=32, num_warps=1, num_stages=3, programs_per_sm=8),
+                         dict(block_n=64, num_warps=2, num_stages=3, programs_per_sm=4),
+                         dict(block_n=64, num_warps=2, num_stages=3, programs_per_sm=8),
+                         dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=4),
+                         dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4),
+                         dict(block_n=64, num_warps=1, num_stages=2, programs_per_sm=16)],
+         ("q8_0", 256): [{}, dict(block_n=32, num_warps=1, num_stages=3, programs_per_sm=8),
+                         dict(block_n=32, num_warps=2, num_stages=3, programs_per_sm=8),
+                         dict(block_n=64, num_warps=2, num_stages=3, programs_per_sm=4),
+                         dict(block_n=32, num_warps=4, num_stages=3, programs_per_sm=4)],
+         ("bf16", 128): [{}, dict(programs_per_sm=4), dict(programs_per_sm=8),
+                         dict(block_n=32, num_warps=4, programs_per_sm=8),
+                         dict(block_n=64, num_warps=2, programs_per_sm=8)],
+         ("bf16", 256): [{}, dict(programs_per_sm=4), dict(programs_per_sm=8),
+                         dict(block_n=32, num_warps=4, programs_per_sm=4)]}
+
+
+def sweep_rows(hbm):
+    """Decode launch configs (1 query row, auto implementation) by context: full call
+    (split + reduce) as graph replays."""
+    rows = []
+    for (kn, d), cfgs in SWEEP.items():
+        vn = "q4_0" if kn == "q8_0" else "bf16"
+        n_kv, n_q = (8, 32) if d == 128 else (4, 24)
+        for n_ctx in [8192, 32768, 131072, 262144]:
+            kp, vp, tables, kv_bytes = make_pools(kn, vn, n_ctx, n_kv, d, 4)
+            q = torch.randn(1, n_q, d, device="cuda", dtype=torch.bfloat16)
+            q_pos = torch.tensor([n_ctx - 1], device="cuda", dtype=torch.int32)
+            out = torch.empty_like(q)
+            launch = decode_blocks.decode_launcher(quantized=kn != "bf16",
+                                                   rows_per_kv_head=n_q // n_kv)
+            kt, vt = F.kv_type(kn).ggml_id, F.kv_type(vn).ggml_id
+            ideal = kv_bytes / (hbm * 1e9) * 1e6
+            line = []
+            for cfg in cfgs:
+                try:
+                    us = 1e3 * graph_ms([lambda t=t: launch(q, kp, vp, t, q_pos, kt, vt, 256,
+                                                            d ** -0.5, out=out, **cfg)
+                                         for t in tables] * 5)
+                except Exception as e:  # config does not compile / fit
+                    print(f"  {cfg}: {type(e).__name__} {str(e)[:80]}", flush=True)
+                    continue
+                rows.append(dict(probe="sweep", kv=f"{kn}/{vn}", head_dim=d, context=n_ctx,
+                                 config=cfg, us=us, frac_of_hbm=ideal / us))
+                line.append(f"{ideal / us:.2f}")
+            print(f"{kn}/{vn} D{d} ctx {n_ctx:>6}: " + " ".join(line), flush=True)
+            del kp, vp
+            torch.cuda.empty_cache()
+    for key, cfgs in SWEEP.items():
+        print(f"configs {key}: " + "; ".join(str(c) for c in cfgs))
+    return rows
+
+
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+          ("down", 4096, 14336), ("lm_head", 128256, 4096)]
+
+
+def gemv_rows(hbm):
+    rows = []
+    for name, n, k in SHAPES:
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        wbytes = n * k * 2
+        ideal = wbytes / (hbm * 1e9) * 1e3
+        for m in (1, 4, 8):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ ws[0].float().t()
+            cub = graph_ms([lambda w=w: torch.mm(x, w.t(), out=y) for w in ws] * 5)
+            best = None
+            cands = [("dot", bn, bk, nw, ns) for bn in (16, 32, 64) for bk in (128, 256)
+                     for nw in (4, 8) for ns in (3, 5)]
+            if m == 1:
+                cands += [("fma", bn, bk, nw, 1) for bn in (4, 8, 16) for bk in (256, 512)
+                          for nw in (4, 8)]
+            for kind, bn, bk, nw, ns in cands:
+                if n % bn or k % bk:
+                    continue
+                if kind == "dot":
+                    fn = lambda w: _gemv_dot[(n // bn,)](x, w, y, m, n, k, BLOCK_M=16,
+                                                        BLOCK_N=bn, BLOCK_K=bk,
+                                                        num_warps=nw, num_stages=ns)
+                else:
+                    fn = lambda w: _gemv_fma[(n // bn,)](x, w, y, m, n, k, BLOCK_N=bn,
+                                                        BLOCK_K=bk, num_warps=nw)
+                try:
+                    fn(ws[0])
+                    err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                    ms = graph_ms([lambda w=w: fn(w) for w in ws] * 5)
+                except Exception as e:  # config does not compile / fit
+                    print(f"  {name} m{m} {kind} {bn} {bk} {nw} {ns}: {type(e).__name__}",
+                          flush=True)
+                    continue
+                if best is None or ms < best[0]:
+                    best = (ms, (kind, bn, bk, nw, ns), err)
+            ms, cfg, err = best
+            row = dict(probe="gemv", shape=name, n=n, k=k, m=m, cublas_us=cub * 1e3,
+                       triton_us=ms * 1e3, ideal_us=ideal * 1e3, cublas_frac=ideal / cub,
+                       triton_frac=ideal / ms, config=cfg, rel_err=err)
+            rows.append(row)
+            print(f"{name:8} m {m}: cuBLAS {cub*1e3:8.2f} us ({ideal/cub:.2f}), triton "
+                  f"{ms*1e3:8.2f} us ({ideal/ms:.2f}) {cfg} err {err:.1e}", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--only", choices=["attention", "gemv", "sweep"])
+    a = ap.parse_args()
+    hbm = hbm_bandwidth()["hbm_gbps_measured"]
+    print(f"HBM {hbm:.0f} GB/s", flush=True)
+    rows = []
+    if a.only in (None, "attention"):
+        rows += attention_rows(hbm)
+    if a.only == "sweep":
+        rows += sweep_rows(hbm)
+    if a.only in (None, "gemv"):
+        rows += gemv_rows(hbm)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(hbm_gbps=hbm, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+from kvcompile.ops.gemv.op import gemv  # noqa: F401  (registers the op)

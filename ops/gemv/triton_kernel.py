@@ -1,0 +1,117 @@
+"""Triton GEMV: y [M, N] = x [M, K] @ W [N, K]^T for the few rows of a decode step
+(M <= 8), streaming the weight once at close to HBM bandwidth.
+
+Why not cuBLAS: on the H200 it reads the 8B decode weights at 0.59 (o proj, 4096 x 4096) to
+0.86 (down) of HBM for one row; these kernels measured 0.72 / 0.92 on the same shapes and
+match it on the large ones (benchmarks/probe_overhead.py, docs/performance.md).
+- one row (`_gemv_row`): CUDA-core FMAs into a [BLOCK_N, BLOCK_K] fp32 tile, summed once
+  at the end; a row needs 1 FMA per weight element, far below the issue rate.
+- 2..8 rows (`_gemv_rows`): one tensor-core dot per weight tile, the rows padded to 16.
+fp32 accumulation, bias added in fp32, one rounding to x's dtype.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcompile.ops.cast import TL_DTYPES, round_to
+from kvcompile.ops.span_attention.launch import interpreting, launchable
+
+
+@triton.jit
+def _gemv_row(x_ptr, w_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+              DTYPE: tl.constexpr, EXACT: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    rows = w_ptr + n[:, None].to(tl.int64) * K
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        if EVEN:
+            w = tl.load(rows + k[None, :])
+            x = tl.load(x_ptr + k)
+        else:
+            w = tl.load(rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, 1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + n, round_to(y, DTYPE, EXACT), mask=n < N)
+
+
+@triton.jit
+def _gemv_rows(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, HAS_BIAS: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+               DTYPE: tl.constexpr, EXACT: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, 16)
+    kk = tl.arange(0, BLOCK_K)
+    rows = w_ptr + n[:, None].to(tl.int64) * K
+    acc = tl.zeros([BLOCK_N, 16], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        if EVEN:
+            w = tl.load(rows + k[None, :])
+            xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=m[None, :] < M,
+                         other=0.0)
+        else:
+            w = tl.load(rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+            xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None],
+                         mask=(m[None, :] < M) & (k[:, None] < K), other=0.0)
+        if EXACT:
+            acc = tl.dot(w, xt, acc)
+        else:  # the interpreter's bf16 dot is wrong: take the (exact) fp32 products
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + m[None, :] * N + n[:, None], round_to(acc, DTYPE, EXACT),
+             mask=(m[None, :] < M) & (n[:, None] < N))
+
+
+def row_config(n: int, k: int) -> dict:
+    """One row: measured best on the 8B shapes (H200): 4 output rows a program for
+    N <= 4096 (o, down), 16 above; K tiles of 512 up to N 8192, 256 beyond."""
+    return dict(BLOCK_N=4 if n <= 4096 else 16, BLOCK_K=512 if n <= 8192 else 256,
+                num_warps=4)
+
+
+def rows_config(n: int, k: int) -> dict:
+    """2..8 rows: 64 output rows a program; deeper pipelines and longer K tiles for the
+    small weights (measured, H200)."""
+    if n <= 4096:
+        return dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=5)
+    if n <= 8192:
+        return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5)
+    return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+
+
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                config: dict | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 8, last dim dense), weight [N, K] contiguous, bias [N] or None;
+    `config` overrides the launch defaults (benchmarks)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.is_contiguous() and x.stride(1) == 1, "gemv needs dense rows"
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    exact = not interpreting()
+    dtype = TL_DTYPES[x.dtype]
+    has_bias = bias is not None
+    b = bias if has_bias else y
+    if m == 1:
+        cfg = config or row_config(n, k)
+        even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
+        launchable(_gemv_row)[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+            x, weight, b, y, n, k, HAS_BIAS=has_bias, EVEN=even, DTYPE=dtype, EXACT=exact,
+            **cfg)
+    else:
+        cfg = config or rows_config(n, k)
+        even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
+        launchable(_gemv_rows)[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+            x, weight, b, y, m, n, k, x.stride(0), HAS_BIAS=has_bias, EVEN=even,
+            DTYPE=dtype, EXACT=exact, **cfg)
+    return y
