@@ -8,8 +8,6 @@ Quantized K / V rows are stored Hadamard-rotated (kv_rotation; `rotate=False` tu
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import nn
 
@@ -35,22 +33,6 @@ class LayerKv(nn.Module):
         self.register_buffer("v_rot", v_rot)            # [D, D] for V and the output, or None
         self.register_buffer("workspace", workspace)    # decode scratch (fp32), or None (CPU)
         self.k_type, self.v_type, self.page_size = k_type, v_type, page_size  # ggml ids
-
-    def slots(self, positions: torch.Tensor, split: PageSplit | None = None) -> torch.Tensor:
-        """Physical slot (page * page_size + offset) of each absolute position; tensor ops only.
-        `split`: page_split(positions, cache.page_size), made once a forward for every layer."""
-        page, offset = split or page_split(positions, self.page_size)
-        return torch.add(offset, self.page_table[page], alpha=self.page_size)
-
-
-class PageSplit(NamedTuple):
-    page: torch.Tensor       # logical page of each position
-    offset: torch.Tensor     # position inside it
-
-
-def page_split(positions: torch.Tensor, page_size: int) -> PageSplit:
-    """Logical page and offset of each position: the part of a slot every layer shares."""
-    return PageSplit(positions // page_size, positions % page_size)
 
 
 def decode_workspace(device: torch.device, config) -> torch.Tensor | None:

@@ -41,7 +41,7 @@ def run(job: dict) -> dict:
     if job["kind"] == "kv_write":
         kp, vp = a["k_pool"].clone(), a["v_pool"].clone()
         kv_write_triton(kp, vp, a["k_new"], a["v_new"], a["slots"], a["k_type"], a["v_type"],
-                        a["page_size"])
+                        a["page_size"], a.get("page_table"))
         return {"k_pool": kp, "v_pool": vp}
     if job["kind"] == "decode":
         opts = dict(opts)

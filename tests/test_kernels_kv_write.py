@@ -17,6 +17,7 @@ from kernel_oracle import PAIRS, fresh_seed, garbage_pool, run_interpreted
 from kvcompile.errors import KvLayoutError
 from kvcompile.ops import kv_format as F
 from kvcompile.ops.kv_write.naive import kv_write_naive
+from kvcompile.ops.kv_write.op import physical_slots
 
 DIMS = [64, 128, 256]
 GGUF = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
@@ -82,6 +83,34 @@ def test_interpreted_kv_write_matches_reference_and_gguf(interp_runs, case):
     check_case(a, r["k_pool"], r["v_pool"])
 
 
+def with_page_table(a, gen):
+    """The same write addressed by logical position through a permuted page table:
+    (arguments for the op / kernel, the case with the physical slots for check_case)."""
+    n_pages = a["k_pool"].shape[0]
+    table = torch.randperm(n_pages, generator=gen).int()
+    positions = torch.randperm(n_pages * a["page_size"], generator=gen)[:len(a["slots"])]
+    return (dict(a, slots=positions, page_table=table),
+            dict(a, slots=physical_slots(positions, table, a["page_size"])))
+
+
+def test_kv_write_maps_positions_through_the_page_table():
+    """Rows given by logical position + page table (what the models pass) land where the
+    physical slots put them: the interpreted kernel and the op's CPU path, byte for byte."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    jobs, cases = [], []
+    for d, k, v in ((128, "q8_0", "q4_0"), (64, "bf16", "f16"), (256, "f32", "q8_0")):
+        by_pos, by_slot = with_page_table(
+            make_case(d, k, v, n_rows=6, n_kv=2, page_size=16, n_pages=4, gen=gen), gen)
+        jobs.append({"kind": "kv_write", "args": by_pos})
+        cases.append((by_pos, by_slot))
+    for (by_pos, by_slot), r in zip(cases, run_interpreted(jobs)):
+        check_case(by_slot, r["k_pool"], r["v_pool"])
+        kp, vp = by_pos["k_pool"].clone(), by_pos["v_pool"].clone()
+        torch.ops.kvcompile.kv_write(kp, vp, *(by_pos[n] for n in (
+            "k_new", "v_new", "slots", "k_type", "v_type", "page_size", "page_table")))
+        check_case(by_slot, kp, vp)
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("head_dim,k_name,v_name", GPU_CASES, ids=GPU_IDS)
@@ -93,6 +122,12 @@ def test_gpu_kv_write_matches_reference_and_gguf(head_dim, k_name, v_name):
     torch.ops.kvcompile.kv_write(kp, vp, a["k_new"].cuda(), a["v_new"].cuda(),
                                  a["slots"].cuda(), a["k_type"], a["v_type"], a["page_size"])
     check_case(a, kp, vp)
+    by_pos, by_slot = with_page_table(a, gen)
+    kp, vp = a["k_pool"].cuda(), a["v_pool"].cuda()
+    torch.ops.kvcompile.kv_write(kp, vp, a["k_new"].cuda(), a["v_new"].cuda(),
+                                 by_pos["slots"].cuda(), a["k_type"], a["v_type"],
+                                 a["page_size"], by_pos["page_table"].cuda())
+    check_case(by_slot, kp, vp)
 
 
 # ---- bad input (CPU, through the op) --------------------------------------------------------

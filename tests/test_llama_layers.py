@@ -129,7 +129,7 @@ def test_llama_forward_adds_each_residual_once(n_layers):
         cos, sin = rope_rows(model.rope_cos[positions], model.rope_sin[positions], c.rope_neox)
         for i, b in enumerate(model.blocks):
             kv = cache.layer(i)
-            x = x + b.attn(b.attn_norm(x), cos, sin, positions.int(), kv.slots(positions), kv)
+            x = x + b.attn(b.attn_norm(x), cos, sin, positions.int(), kv)
             x = x + b.mlp(b.ffn_norm(x))
         want = model.lm_head(model.norm(x)).float()
     assert torch.equal(got, want)

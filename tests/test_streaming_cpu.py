@@ -279,8 +279,8 @@ def test_a_forward_over_one_layer_only(model):
             if c is cache:
                 cache.begin_forward(positions, layers=[layer])
             kv = c.layer(layer)
-            torch.ops.kvcompile.kv_write(kv.k_pool, kv.v_pool, k, v, kv.slots(positions),
-                                         kv.k_type, kv.v_type, PS)
+            torch.ops.kvcompile.kv_write(kv.k_pool, kv.v_pool, k, v, positions,
+                                         kv.k_type, kv.v_type, PS, kv.page_table)
             res.append(torch.ops.kvcompile.span_attention(
                 q, kv.k_pool, kv.v_pool, kv.page_table, positions.to(torch.int32), kv.k_type,
                 kv.v_type, PS, 0.125))

@@ -156,16 +156,16 @@ class PagedAttention(nn.Module):
         return self.wqkv(x).view(t, -1, d)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                q_pos: torch.Tensor, slots: torch.Tensor, kv) -> torch.Tensor:
-        """x [T, hidden]; cos/sin [T, R] (rope_rows); q_pos int32 [T]; slots int64 [T]; kv a
-        LayerKv. Quantized K / V are stored rotated (kvcompile.kv_rotation): rope and both
+                q_pos: torch.Tensor, kv) -> torch.Tensor:
+        """x [T, hidden]; cos/sin [T, R] (rope_rows); q_pos int32 [T] (each row's position:
+        kv_write maps it through the page table to the row's slot); kv a LayerKv. Quantized K / V are stored rotated (kvcompile.kv_rotation): rope and both
         rotations are one rope_rotate, the output's rotation back another."""
         t, hq, hk = x.shape[0], self.n_heads, self.n_kv_heads
         qkv = rows.rope_rotate(self.heads(x), cos, sin, self.rope_neox, hq + hk, kv.k_rot,
                                kv.v_rot)
         q, k, v = qkv.split([hq, hk, hk], dim=1)
-        torch.ops.kvcompile.kv_write(kv.k_pool, kv.v_pool, k, v, slots,
-                                     kv.k_type, kv.v_type, kv.page_size)
+        torch.ops.kvcompile.kv_write(kv.k_pool, kv.v_pool, k, v, q_pos,
+                                     kv.k_type, kv.v_type, kv.page_size, kv.page_table)
         out = torch.ops.kvcompile.span_attention(q, kv.k_pool, kv.v_pool, kv.page_table, q_pos,
                                                  kv.k_type, kv.v_type, kv.page_size, self.scale,
                                                  getattr(kv, "workspace", None))

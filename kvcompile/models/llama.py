@@ -9,7 +9,6 @@ from torch import nn
 
 from kvcompile.config import ModelConfig
 from kvcompile.errors import ModelFileError, UnsupportedModelError
-from kvcompile.kv_cache import page_split
 from kvcompile.models.layers import (Linear, PagedAttention, RMSNorm, SwiGLU, check_rope_range,
                                      rope_rows, rope_tables)
 
@@ -39,7 +38,7 @@ class LlamaBlock(nn.Module):
         self.ffn_norm = RMSNorm(c.hidden, c.rms_eps)
         self.mlp = SwiGLU(c.hidden, c.ffn)
 
-    def forward(self, x, mlp_out, cos, sin, q_pos, slots, kv):
+    def forward(self, x, mlp_out, cos, sin, q_pos, kv):
         """x: the residual stream; mlp_out: the previous block's MLP output, not yet added
         (None in the first block). Returns (x, this block's MLP output): every residual add
         runs inside the norm after it (RMSNorm.add), one kernel for both."""
@@ -47,7 +46,7 @@ class LlamaBlock(nn.Module):
             h = self.attn_norm(x)
         else:
             x, h = self.attn_norm.add(x, mlp_out)
-        x, h = self.ffn_norm.add(x, self.attn(h, cos, sin, q_pos, slots, kv))
+        x, h = self.ffn_norm.add(x, self.attn(h, cos, sin, q_pos, kv))
         return x, self.mlp(h)
 
 
@@ -125,11 +124,10 @@ class LlamaModel(nn.Module):
         cos, sin = rope_rows(self.rope_cos[positions], self.rope_sin[positions],
                              self.config.rope_neox)
         q_pos = positions.to(torch.int32)
-        split = page_split(positions, cache.page_size)     # shared by every layer's slots
         mlp_out = None
         for i, block in enumerate(self.blocks):
             kv = cache.layer(i)
-            x, mlp_out = block(x, mlp_out, cos, sin, q_pos, kv.slots(positions, split), kv)
+            x, mlp_out = block(x, mlp_out, cos, sin, q_pos, kv)
         if last_only:
             x, mlp_out = x[-1:], mlp_out[-1:]
         return self.lm_head(self.norm.add(x, mlp_out)[1]).float()

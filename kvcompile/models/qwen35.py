@@ -19,7 +19,7 @@ from torch import nn
 
 from kvcompile.config import ModelConfig
 from kvcompile.errors import ModelFileError, UnsupportedModelError
-from kvcompile.kv_cache import PagedKvCache, page_split
+from kvcompile.kv_cache import PagedKvCache
 from kvcompile.models.layers import Linear, RMSNorm, check_rope_range, rope_rows, rope_tables
 from kvcompile.models.qwen35_layers import HybridBlock, NextNLayer
 from kvcompile.models.recurrent_state import RecurrentState
@@ -112,11 +112,10 @@ class Qwen35Model(nn.Module):
         x = self.embed(tokens)
         cos, sin = rope_rows(self.rope_cos[positions], self.rope_sin[positions], neox=True)
         q_pos = positions.to(torch.int32)
-        split = page_split(positions, cache.page_size)     # shared by every layer's slots
         for i, block in enumerate(self.blocks):
             if block.attention:
                 kv = cache.layer(i)
-                x = block(x, cos, sin, q_pos, kv.slots(positions, split), kv)
+                x = block(x, cos, sin, q_pos, kv)
             else:
                 x = block(x, *state.layer(i))
         hidden = self.norm(x)
@@ -142,8 +141,7 @@ class Qwen35Model(nn.Module):
         cos, sin = rope_rows(self.rope_cos[positions], self.rope_sin[positions], neox=True)
         emb = (self.embed(tokens) if self.mtp_embed_weight is None
                else F.embedding(tokens, self.mtp_embed_weight))
-        h = self.mtp(emb, hidden.to(emb.dtype), cos, sin, positions.to(torch.int32),
-                     kv.slots(positions), kv)
+        h = self.mtp(emb, hidden.to(emb.dtype), cos, sin, positions.to(torch.int32), kv)
         head = self.lm_head.weight if self.mtp_head_weight is None else self.mtp_head_weight
         logits = F.linear(h, head).float()
         return (logits, h) if return_hidden else logits

@@ -37,7 +37,7 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_eps)
 
-    def forward(self, x, cos, sin, q_pos, slots, kv):
+    def forward(self, x, cos, sin, q_pos, kv):
         t, d = x.shape[0], self.head_dim
         qg = self.wq(x).view(t, self.n_heads, 2 * d)
         q, gate = self.q_norm(qg[..., :d]), qg[..., d:]
@@ -49,8 +49,8 @@ class GatedAttention(nn.Module):
             q, k = q @ k_rot.to(q.dtype), k @ k_rot.to(k.dtype)
         if v_rot is not None:
             v = v @ v_rot.to(v.dtype)
-        torch.ops.kvcompile.kv_write(kv.k_pool, kv.v_pool, k, v, slots,
-                                     kv.k_type, kv.v_type, kv.page_size)
+        torch.ops.kvcompile.kv_write(kv.k_pool, kv.v_pool, k, v, q_pos,
+                                     kv.k_type, kv.v_type, kv.page_size, kv.page_table)
         out = torch.ops.kvcompile.span_attention(q.contiguous(), kv.k_pool, kv.v_pool,
                                                  kv.page_table, q_pos, kv.k_type, kv.v_type,
                                                  kv.page_size, self.scale,
@@ -135,6 +135,6 @@ class NextNLayer(nn.Module):
         self.block = HybridBlock(c, attention=True)
         self.head_norm = RMSNorm(c.hidden, c.rms_eps)
 
-    def forward(self, embedded, hidden, cos, sin, q_pos, slots, kv):
+    def forward(self, embedded, hidden, cos, sin, q_pos, kv):
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
-        return self.head_norm(self.block(x, cos, sin, q_pos, slots, kv))
+        return self.head_norm(self.block(x, cos, sin, q_pos, kv))

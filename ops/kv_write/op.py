@@ -2,9 +2,14 @@
 
 k_pool / v_pool: uint8 [num_pages, page_bytes] (see kv_format), mutated in place.
 k_new / v_new:   [T, n_kv_heads, head_dim] rows to store.
-slots:           int64 [T], physical page * page_size + offset of each row.
+slots:           int [T], physical page * page_size + offset of each row; with page_table
+                 (int32 [logical pages]) the row's logical position instead, mapped in the
+                 kernel to page_table[pos // page_size] * page_size + pos % page_size (a
+                 model passes its q_pos: no slot arithmetic a layer).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -14,8 +19,12 @@ from kvcompile.ops.kv_write.naive import kv_write_naive
 from kvcompile.ops.kv_write.triton_kernel import kv_write_triton
 
 
-def check_kv_write_args(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size):
+def check_kv_write_args(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size,
+                        page_table=None):
     kt, vt = F.kv_type(k_type), F.kv_type(v_type)
+    if page_table is not None and (page_table.dim() != 1 or page_table.dtype != torch.int32):
+        raise KvLayoutError(f"page_table must be int32 [logical pages], got "
+                            f"{page_table.dtype} {tuple(page_table.shape)}")
     if k_new.dim() != 3 or k_new.shape != v_new.shape:
         raise KvLayoutError(f"k_new and v_new must both be [T, n_kv_heads, head_dim]; got "
                             f"{tuple(k_new.shape)} and {tuple(v_new.shape)}")
@@ -49,9 +58,20 @@ def _(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size):
 @torch.library.triton_op("kvcompile::kv_write", mutates_args=("k_pool", "v_pool"))
 def kv_write(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor,
              v_new: torch.Tensor, slots: torch.Tensor, k_type: int, v_type: int,
-             page_size: int) -> None:
-    check_kv_write_args(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size)
+             page_size: int, page_table: Optional[torch.Tensor] = None) -> None:
+    check_kv_write_args(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size,
+                        page_table)
     if k_pool.device.type == "cuda":
-        kv_write_triton(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size)
+        kv_write_triton(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size,
+                        page_table)
     else:
+        if page_table is not None:
+            slots = physical_slots(slots, page_table, page_size)
         kv_write_reference(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size)
+
+
+def physical_slots(positions: torch.Tensor, page_table: torch.Tensor,
+                   page_size: int) -> torch.Tensor:
+    """page_table[pos // page_size] * page_size + pos % page_size, int64."""
+    positions = positions.long()
+    return page_table[positions // page_size].long() * page_size + positions % page_size

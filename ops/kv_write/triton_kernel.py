@@ -103,15 +103,18 @@ def _store_scales(scales, head, off, dsc, P: tl.constexpr, D: tl.constexpr,
 
 
 @triton.jit
-def _kv_write(k_pool, v_pool, k_new, v_new, slots, stride_kt, stride_kh, stride_vt,
-              stride_vh, k_page_bytes, v_page_bytes, k_code_bytes, v_code_bytes,
+def _kv_write(k_pool, v_pool, k_new, v_new, slots, page_table, stride_kt, stride_kh,
+              stride_vt, stride_vh, k_page_bytes, v_page_bytes, k_code_bytes, v_code_bytes,
               P: tl.constexpr, D: tl.constexpr, K_TYPE: tl.constexpr, V_TYPE: tl.constexpr,
-              EXACT_MUL: tl.constexpr):
+              HAS_TABLE: tl.constexpr, EXACT_MUL: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
-    slot = tl.load(slots + t).to(tl.int64)
-    page = slot // P
+    slot = tl.load(slots + t).to(tl.int64)      # with a page table: the logical position
     off = slot % P
+    if HAS_TABLE:
+        page = tl.load(page_table + slot // P).to(tl.int64)
+    else:
+        page = slot // P
     blk = tl.arange(0, D // 32)
     j = tl.arange(0, 16)
     d_lo = blk[:, None] * 32 + j[None, :]   # values 0..15 of each block
@@ -124,18 +127,22 @@ def _kv_write(k_pool, v_pool, k_new, v_new, slots, stride_kt, stride_kh, stride_
                d_lo, d_hi, v_code_bytes, P, D, V_TYPE, v_pos_major, EXACT_MUL)
 
 
-def kv_write_triton(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size):
+def kv_write_triton(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size,
+                    page_table=None):
     """Launch the kernel (arguments already validated by check_kv_write_args)."""
     assert k_pool.is_contiguous() and v_pool.is_contiguous(), "KV pools must be contiguous"
     assert k_new.stride(2) == 1 and v_new.stride(2) == 1, "rows need a dense last dim"
     assert slots.is_contiguous(), "slots must be contiguous"
+    assert page_table is None or page_table.is_contiguous(), "page_table must be contiguous"
     n_rows, n_heads, head_dim = k_new.shape
     kg = page_geometry(k_pool, k_type, page_size, head_dim)
     vg = page_geometry(v_pool, v_type, page_size, head_dim)
     if n_rows == 0:
         return
     launchable(_kv_write)[(n_rows, n_heads)](
-        k_pool, v_pool, k_new, v_new, slots, k_new.stride(0), k_new.stride(1),
+        k_pool, v_pool, k_new, v_new, slots, slots if page_table is None else page_table,
+        k_new.stride(0), k_new.stride(1),
         v_new.stride(0), v_new.stride(1), kg.page_bytes, vg.page_bytes,
         kg.code_bytes, vg.code_bytes, P=page_size, D=head_dim, K_TYPE=kg.kv_type,
-        V_TYPE=vg.kv_type, EXACT_MUL=not interpreting(), num_warps=1)
+        V_TYPE=vg.kv_type, HAS_TABLE=page_table is not None, EXACT_MUL=not interpreting(),
+        num_warps=1)

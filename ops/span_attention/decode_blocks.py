@@ -18,7 +18,7 @@ from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape,
                                                        split_operands, store_partial_stats)
 from kvcompile.ops.span_attention.launch import interpreting, k_split, launchable
 from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
-                                                     qk_scores, v_operand)
+                                                     qk_scores, query_tile, v_operand)
 from kvcompile.ops.span_attention.quant_blocks import qk_blocks, v_blocks, value_columns
 
 
@@ -42,7 +42,8 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
     qrow = q_ptr + t.to(tl.int64) * stride_qt + (h * G + r % G) * stride_qh
     if not KQ:
         d = tl.arange(0, D)
-        q = tl.load(qrow[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+        q = query_tile(tl.load(qrow[:, None] + d[None, :], mask=row_ok[:, None], other=0.0),
+                       QK_F16)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc_a = tl.zeros([BLOCK_M, DA], tl.float32)
@@ -121,11 +122,11 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
     programs_per_sm = programs_per_sm or cfg["programs_per_sm"]
     assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
     chunk_len, n_chunks = chunks(sh, page_size, block_n, chunk_len, programs_per_sm, q.device)
-    bufs, q16, qk_f16, (kv, ks, kpe, kph, kch), (vv, vs, vpe, vph, vch) = split_operands(
+    bufs, qk_f16, (kv, ks, kpe, kph, kch), (vv, vs, vpe, vph, vch) = split_operands(
         sh, q, k_pool, v_pool, workspace, n_chunks, raw_codes=True)
     launchable(_decode_split_blocks)[(n_chunks, sh.n_kv)](
-        q16, kv, ks, vv, vs, page_table, q_pos, *bufs,
-        q16.stride(0), q16.stride(1), sh.n_rows, n_chunks, chunk_len, sh.table_len,
+        q, kv, ks, vv, vs, page_table, q_pos, *bufs,
+        q.stride(0), q.stride(1), sh.n_rows, n_chunks, chunk_len, sh.table_len,
         kpe, kph, kch, vpe, vph, vch,
         QK_SCALE=scale * LOG2E, G=sh.group, D=head_dim, P=page_size, BLOCK_M=block_m,
         BLOCK_N=block_n, K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16,

@@ -18,7 +18,8 @@ from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape,
                                                        split_operands, store_partial_stats)
 from kvcompile.ops.span_attention.launch import interpreting, k_split, launchable
 from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
-                                                     qk_quantized, qk_scores, v_operand)
+                                                     qk_quantized, qk_scores, query_tile,
+                                                     v_operand)
 
 LOG2E = 1.4426950408889634
 
@@ -44,7 +45,7 @@ def _decode_split(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
         q_pos_ptr, n_rows, chunk_len, table_len, G, P, BLOCK_M)
     d = tl.arange(0, D)
     qrow = q_ptr + t.to(tl.int64) * stride_qt + (h * G + r % G) * stride_qh
-    q = tl.load(qrow[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+    q = query_tile(tl.load(qrow[:, None] + d[None, :], mask=row_ok[:, None], other=0.0), QK_F16)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -87,15 +88,15 @@ def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, 
     assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
     programs_per_sm = programs_per_sm or legacy_programs_per_sm(head_dim)
     chunk_len, n_chunks = chunks(sh, page_size, block_n, chunk_len, programs_per_sm, q.device)
-    bufs, q16, qk_f16, (kv, ks, kpe, kph, kch), (vv, vs, vpe, vph, vch) = split_operands(
+    bufs, qk_f16, (kv, ks, kpe, kph, kch), (vv, vs, vpe, vph, vch) = split_operands(
         sh, q, k_pool, v_pool, workspace, n_chunks)
     if num_warps is None:
         num_warps = 4
     if num_stages is None:
         num_stages = 2
     launchable(_decode_split)[(n_chunks, sh.n_kv)](
-        q16, kv, ks, vv, vs, page_table, q_pos, *bufs,
-        q16.stride(0), q16.stride(1), sh.n_rows, n_chunks, chunk_len, sh.table_len,
+        q, kv, ks, vv, vs, page_table, q_pos, *bufs,
+        q.stride(0), q.stride(1), sh.n_rows, n_chunks, chunk_len, sh.table_len,
         kpe, kph, kch, vpe, vph, vch,
         QK_SCALE=scale * LOG2E, G=sh.group, D=head_dim, P=page_size, BLOCK_M=sh.block_m,
         BLOCK_N=block_n,

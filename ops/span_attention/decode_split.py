@@ -11,8 +11,7 @@ import triton
 import triton.language as tl
 
 from kvcompile.ops.span_attention.launch import (PageGeometry, check_launch, dot_mode,
-                                                 launchable, num_sms, page_geometry, pool_args,
-                                                 query_operand)
+                                                 launchable, num_sms, page_geometry, pool_args)
 from kvcompile.ops.span_attention.workspace import carve, chunks_per_head
 
 PROGRAMS_PER_SM = 2
@@ -54,11 +53,10 @@ def decode_shape(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size
 def split_operands(sh: DecodeShape, q, k_pool, v_pool, workspace, n_chunks: int,
                    raw_codes: bool = False):
     """What either split kernel reads besides its tile config: (the partials' buffers in
-    the workspace, the query operand, whether Q.K runs in fp16, the K pool's and the V
-    pool's arguments)."""
+    the workspace, whether Q.K runs in fp16 (the kernels cast the query), the K pool's and
+    the V pool's arguments)."""
     bufs = carve(workspace, sh.n_kv, n_chunks, sh.mrows, sh.head_dim, q.device)
-    qk_f16 = dot_mode(q.dtype, sh.kg.kv_type)
-    return (bufs, query_operand(q, qk_f16), qk_f16, pool_args(k_pool, sh.kg, raw_codes),
+    return (bufs, dot_mode(q.dtype, sh.kg.kv_type), pool_args(k_pool, sh.kg, raw_codes),
             pool_args(v_pool, sh.vg, raw_codes))
 
 

@@ -154,6 +154,16 @@ def qk_quantized(q, k_vals, k_scl, phys, head, off, mask, page_elems, page_halve
 
 
 @triton.jit
+def query_tile(x, QK_F16: tl.constexpr):
+    """The loaded query rows as the Q.K operand: fp16 unless the dot runs in bf16
+    (launch.dot_mode). Cast here rather than on the host: one kernel a layer fewer."""
+    if QK_F16:
+        return x.to(tl.float16)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
 def qk_scores(q, k, K_SPLIT: tl.constexpr, QK_F16: tl.constexpr,
               INTERP: tl.constexpr):
     """q [M, D] (fp16 or bf16) @ k [N, D]^T with fp32 accumulation.

@@ -109,7 +109,7 @@ def qk_blocks(qrow, row_ok, vals, scl, phys, row, mask, page_elems, page_halves,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
               K_TYPE: tl.constexpr, INTERP: tl.constexpr):
     """Scores [M, N] (fp32, before the softmax scale) of the query rows `qrow` (pointers,
-    fp16) against K rows `row` (head * P + position in page) of physical page `phys`:
+    any float dtype, read as fp16) against K rows `row` (head * P + position in page) of physical page `phys`:
     one dot per 32-value block (the query block is re-read from L1; a batched 3-D dot put
     the blocks across warps and replicated the softmax), times the block's scale.
     `vals` is the pool as uint8, `scl` as fp16. Codes are read unmasked (rows past the
@@ -123,14 +123,16 @@ def qk_blocks(qrow, row_ok, vals, scl, phys, row, mask, page_elems, page_halves,
         if K_TYPE == 8:
             j = tl.arange(0, 32)
             c = tl.load(base + row[None, :] * D + b * 32 + j[:, None])          # [32, N]
-            qb = tl.load(qrow[:, None] + b * 32 + j[None, :], mask=row_ok[:, None], other=0.0)
+            qb = tl.load(qrow[:, None] + b * 32 + j[None, :], mask=row_ok[:, None],
+                         other=0.0).to(tl.float16)
             part = tl.dot(qb, q8_codes_f16(c, INTERP))
         else:
             j = tl.arange(0, 16)
             byte = tl.load(base + row[None, :] * (D // 2) + b * 16 + j[:, None])
-            qa = tl.load(qrow[:, None] + b * 32 + j[None, :], mask=row_ok[:, None], other=0.0)
+            qa = tl.load(qrow[:, None] + b * 32 + j[None, :], mask=row_ok[:, None],
+                         other=0.0).to(tl.float16)
             qb = tl.load(qrow[:, None] + b * 32 + 16 + j[None, :], mask=row_ok[:, None],
-                         other=0.0)
+                         other=0.0).to(tl.float16)
             lo, hi = q4_codes_f16(byte, INTERP)
             part = tl.dot(qa, lo)
             part = tl.dot(qb, hi, part)
