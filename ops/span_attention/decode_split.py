@@ -113,7 +113,7 @@ def store_partial_stats(m_ptr, l_ptr, m_i, l_i, r, h, n_chunks, n_rows, start, n
 def _decode_reduce(m_ptr, l_ptr, acc_ptr, q_pos_ptr, out_ptr, stride_ot, stride_oh,
                    n_rows, n_chunks, chunk_len, table_len,
                    G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-                   ROWS_P2: tl.constexpr, BLOCK_C: tl.constexpr):
+                   ROWS_P2: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
     h = tl.program_id(0)
     r = tl.program_id(1)
     tr = tl.arange(0, ROWS_P2)
@@ -121,10 +121,10 @@ def _decode_reduce(m_ptr, l_ptr, acc_ptr, q_pos_ptr, out_ptr, stride_ot, stride_
     n_ctx = tl.minimum(tl.max(qp, 0) + 1, table_len * P)
     used = tl.cdiv(n_ctx, chunk_len)
     mrows = n_rows * G
-    d = tl.arange(0, D)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     m_run = tl.full([1], float("-inf"), tl.float32)
     l_run = tl.zeros([1], tl.float32)
-    acc = tl.zeros([D], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
     for c0 in range(0, used, BLOCK_C):
         cc = c0 + tl.arange(0, BLOCK_C)
         ok = cc < used
@@ -147,25 +147,28 @@ def _decode_reduce(m_ptr, l_ptr, acc_ptr, q_pos_ptr, out_ptr, stride_ot, stride_
     tl.store(optr, o.to(out_ptr.dtype.element_ty))
 
 
-# fp32 partial accumulators one reduce program holds at once ([BLOCK_C, D] tile)
+# fp32 partial accumulators one reduce program holds at once ([BLOCK_C, BLOCK_D] tile)
 REDUCE_TILE_FLOATS = 8192
+REDUCE_BLOCK_D = 32     # value columns a reduce program: more programs, shorter chains
 
 
-def reduce_block(n_chunks: int, head_dim: int) -> int:
+def reduce_block(n_chunks: int) -> int:
     """Chunks merged a loop step: all of them in one step when they fit the tile (the
     reduce is latency bound: each step is a round trip to memory), at least 16."""
-    return max(16, min(triton.next_power_of_2(n_chunks), REDUCE_TILE_FLOATS // head_dim))
+    return max(16, min(triton.next_power_of_2(n_chunks), REDUCE_TILE_FLOATS // REDUCE_BLOCK_D))
 
 
 def launch_reduce(sh: DecodeShape, bufs, q_pos, n_chunks: int, chunk_len: int,
                   page_size: int) -> torch.Tensor:
-    """Pass 2: one program per (KV head, tile row) merges the partials in chunk order."""
+    """Pass 2: one program per (KV head, tile row, 32 value columns) merges the partials
+    in chunk order."""
     m_buf, l_buf, acc_buf = bufs
     out = sh.out
-    launchable(_decode_reduce)[(sh.n_kv, sh.mrows)](
+    block_d = min(REDUCE_BLOCK_D, sh.head_dim)
+    launchable(_decode_reduce)[(sh.n_kv, sh.mrows, sh.head_dim // block_d)](
         m_buf, l_buf, acc_buf, q_pos, out, out.stride(0), out.stride(1),
         sh.n_rows, n_chunks, chunk_len, sh.table_len,
         G=sh.group, D=sh.head_dim, P=page_size,
         ROWS_P2=max(2, triton.next_power_of_2(sh.n_rows)),
-        BLOCK_C=reduce_block(n_chunks, sh.head_dim), num_warps=4)
+        BLOCK_C=reduce_block(n_chunks), BLOCK_D=block_d, num_warps=4)
     return out
