@@ -100,12 +100,11 @@ def test_gemv_kernels_interpreted_match_fp64():
 
 def test_norm_gemv_kernel_interpreted_and_reference():
     """rms_norm_gemv: the interpreted kernel (with and without a residual and a bias, full
-    and partial tiles, more row blocks than programs, both dtypes) and the op's CPU path."""
+    and partial tiles, both dtypes) and the op's CPU path."""
     gen = torch.Generator().manual_seed(fresh_seed())
     cases = [(64, 128, True, False, dict(BLOCK_N=4, BLOCK_K=64, num_warps=4)),
              (40, 96, False, True, dict(BLOCK_N=16, BLOCK_K=32, num_warps=4)),
-             (24, 80, True, True, None),
-             (160, 64, True, False, dict(BLOCK_N=4, BLOCK_K=64, num_warps=4))]  # 40 blocks
+             (24, 80, True, True, None)]
     jobs, args = [], []
     for dt in DTYPES.values():
         for n, k, res, bias, cfg in cases:

@@ -16,10 +16,7 @@ import triton
 import triton.language as tl
 
 from kvcompile.ops.cast import TL_DTYPES, round_to
-from kvcompile.ops.span_attention.launch import interpreting, launchable, num_sms
-
-# rms_norm_gemv programs an SM: each computes the row's statistic once, then streams blocks
-NORM_PROGRAMS_PER_SM = 4
+from kvcompile.ops.span_attention.launch import interpreting, launchable
 
 
 @triton.jit
@@ -43,37 +40,33 @@ def _gemv_row(x_ptr, w_ptr, b_ptr, y_ptr, N, K, r_ptr, nw_ptr, s_ptr, eps,
               HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               EVEN: tl.constexpr, DTYPE: tl.constexpr, EXACT: tl.constexpr,
               NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, KP2: tl.constexpr):
-    """Output rows in blocks of BLOCK_N, block b on program b % programs (one block a
-    program without NORM). NORM: the GEMV of rms_norm(x (+ residual)) * nw, each input value
-    rounded to DTYPE as the norm kernel's output would be; the norm's statistic once a
-    program (hence fewer programs than blocks: the row's reduction is a latency stall)."""
+    """NORM: the GEMV of rms_norm(x (+ residual)) * nw, each input value rounded to DTYPE
+    as the norm kernel's output would be (the norm runs here instead of in its own kernel)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
+    rows = w_ptr + n[:, None].to(tl.int64) * K
     if NORM:
         inv = _row_norm(x_ptr, r_ptr, s_ptr, K, eps, HAS_RESIDUAL, KP2, DTYPE, EXACT)
-    for nb in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
-        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = w_ptr + n[:, None].to(tl.int64) * K
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + kk
-            if EVEN:
-                w = tl.load(rows + k[None, :])
-                x = tl.load(x_ptr + k).to(tl.float32)
-            else:
-                w = tl.load(rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
-                            other=0.0)
-                x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            if NORM:
-                if HAS_RESIDUAL:
-                    x = round_to(x + tl.load(r_ptr + k, mask=k < K, other=0.0).to(tl.float32),
-                                 DTYPE, EXACT).to(tl.float32)
-                nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                x = round_to(x * inv * nw, DTYPE, EXACT).to(tl.float32)
-            acc += w.to(tl.float32) * x[None, :]
-        y = tl.sum(acc, 1)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
-        tl.store(y_ptr + n, round_to(y, DTYPE, EXACT), mask=n < N)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        if EVEN:
+            w = tl.load(rows + k[None, :])
+            x = tl.load(x_ptr + k).to(tl.float32)
+        else:
+            w = tl.load(rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        if NORM:
+            if HAS_RESIDUAL:
+                x = round_to(x + tl.load(r_ptr + k, mask=k < K, other=0.0).to(tl.float32),
+                             DTYPE, EXACT).to(tl.float32)
+            nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            x = round_to(x * inv * nw, DTYPE, EXACT).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, 1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + n, round_to(y, DTYPE, EXACT), mask=n < N)
 
 
 @triton.jit
@@ -164,8 +157,7 @@ def norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
     cfg = config or row_config(n, k)
     even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
     r = x if residual is None else residual.contiguous()
-    blocks = triton.cdiv(n, cfg["BLOCK_N"])
-    launchable(_gemv_row)[(min(blocks, NORM_PROGRAMS_PER_SM * num_sms(x.device)),)](
+    launchable(_gemv_row)[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, weight, y if bias is None else bias, y, n, k, r, norm_weight.contiguous(), s,
         float(eps), HAS_BIAS=bias is not None, EVEN=even, DTYPE=TL_DTYPES[x.dtype],
         EXACT=not interpreting(), NORM=True, HAS_RESIDUAL=residual is not None,
