@@ -54,18 +54,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
             and x.dtype in GEMV_DTYPES and weight.dtype == x.dtype):
         return torch.ops.kvcompile.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                eps: float, weight: torch.Tensor, bias: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + residual, linear(rms_norm(x + residual))): the x + residual is x itself without a
-    residual. One row on CUDA (f16 / bf16): one kernel, the norm inside the GEMV; otherwise
-    the norm's op (or reference), then linear."""
-    if (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in GEMV_DTYPES
-            and weight.dtype == x.dtype):
-        s, y = torch.ops.kvcompile.rms_norm_gemv(x, residual, norm_weight, eps, weight, bias)
-        return (x if residual is None else s), y
-    s, h = (x, rms_norm(x, norm_weight, eps)) if residual is None else \
-        add_rms_norm(x, residual, norm_weight, eps)
-    return s, linear(h, weight, bias)

@@ -19,7 +19,6 @@ LOWERINGS = {
     "kvcompile.rope_rotate": "ops/rope_rotate (triton_op: rope + KV Hadamard rotations)",
     "kvcompile.silu_mul": "ops/silu_mul (triton_op: SwiGLU activation)",
     "kvcompile.gemv": "ops/gemv (triton_op: weight-streaming GEMV for <= 8 rows)",
-    "kvcompile.rms_norm_gemv": "ops/gemv (triton_op: one row's rms_norm inside the GEMV)",
 }
 # namespaces torch itself lowers (inductor / the eager fallback)
 BUILTIN_NAMESPACES = {"aten", "prims", "higher_order", "_c10d_functional", "_dtensor"}

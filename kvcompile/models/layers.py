@@ -32,16 +32,6 @@ class RMSNorm(nn.Module):
         """(x + residual, its norm): the residual add fused into the norm's kernel."""
         return rows.add_rms_norm(x, residual, self.weight, self.eps)
 
-    def linear(self, x: torch.Tensor, residual: torch.Tensor | None,
-               lin) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + residual, lin(its norm)), x itself without a residual. For an nn.Linear the
-        norm runs inside a one-row GEMV on CUDA (ops/rows.norm_linear); `lin` may also be
-        any callable (unfused projections)."""
-        if isinstance(lin, nn.Linear):
-            return rows.norm_linear(x, residual, self.weight, self.eps, lin.weight, lin.bias)
-        s, h = (x, self(x)) if residual is None else self.add(x, residual)
-        return s, lin(h)
-
 
 def rope_tables(rotary_dim: int, max_positions: int, theta: float,
                 scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,17 +128,6 @@ class SwiGLU(nn.Module):
             return self.down(rows.silu_mul(self.gate_up(x)))
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
-    def gate_up_proj(self):
-        """What makes the [T, 2 ffn] gate / up rows of `finish`: the fused Linear, or the
-        two GEMMs concatenated before fuse()."""
-        if self.gate_up is not None:
-            return self.gate_up
-        return lambda x: torch.cat([self.gate(x), self.up(x)], -1)
-
-    def finish(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """down(silu(gate) * up) of gate_up_proj()'s output."""
-        return self.down(rows.silu_mul(gate_up))
-
 
 class PagedAttention(nn.Module):
     """GQA attention whose KV lives in page pools, read and written through the kvcompile ops."""
@@ -169,26 +148,21 @@ class PagedAttention(nn.Module):
         """q, k and v as one GEMM (after the weights are loaded)."""
         self.wqkv = fuse_linears(self.wq, self.wk, self.wv)
 
-    def qkv_proj(self):
-        """What makes the [T, (Hq + 2 Hk) D] q, k, v rows of `attend`: the fused Linear, or
-        the three GEMMs concatenated before fuse()."""
-        if self.wqkv is not None:
-            return self.wqkv
-        return lambda x: torch.cat([self.wq(x), self.wk(x), self.wv(x)], -1)
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        """The q, k and v heads of x as one [T, Hq + 2 Hk, D] tensor."""
+        t, d = x.shape[0], self.head_dim
+        if self.wqkv is None:
+            return torch.cat([self.wq(x), self.wk(x), self.wv(x)], -1).view(t, -1, d)
+        return self.wqkv(x).view(t, -1, d)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 q_pos: torch.Tensor, kv) -> torch.Tensor:
         """x [T, hidden]; cos/sin [T, R] (rope_rows); q_pos int32 [T] (each row's position:
-        kv_write maps it through the page table to the row's slot); kv a LayerKv."""
-        return self.attend(self.qkv_proj()(x), cos, sin, q_pos, kv)
-
-    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               q_pos: torch.Tensor, kv) -> torch.Tensor:
-        """Attention of the projected q, k, v rows qkv [T, (Hq + 2 Hk) D], then wo. Quantized K / V are stored rotated (kvcompile.kv_rotation): rope and both
+        kv_write maps it through the page table to the row's slot); kv a LayerKv. Quantized K / V are stored rotated (kvcompile.kv_rotation): rope and both
         rotations are one rope_rotate, the output's rotation back another."""
-        t, hq, hk = qkv.shape[0], self.n_heads, self.n_kv_heads
-        qkv = rows.rope_rotate(qkv.view(t, -1, self.head_dim), cos, sin, self.rope_neox,
-                               hq + hk, kv.k_rot, kv.v_rot)
+        t, hq, hk = x.shape[0], self.n_heads, self.n_kv_heads
+        qkv = rows.rope_rotate(self.heads(x), cos, sin, self.rope_neox, hq + hk, kv.k_rot,
+                               kv.v_rot)
         q, k, v = qkv.split([hq, hk, hk], dim=1)
         torch.ops.kvcompile.kv_write(kv.k_pool, kv.v_pool, k, v, q_pos,
                                      kv.k_type, kv.v_type, kv.page_size, kv.page_table)

@@ -41,12 +41,13 @@ class LlamaBlock(nn.Module):
     def forward(self, x, mlp_out, cos, sin, q_pos, kv):
         """x: the residual stream; mlp_out: the previous block's MLP output, not yet added
         (None in the first block). Returns (x, this block's MLP output): every residual add
-        runs inside the norm after it, and for one row on CUDA that norm inside the GEMV after
-        it (RMSNorm.linear): one kernel for add, norm and projection."""
-        x, qkv = self.attn_norm.linear(x, mlp_out, self.attn.qkv_proj())
-        x, gate_up = self.ffn_norm.linear(x, self.attn.attend(qkv, cos, sin, q_pos, kv),
-                                          self.mlp.gate_up_proj())
-        return x, self.mlp.finish(gate_up)
+        runs inside the norm after it (RMSNorm.add), one kernel for both."""
+        if mlp_out is None:
+            h = self.attn_norm(x)
+        else:
+            x, h = self.attn_norm.add(x, mlp_out)
+        x, h = self.ffn_norm.add(x, self.attn(h, cos, sin, q_pos, kv))
+        return x, self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -129,7 +130,7 @@ class LlamaModel(nn.Module):
             x, mlp_out = block(x, mlp_out, cos, sin, q_pos, kv)
         if last_only:
             x, mlp_out = x[-1:], mlp_out[-1:]
-        return self.norm.linear(x, mlp_out, self.lm_head)[1].float()
+        return self.lm_head(self.norm.add(x, mlp_out)[1]).float()
 
     def check_positions(self, positions: torch.Tensor, cache) -> tuple[int, int]:
         """Host-side range check, (min, max) (eager only: the cache reads the positions

@@ -1,1 +1,1 @@
-from kvcompile.ops.gemv.op import gemv, rms_norm_gemv  # noqa: F401  (registers the ops)
+from kvcompile.ops.gemv.op import gemv  # noqa: F401  (registers the op)

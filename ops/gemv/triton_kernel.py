@@ -20,49 +20,22 @@ from kvcompile.ops.span_attention.launch import interpreting, launchable
 
 
 @triton.jit
-def _row_norm(x_ptr, r_ptr, s_ptr, K, eps, HAS_RESIDUAL: tl.constexpr, KP2: tl.constexpr,
+def _gemv_row(x_ptr, w_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
               DTYPE: tl.constexpr, EXACT: tl.constexpr):
-    """1 / rms of s = x (+ residual, rounded once to DTYPE) over the whole row, as the
-    rms_norm kernel computes it; program 0 stores s (the residual stream)."""
-    c = tl.arange(0, KP2)
-    m = c < K
-    xs = tl.load(x_ptr + c, mask=m, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        xs = round_to(xs + tl.load(r_ptr + c, mask=m, other=0.0).to(tl.float32), DTYPE, EXACT)
-    tl.store(s_ptr + c, xs, mask=m & (tl.program_id(0) == 0))
-    xs = xs.to(tl.float32)
-    ms = (tl.sum(xs * xs, 0) / K + eps).to(tl.float32)
-    return tl.math.div_rn(tl.full(ms.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms))
-
-
-@triton.jit
-def _gemv_row(x_ptr, w_ptr, b_ptr, y_ptr, N, K, r_ptr, nw_ptr, s_ptr, eps,
-              HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              EVEN: tl.constexpr, DTYPE: tl.constexpr, EXACT: tl.constexpr,
-              NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, KP2: tl.constexpr):
-    """NORM: the GEMV of rms_norm(x (+ residual)) * nw, each input value rounded to DTYPE
-    as the norm kernel's output would be (the norm runs here instead of in its own kernel)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     rows = w_ptr + n[:, None].to(tl.int64) * K
-    if NORM:
-        inv = _row_norm(x_ptr, r_ptr, s_ptr, K, eps, HAS_RESIDUAL, KP2, DTYPE, EXACT)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + kk
         if EVEN:
             w = tl.load(rows + k[None, :])
-            x = tl.load(x_ptr + k).to(tl.float32)
+            x = tl.load(x_ptr + k)
         else:
             w = tl.load(rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        if NORM:
-            if HAS_RESIDUAL:
-                x = round_to(x + tl.load(r_ptr + k, mask=k < K, other=0.0).to(tl.float32),
-                             DTYPE, EXACT).to(tl.float32)
-            nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            x = round_to(x * inv * nw, DTYPE, EXACT).to(tl.float32)
-        acc += w.to(tl.float32) * x[None, :]
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
@@ -133,8 +106,8 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         cfg = config or row_config(n, k)
         even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
         launchable(_gemv_row)[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-            x, weight, b, y, n, k, x, x, x, 0.0, HAS_BIAS=has_bias, EVEN=even, DTYPE=dtype,
-            EXACT=exact, NORM=False, HAS_RESIDUAL=False, KP2=1, **cfg)
+            x, weight, b, y, n, k, HAS_BIAS=has_bias, EVEN=even, DTYPE=dtype, EXACT=exact,
+            **cfg)
     else:
         cfg = config or rows_config(n, k)
         even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
@@ -142,24 +115,3 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             x, weight, b, y, m, n, k, x.stride(0), HAS_BIAS=has_bias, EVEN=even,
             DTYPE=dtype, EXACT=exact, **cfg)
     return y
-
-
-def norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                     eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
-                     config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row: (s, y), s = x + residual rounded to x's dtype (a copy of x without one),
-    y = gemv(rms_norm(s) * norm_weight rounded to x's dtype, weight) + bias."""
-    k = x.shape[1]
-    n = weight.shape[0]
-    assert x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous()
-    s = torch.empty_like(x)
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    cfg = config or row_config(n, k)
-    even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
-    r = x if residual is None else residual.contiguous()
-    launchable(_gemv_row)[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x, weight, y if bias is None else bias, y, n, k, r, norm_weight.contiguous(), s,
-        float(eps), HAS_BIAS=bias is not None, EVEN=even, DTYPE=TL_DTYPES[x.dtype],
-        EXACT=not interpreting(), NORM=True, HAS_RESIDUAL=residual is not None,
-        KP2=triton.next_power_of_2(k), **cfg)
-    return s, y
