@@ -196,6 +196,8 @@ def main() -> None:
                     help="decode implementations to time, e.g. legacy,blocks (rows tagged impl)")
     ap.add_argument("--decode-only", action="store_true", help="same as --parts decode")
     ap.add_argument("--contexts", default="", help="decode contexts, e.g. 32768,131072")
+    ap.add_argument("--defaults-only", action="store_true",
+                    help="decode: time each implementation's launch defaults only (no sweep)")
     args = ap.parse_args()
     KV_PAIRS[:] = [tuple(p.split("/")) for p in args.pairs.split(",")]
     torch.manual_seed(0)
@@ -228,6 +230,8 @@ def main() -> None:
             # fewer, longer chunks: at 32K the fixed cost (partials, reduce) dominates
             dict(programs_per_sm=1), dict(block_n=64, num_warps=2, num_stages=3,
                                           programs_per_sm=1)]}
+        if args.defaults_only:
+            dcfg = {impl: [{}] for impl in dcfg}
         rows += bench_decode(hbm, [int(r) for r in args.rows.split(",")], ctxs, dcfg,
                              args.impls.split(","))
     if "prefill" in parts:
