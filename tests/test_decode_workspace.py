@@ -29,6 +29,20 @@ def test_workspace_bound_covers_every_chunking():
         assert need <= decode_workspace_floats(n_kv, d, rows, sms, pps)
 
 
+def test_every_launch_default_fits_the_cache_workspace():
+    """A cache sizes its decode workspace for MAX_PROGRAMS_PER_SM programs an SM: no default
+    launch config (decode_blocks.blocks_config, decode_kernel's programs an SM) asks for more."""
+    from kvcompile.ops.span_attention.decode_blocks import blocks_config
+    from kvcompile.ops.span_attention.decode_kernel import legacy_programs_per_sm
+    from kvcompile.ops.span_attention.workspace import MAX_PROGRAMS_PER_SM
+    for d in (64, 128, 256):
+        assert legacy_programs_per_sm(d) <= MAX_PROGRAMS_PER_SM
+        for block_m in (16, 32, 64, 128):
+            for quantized in (True, False):
+                assert blocks_config(d, block_m, quantized)["programs_per_sm"] <= \
+                    MAX_PROGRAMS_PER_SM, (d, block_m, quantized)
+
+
 def test_carve_views_are_disjoint_and_errors_say_what_to_change():
     ws = torch.randn(1000)
     m, l, acc = carve(ws, 2, 3, 4, 16, "cpu")

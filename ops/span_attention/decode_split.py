@@ -14,8 +14,6 @@ from kvcompile.ops.span_attention.launch import (PageGeometry, check_launch, dot
                                                  launchable, num_sms, page_geometry, pool_args)
 from kvcompile.ops.span_attention.workspace import carve, chunks_per_head
 
-PROGRAMS_PER_SM = 2
-
 
 @dataclass(frozen=True)
 class DecodeShape:
@@ -61,7 +59,7 @@ def split_operands(sh: DecodeShape, q, k_pool, v_pool, workspace, n_chunks: int,
 
 
 def decode_chunking(table_len: int, page_size: int, n_kv_heads: int, block_n: int,
-                    sms: int, programs_per_sm: int = PROGRAMS_PER_SM) -> tuple[int, int]:
+                    sms: int, programs_per_sm: int) -> tuple[int, int]:
     """(chunk_len, n_chunks): about `programs_per_sm` programs per SM over the table."""
     n_tiles = table_len * page_size // block_n
     want = chunks_per_head(n_kv_heads, sms, programs_per_sm)
