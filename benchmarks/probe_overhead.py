@@ -4,7 +4,11 @@ GEMV beats cuBLAS on the 8B decode shapes. Prints tables; --json writes the rows
 - attention: split + reduce vs split only vs reduce only, 8 KV heads x 128, contexts 256
   .. 128K, q8_0/q4_0 and bf16, graph replays over 4 disjoint KV copies; an empty Triton
   kernel gives the per-launch floor of a graph.
-- gemv: y = x @ W^T, x [M, K] bf16 (M = 1, 4, 8), W [N, K] bf16, 4 rotated weight copies.
+- gemv: y = x @ W^T, x [M, K] bf16 (M = 1, 4, 8), W [N, K] bf16, 4 rotated weight copies:
+  cuBLAS against candidate kernels of ops/gemv's design (the same loops without masks, bias
+  and the exact rounding), a config sweep that chose ops/gemv's launch defaults.
+- sweep (--only sweep): decode launch configs by context (1 row, full call).
+Rows of the 2026-11-30 runs: benchmarks/results/probe_overhead.json, decode_sweep.json.
 """
 from __future__ import annotations
 

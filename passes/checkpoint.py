@@ -30,8 +30,8 @@ def checkpoint_hook(gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphMod
     finds those sites, checks they can be captured, and records them:
 
     - each kv_write -> `meta["kvcompile_checkpoint"] = {"kind": "kv_suffix", ...}`: a
-      rejection truncates the KV rows written at these slots (capture = the slots and the
-      row count per layer, no bytes);
+      rejection truncates the KV rows it wrote (capture = its slots, or its positions and
+      the page table that maps them, and the row count per layer, no bytes);
     - each in-place method on a graph input (e.g. a recurrent state's `copy_`) ->
       `{"kind": "state_snapshot"}`: rejection restores those bytes exactly.
 
@@ -47,8 +47,11 @@ def checkpoint_hook(gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphMod
                                 f"input ({pool}); a verify forward could not be undone. Pass "
                                 f"the KV pools into the compiled forward")
         layer = layer_of(n, i)
+        table = arg(n, 8, "page_table") if len(n.args) > 8 or "page_table" in n.kwargs \
+            else None
         n.meta["kvcompile_checkpoint"] = {"kind": "kv_suffix", "layer": layer,
-                                          "slots": str(arg(n, 4, "slots"))}
+                                          "slots": str(arg(n, 4, "slots")),
+                                          "page_table": None if table is None else str(table)}
         sites.append((n.name, "kv_suffix", layer))
     for n in gm.graph.nodes:
         if (n.op == "call_method" and n.target.endswith("_") and not n.target.startswith("_")

@@ -121,6 +121,26 @@ def test_gpu_gemv_matches_fp64(shape, dtype):
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_model_linear_routes_decode_rows_to_gemv():
+    """The models' Linear on CUDA: the gemv op for 1..8 f16 / bf16 rows (same bits),
+    F.linear for 9 rows, fp32 and 3-D inputs."""
+    from kvcompile.models.layers import Linear
+    gen = torch.Generator().manual_seed(fresh_seed())
+    lin = Linear(512, 384, bias=True).cuda()
+    lin16 = Linear(512, 384, bias=True).cuda().bfloat16()
+    for m in (1, 3, 8, 9):
+        x = torch.randn(m, 512, generator=gen).cuda()
+        x16 = x.bfloat16()
+        want = (torch.ops.kvcompile.gemv(x16, lin16.weight, lin16.bias) if m <= 8 else
+                torch.nn.functional.linear(x16, lin16.weight, lin16.bias))
+        assert torch.equal(lin16(x16), want), m
+        assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias)), m
+    x3 = torch.randn(1, 2, 512, generator=gen).cuda().bfloat16()
+    assert torch.equal(lin16(x3), torch.nn.functional.linear(x3, lin16.weight, lin16.bias))
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_gemv_under_torch_compile_equals_eager():
     """torch.compile (inductor) sees the kernels through triton_op: same bits as eager."""
     gen = torch.Generator().manual_seed(fresh_seed())

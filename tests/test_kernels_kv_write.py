@@ -88,7 +88,7 @@ def with_page_table(a, gen):
     (arguments for the op / kernel, the case with the physical slots for check_case)."""
     n_pages = a["k_pool"].shape[0]
     table = torch.randperm(n_pages, generator=gen).int()
-    positions = torch.randperm(n_pages * a["page_size"], generator=gen)[:len(a["slots"])]
+    positions = torch.randperm(n_pages * a["page_size"], generator=gen)[:len(a["slots"])].int()
     return (dict(a, slots=positions, page_table=table),
             dict(a, slots=physical_slots(positions, table, a["page_size"])))
 
@@ -148,6 +148,7 @@ def test_bad_inputs_raise_clear_errors():
         "k/v shapes": ((rows, rows[:, :1], slots, 8, 2), "must both be"),
         "slots length": ((rows, rows, slots[:2], 8, 2), "slots must be"),
         "heads": ((one_head, one_head, slots, 8, 2), "KV heads"),
+        "slots dtype": ((rows, rows, slots.float(), 8, 2), "int32 or int64"),
     }
     for name, (args, text) in cases.items():
         with pytest.raises(KvLayoutError, match=text):

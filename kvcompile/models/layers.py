@@ -158,8 +158,9 @@ class PagedAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 q_pos: torch.Tensor, kv) -> torch.Tensor:
         """x [T, hidden]; cos/sin [T, R] (rope_rows); q_pos int32 [T] (each row's position:
-        kv_write maps it through the page table to the row's slot); kv a LayerKv. Quantized K / V are stored rotated (kvcompile.kv_rotation): rope and both
-        rotations are one rope_rotate, the output's rotation back another."""
+        kv_write maps it through the page table to the row's slot); kv a LayerKv. Quantized
+        K / V are stored rotated (kvcompile.kv_rotation): rope and both rotations are one
+        rope_rotate, the output's rotation back another."""
         t, hq, hk = x.shape[0], self.n_heads, self.n_kv_heads
         qkv = rows.rope_rotate(self.heads(x), cos, sin, self.rope_neox, hq + hk, kv.k_rot,
                                kv.v_rot)

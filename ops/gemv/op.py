@@ -41,5 +41,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     check_gemv_args(x, weight, bias)
     if x.device.type == "cuda":
         x = x if x.stride(1) == 1 else x.contiguous()
-        return gemv_triton(x, weight.contiguous(), bias)
+        return gemv_triton(x, weight.contiguous(), None if bias is None else bias.contiguous())
     return gemv_naive(x, weight, bias)

@@ -5,7 +5,9 @@ k_new / v_new:   [T, n_kv_heads, head_dim] rows to store.
 slots:           int [T], physical page * page_size + offset of each row; with page_table
                  (int32 [logical pages]) the row's logical position instead, mapped in the
                  kernel to page_table[pos // page_size] * page_size + pos % page_size (a
-                 model passes its q_pos: no slot arithmetic a layer).
+                 model passes its q_pos: no slot arithmetic a layer). The kernel trusts
+                 positions to lie in [0, len(page_table) * page_size): callers check them on
+                 the host (the caches' check_positions); the CPU path raises on them.
 """
 from __future__ import annotations
 
@@ -22,9 +24,13 @@ from kvcompile.ops.kv_write.triton_kernel import kv_write_triton
 def check_kv_write_args(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size,
                         page_table=None):
     kt, vt = F.kv_type(k_type), F.kv_type(v_type)
-    if page_table is not None and (page_table.dim() != 1 or page_table.dtype != torch.int32):
-        raise KvLayoutError(f"page_table must be int32 [logical pages], got "
-                            f"{page_table.dtype} {tuple(page_table.shape)}")
+    if slots.dtype not in (torch.int32, torch.int64):
+        raise KvLayoutError(f"slots must be int32 or int64, got {slots.dtype}")
+    if page_table is not None and (page_table.dim() != 1 or page_table.dtype != torch.int32
+                                   or page_table.device != k_pool.device):
+        raise KvLayoutError(f"page_table must be int32 [logical pages] on the pools' device, "
+                            f"got {page_table.dtype} {tuple(page_table.shape)} on "
+                            f"{page_table.device}")
     if k_new.dim() != 3 or k_new.shape != v_new.shape:
         raise KvLayoutError(f"k_new and v_new must both be [T, n_kv_heads, head_dim]; got "
                             f"{tuple(k_new.shape)} and {tuple(v_new.shape)}")

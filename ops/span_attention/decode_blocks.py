@@ -11,8 +11,7 @@ import os
 import triton
 import triton.language as tl
 
-from kvcompile.ops.span_attention.decode_kernel import (LOG2E, legacy_programs_per_sm,
-                                                        span_attention_decode)
+from kvcompile.ops.span_attention.decode_kernel import LOG2E, span_attention_decode
 from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape,
                                                        launch_reduce, program_rows_and_chunk,
                                                        split_operands, store_partial_stats)
@@ -88,8 +87,9 @@ def blocks_config(head_dim: int, block_m: int, k_quantized: bool) -> dict:
     (decode, narrow verify): the best of a sweep at 8K-256K (H200, 1 query row, 2026-11-30,
     benchmarks/probe_overhead.py --only sweep; docs/performance.md): small programs, many an
     SM (the loop is latency bound): 64 positions, 1 warp, 8 programs an SM for D <= 128
-    (0.58 of HBM at 256K, was 0.44 with 128 positions x 4 warps x 2 programs); 64 positions,
-    2 warps, 4 programs an SM for D = 256 (0.45, was 0.38). No register cap: torch.compile's
+    (0.58 of HBM at 256K in that sweep, 0.44 with the old defaults of 128 positions x 4 warps
+    x 2 programs); 64 positions, 2 warps, 4 programs an SM for D = 256 (0.45, old defaults
+    0.38). Wider verify and float K keep 2 programs an SM. No register cap: torch.compile's
     wrap_triton does not pass `maxnreg` through as a launch option. Wider verify: 64
     positions (32 past 32 rows: registers), 8 warps; float K keeps decode_kernel's tile."""
     if k_quantized and block_m <= 16:
@@ -101,8 +101,7 @@ def blocks_config(head_dim: int, block_m: int, k_quantized: bool) -> dict:
         block_n = 64 if block_m <= 32 else 32
     else:
         block_n = 64 if head_dim <= 128 else 32
-    return dict(block_n=block_n, num_warps=num_warps, num_stages=2,
-                programs_per_sm=legacy_programs_per_sm(head_dim))
+    return dict(block_n=block_n, num_warps=num_warps, num_stages=2, programs_per_sm=2)
 
 
 def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,

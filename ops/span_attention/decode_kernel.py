@@ -24,11 +24,12 @@ from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, onl
 LOG2E = 1.4426950408889634
 
 
-def legacy_programs_per_sm(head_dim: int) -> int:
-    """Split programs an SM: 4 for D <= 128 (bf16 KV 0.80 / 0.98 of HBM at 32K / 128K vs
-    0.73 / 0.88 with 2), 2 for D = 256 (4 measured slower: 0.61 vs 0.70 at 32K); H200 sweep,
-    2026-11-30 (blocks_config)."""
-    return 4 if head_dim <= 128 else 2
+def legacy_programs_per_sm(head_dim: int, k_quantized: bool) -> int:
+    """Split programs an SM: 4 for float K at D <= 128 (bf16 KV, 1 row: 0.80 / 0.98 of HBM at
+    32K / 128K vs 0.73 / 0.88 with 2), else 2 (D = 256 bf16 measured slower with 4: 0.61 vs
+    0.70 at 32K; quantized K here means a wide verify, not measured with 4); H200 sweep,
+    2026-11-30 (benchmarks/probe_overhead.py --only sweep)."""
+    return 4 if head_dim <= 128 and not k_quantized else 2
 
 
 @triton.jit
@@ -86,7 +87,7 @@ def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, 
         block_n = 64 if head_dim <= 128 else 32
     block_n = min(block_n, page_size)
     assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
-    programs_per_sm = programs_per_sm or legacy_programs_per_sm(head_dim)
+    programs_per_sm = programs_per_sm or legacy_programs_per_sm(head_dim, kg.kv_type in (2, 8))
     chunk_len, n_chunks = chunks(sh, page_size, block_n, chunk_len, programs_per_sm, q.device)
     bufs, qk_f16, (kv, ks, kpe, kph, kch), (vv, vs, vpe, vph, vch) = split_operands(
         sh, q, k_pool, v_pool, workspace, n_chunks)

@@ -163,6 +163,7 @@ def launch_reduce(sh: DecodeShape, bufs, q_pos, n_chunks: int, chunk_len: int,
     m_buf, l_buf, acc_buf = bufs
     out = sh.out
     block_d = min(REDUCE_BLOCK_D, sh.head_dim)
+    assert sh.head_dim % block_d == 0, "head dims are powers of two (decode tiles)"
     launchable(_decode_reduce)[(sh.n_kv, sh.mrows, sh.head_dim // block_d)](
         m_buf, l_buf, acc_buf, q_pos, out, out.stride(0), out.stride(1),
         sh.n_rows, n_chunks, chunk_len, sh.table_len,

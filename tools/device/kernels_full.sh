@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # All GPU kernel tests (placement independence, exactness, kv_write = gguf, prefill pieces,
-# decode workspace) and the decode benchmark (BENCH=0: tests only). ~5 minutes. Writes $OUT/kernels_full/.
+# decode workspace) and the decode benchmark (BENCH=0: tests only). ~5 minutes.
+# Writes $OUT/kernels_full/.
 set -uo pipefail
 R=${R:-$(pwd)}
 O="$OUT/kernels_full"; mkdir -p "$O"
