@@ -52,6 +52,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """x @ weight^T + bias: the gemv op for a decode step's few rows on CUDA (f16 / bf16),
     F.linear (cuBLAS) for prefill, fp32 and other devices."""
     if (x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
-            and x.dtype in GEMV_DTYPES and weight.dtype == x.dtype):
+            and x.dtype in GEMV_DTYPES and weight.dtype == x.dtype
+            and (bias is None or bias.dtype == x.dtype)):
         return torch.ops.kvcompile.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
