@@ -74,7 +74,6 @@ def timed_compiled(model, ctx: int, kv: str, args, device, ids: torch.Tensor,
     with torch.inference_mode():                # warm: the timed prefill rewrites this KV
         tok = int(m.forward(tokens[:args.ubatch], 0)[-1].argmax())
         m.forward([tok], args.ubatch)
-
     # two warm steps: the transition to the decode layout, the capture
     row = timed_prefill_decode(lambda: S.manager_prefill(m, tokens, args.ubatch),
                                lambda tok, pos, n: S.greedy_steps(m.forward, tok, pos, n),

@@ -47,8 +47,7 @@ def checkpoint_hook(gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphMod
                                 f"input ({pool}); a verify forward could not be undone. Pass "
                                 f"the KV pools into the compiled forward")
         layer = layer_of(n, i)
-        table = arg(n, 8, "page_table") if len(n.args) > 8 or "page_table" in n.kwargs \
-            else None
+        table = arg(n, 8, "page_table", None)
         n.meta["kvcompile_checkpoint"] = {"kind": "kv_suffix", "layer": layer,
                                           "slots": str(arg(n, 4, "slots")),
                                           "page_table": None if table is None else str(table)}

@@ -33,8 +33,17 @@ def layer_of(node: fx.Node, ordinal: int) -> int:
     return ordinal
 
 
-def arg(node: fx.Node, index: int, name: str):
-    return node.kwargs[name] if name in node.kwargs else node.args[index]
+_REQUIRED = object()
+
+
+def arg(node: fx.Node, index: int, name: str, default=_REQUIRED):
+    """A call's argument by keyword or position; `default` for an optional one the call
+    left out."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    if index < len(node.args) or default is _REQUIRED:
+        return node.args[index]
+    return default
 
 
 def fake_value(node, gm: fx.GraphModule, example_inputs: Sequence):

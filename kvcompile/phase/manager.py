@@ -277,7 +277,6 @@ class PhaseManager:
         positions = torch.arange(start, start + n, dtype=torch.long, device=self.device)
         return self.model(tokens, positions, self.cache, last_only=True)
 
-
     def stats(self) -> dict:
         return {"phase": self.phase, "lower": self.lower if self.compile else "eager",
                 "captures": self.captures, "transitions": self.transitions,

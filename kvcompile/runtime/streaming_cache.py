@@ -39,10 +39,10 @@ def min_arena_bytes(config, max_tokens: int, k_type="f32", v_type="f32", page_si
     return align(workspace_bytes) + align(pages * kb) + align(pages * vb)
 
 
-
 def _busy_pct(busy_s: float, wall_s: float) -> float:
     """The copy engine's busy share of a wall-clock span, in percent (capped at 100)."""
     return min(100.0, 100.0 * busy_s / wall_s)
+
 
 class StreamingKvCache:
     def __init__(self, config, max_tokens: int, arena_mib: float, k_type="f32", v_type="f32",

@@ -71,14 +71,14 @@ def _gemv_rows(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, HAS_BIAS: tl.cons
              mask=(m[None, :] < M) & (n[:, None] < N))
 
 
-def row_config(n: int, k: int) -> dict:
+def row_config(n: int) -> dict:
     """One row: measured best on the 8B shapes (H200): 4 output rows a program for
     N <= 4096 (o, down), 16 above; K tiles of 512 up to N 8192, 256 beyond."""
     return dict(BLOCK_N=4 if n <= 4096 else 16, BLOCK_K=512 if n <= 8192 else 256,
                 num_warps=4)
 
 
-def rows_config(n: int, k: int) -> dict:
+def rows_config(n: int) -> dict:
     """2..8 rows: 64 output rows a program; deeper pipelines and longer K tiles for the
     small weights (measured, H200)."""
     if n <= 4096:
@@ -98,20 +98,12 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    exact = not interpreting()
-    dtype = TL_DTYPES[x.dtype]
-    has_bias = bias is not None
-    b = bias if has_bias else y
     if m == 1:
-        cfg = config or row_config(n, k)
-        even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
-        launchable(_gemv_row)[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-            x, weight, b, y, n, k, HAS_BIAS=has_bias, EVEN=even, DTYPE=dtype, EXACT=exact,
-            **cfg)
+        kernel, cfg, shape = _gemv_row, config or row_config(n), (n, k)
     else:
-        cfg = config or rows_config(n, k)
-        even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
-        launchable(_gemv_rows)[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-            x, weight, b, y, m, n, k, x.stride(0), HAS_BIAS=has_bias, EVEN=even,
-            DTYPE=dtype, EXACT=exact, **cfg)
+        kernel, cfg, shape = _gemv_rows, config or rows_config(n), (m, n, k, x.stride(0))
+    even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
+    launchable(kernel)[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+        x, weight, y if bias is None else bias, y, *shape, HAS_BIAS=bias is not None,
+        EVEN=even, DTYPE=TL_DTYPES[x.dtype], EXACT=not interpreting(), **cfg)
     return y

@@ -49,6 +49,6 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
         block = triton.next_power_of_2(n)
         launchable(_rms_norm)[(rows,)](
             x, r, weight.contiguous(), y if s is None else s, y, n, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, DTYPE=TL_DTYPES[x.dtype], EXACT=not interpreting(),
-            num_warps=max(1, min(16, block // 512)))
+            HAS_RESIDUAL=residual is not None, BLOCK=block, DTYPE=TL_DTYPES[x.dtype],
+            EXACT=not interpreting(), num_warps=max(1, min(16, block // 512)))
     return s, y

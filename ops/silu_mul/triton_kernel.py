@@ -31,5 +31,6 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     rows = out.numel() // f if f else 0
     if rows:
         launchable(_silu_mul)[(rows, triton.cdiv(f, BLOCK))](
-            x, out, f, BLOCK=BLOCK, DTYPE=TL_DTYPES[x.dtype], EXACT=not interpreting(), num_warps=4)
+            x, out, f, BLOCK=BLOCK, DTYPE=TL_DTYPES[x.dtype], EXACT=not interpreting(),
+            num_warps=4)
     return out

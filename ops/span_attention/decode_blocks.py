@@ -89,9 +89,9 @@ def blocks_config(head_dim: int, block_m: int, k_quantized: bool) -> dict:
     SM (the loop is latency bound): 64 positions, 1 warp, 8 programs an SM for D <= 128
     (0.58 of HBM at 256K in that sweep, 0.44 with the old defaults of 128 positions x 4 warps
     x 2 programs); 64 positions, 2 warps, 4 programs an SM for D = 256 (0.45, old defaults
-    0.38). Wider verify and float K keep 2 programs an SM. No register cap: torch.compile's
-    wrap_triton does not pass `maxnreg` through as a launch option. Wider verify: 64
-    positions (32 past 32 rows: registers), 8 warps; float K keeps decode_kernel's tile."""
+    0.38). No register cap: torch.compile's wrap_triton does not pass `maxnreg` through as a
+    launch option. Wider verify: 64 positions (32 past 32 rows: registers), 8 warps; float K
+    keeps decode_kernel's tile; both 2 programs an SM."""
     if k_quantized and block_m <= 16:
         if head_dim <= 128:
             return dict(block_n=64, num_warps=1, num_stages=3, programs_per_sm=8)
@@ -114,7 +114,7 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
     sh = decode_shape(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, out)
     kg, vg, head_dim = sh.kg, sh.vg, sh.head_dim
     block_m = sh.block_m
-    cfg = blocks_config(head_dim, block_m, kg.kv_type in (2, 8))
+    cfg = blocks_config(head_dim, block_m, kg.quantized)
     block_n = min(block_n or cfg["block_n"], page_size)
     num_warps = num_warps or cfg["num_warps"]
     num_stages = num_stages or cfg["num_stages"]

@@ -87,7 +87,7 @@ def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, 
         block_n = 64 if head_dim <= 128 else 32
     block_n = min(block_n, page_size)
     assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
-    programs_per_sm = programs_per_sm or legacy_programs_per_sm(head_dim, kg.kv_type in (2, 8))
+    programs_per_sm = programs_per_sm or legacy_programs_per_sm(head_dim, kg.quantized)
     chunk_len, n_chunks = chunks(sh, page_size, block_n, chunk_len, programs_per_sm, q.device)
     bufs, qk_f16, (kv, ks, kpe, kph, kch), (vv, vs, vpe, vph, vch) = split_operands(
         sh, q, k_pool, v_pool, workspace, n_chunks)

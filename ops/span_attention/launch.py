@@ -19,6 +19,10 @@ class PageGeometry:
     page_bytes: int
     code_bytes: int   # bytes of values / codes before the scales (whole page)
 
+    @property
+    def quantized(self) -> bool:
+        return self.kv_type in (2, 8)     # q4_0, q8_0
+
 
 def page_geometry(pool: torch.Tensor, kv_type: int, page_size: int,
                   head_dim: int) -> PageGeometry:
@@ -57,7 +61,7 @@ _VIEW = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16, 8: torch.int8, 
 def pool_args(pool: torch.Tensor, g: PageGeometry, raw_codes: bool = False):
     """(typed view, fp16 view, page elems, page halves, code halves) for load_tile;
     raw_codes: quantized pools stay uint8 (quant_blocks reads code bytes)."""
-    vals = pool if raw_codes and g.kv_type in (2, 8) else pool.view(_VIEW[g.kv_type])
+    vals = pool if raw_codes and g.quantized else pool.view(_VIEW[g.kv_type])
     return (vals, pool.view(torch.float16), g.page_bytes // vals.element_size(),
             g.page_bytes // 2, g.code_bytes // 2)
 

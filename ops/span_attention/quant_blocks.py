@@ -110,8 +110,9 @@ def qk_blocks(qrow, row_ok, vals, scl, phys, row, mask, page_elems, page_halves,
               K_TYPE: tl.constexpr, INTERP: tl.constexpr):
     """Scores [M, N] (fp32, before the softmax scale) of the query rows `qrow` (pointers,
     any float dtype, read as fp16) against K rows `row` (head * P + position in page) of
-    physical page `phys`: one dot per 32-value block (the query block is re-read from L1; a batched 3-D dot put
-    the blocks across warps and replicated the softmax), times the block's scale.
+    physical page `phys`: one dot per 32-value block (the query block is re-read from L1; a
+    batched 3-D dot put the blocks across warps and replicated the softmax), times the
+    block's scale.
     `vals` is the pool as uint8, `scl` as fp16. Codes are read unmasked (rows past the
     context lie inside the page and have their scale masked to 0)."""
     NB: tl.constexpr = D // 32
