@@ -2,7 +2,8 @@
 rows merged into benchmarks/results/streaming.json (meta under "compiled").
 
     python benchmarks/bench_compiled.py [--resident-contexts 8192] [--streamed-contexts 131072]
-        [--systems ours-compiled,ours-captured,ours-resident,ours-graphs,ours] [--kv q8_0/q4_0]
+        [--systems ours-compiled,ours-captured,ours-captured-nopdl,ours-resident,ours-graphs,ours]
+        [--kv q8_0/q4_0]
         [--arena-mib 2048] [--decode-steps 32] [--out PATH]
     python benchmarks/bench_compiled.py --device cpu --tiny      # the logic, seconds
 
@@ -13,6 +14,8 @@ Llama-3-8B geometry, random bf16 weights made on the device (bench_streaming's b
                   and prefill captured as CUDA graphs
   ours-captured   the same with lower="graph" (the default, --cuda-graphs): the pass
                   pipeline's graph run op by op, then captured (bitwise equal to eager)
+  ours-captured-nopdl  ours-captured with programmatic dependent launch off (ops/pdl.py):
+                  what overlapping each kernel with its predecessor's tail buys
   ours-resident   all resident, eager: the compiled path's speed-up is over this row
   ours-graphs     streamed through --arena-mib, decode as piecewise CUDA graphs
   ours            streamed, eager
@@ -40,11 +43,12 @@ from bench_util import (free_memory, hbm_bandwidth, log, param_bytes,  # noqa: E
 
 from kvcompile.kv_cache import PagedKvCache  # noqa: E402
 
-SYSTEMS = ("ours-compiled", "ours-captured", "ours-resident", "ours-graphs", "ours")
-RESIDENT = ("ours-compiled", "ours-captured", "ours-resident")
+SYSTEMS = ("ours-compiled", "ours-captured", "ours-captured-nopdl", "ours-resident",
+           "ours-graphs", "ours")
+RESIDENT = ("ours-compiled", "ours-captured", "ours-captured-nopdl", "ours-resident")
 EAGER_TWIN = {"ours-compiled": "ours-resident", "ours-captured": "ours-resident",
-              "ours-graphs": "ours"}
-LOWER = {"ours-compiled": "inductor", "ours-captured": "graph"}
+              "ours-captured-nopdl": "ours-resident", "ours-graphs": "ours"}
+LOWER = {"ours-compiled": "inductor", "ours-captured": "graph", "ours-captured-nopdl": "graph"}
 
 
 def weight_read_bytes(model) -> int:
@@ -83,7 +87,12 @@ def timed_compiled(model, ctx: int, kv: str, args, device, ids: torch.Tensor,
 
 def run_row(system, model, g, ctx, kv, args, device, ids) -> dict:
     if system in LOWER:
-        return timed_compiled(model, ctx, kv, args, device, ids, LOWER[system])
+        from kvcompile.ops import pdl
+        before, pdl.ENABLED = pdl.ENABLED, pdl.ENABLED and not system.endswith("-nopdl")
+        try:
+            return timed_compiled(model, ctx, kv, args, device, ids, LOWER[system])
+        finally:
+            pdl.ENABLED = before
     arena = args.arena_mib if system in S.STREAMED else 0
     return S.run_ours(model, g, ctx, kv, arena, args, device, ids, graphs=system == "ours-graphs")
 
@@ -206,9 +215,15 @@ def report(rows: list[dict]) -> None:
     for r in rows:
         if r.get("status") != "ok":
             continue
-        if r["system"] == "ours-compiled" and r.get("decode_vs_hbm_roofline") is not None:
+        off = [t for t in rows if t["system"] == r["system"] + "-nopdl"
+               and t["context"] == r["context"] and t.get("status") == "ok"]
+        if off:
+            print(f"PDL @ {r['context']} ({r['system']}): {r['decode_tok_s']:.1f} vs "
+                  f"{off[0]['decode_tok_s']:.1f} tok/s without "
+                  f"({r['decode_tok_s'] / off[0]['decode_tok_s']:.3f}x)")
+        if r["system"] in LOWER and r.get("decode_vs_hbm_roofline") is not None:
             x = r["decode_vs_hbm_roofline"]
-            print(f"target @ {r['context']} (ours-compiled {r['kv_type']}): {x:.2f} x HBM "
+            print(f"target @ {r['context']} ({r['system']} {r['kv_type']}): {x:.2f} x HBM "
                   f"roofline (>= 0.8: {x >= 0.8})")
         if r["system"] in S.STREAMED and r.get("decode_vs_bound") is not None:
             x = r["decode_vs_bound"]

@@ -43,7 +43,7 @@ def compile_split(impl, k_type, v_type, head_dim, group, block_m, block_n, warps
     sig["v_vals"] = "*u8" if raw and v_type in (2, 8) else PTR[v_type]
     ce = dict(QK_SCALE=0.1, G=group, D=head_dim, P=256, BLOCK_M=block_m, BLOCK_N=block_n,
               K_TYPE=k_type, V_TYPE=v_type, QK_F16=int(not k_type == v_type == 30),
-              K_SPLIT=int(k_type == 0), INTERP=0)
+              K_SPLIT=int(k_type == 0), INTERP=0, PDL=False)
     sig.update({k: "constexpr" for k in ce})
     fn = _decode_split_blocks if raw else _decode_split
     src = ASTSource(fn=fn, signature=sig, constexprs=ce,

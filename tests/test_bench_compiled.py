@@ -21,16 +21,19 @@ def test_tiny_run_appends_rows_and_keeps_the_file(tmp_path):
     out.write_text(json.dumps({"meta": {"date": "earlier"}, "rows": [other]}))
     rows = B.main(["--device", "cpu", "--tiny", "--out", str(out)])
     assert [(r["system"], r["context"]) for r in rows] == [
-        ("ours-compiled", 512), ("ours-captured", 512), ("ours-resident", 512),
+        ("ours-compiled", 512), ("ours-captured", 512), ("ours-captured-nopdl", 512),
+        ("ours-resident", 512),
         ("ours-graphs", 1024), ("ours", 1024)]
     by = {r["system"]: r for r in rows}
-    for name in ("ours-compiled", "ours-captured", "ours-resident", "ours"):
+    for name in ("ours-compiled", "ours-captured", "ours-captured-nopdl", "ours-resident",
+                 "ours"):
         assert by[name]["status"] == "ok" and by[name]["decode_tok_s"] > 0, by[name]
     # on the CPU no piecewise graphs: recorded as skipped, with the reason
     assert by["ours-graphs"]["status"] == "skipped" and "CUDA" in by["ours-graphs"]["reason"]
     # the compiled program decodes the eager path's greedy tokens
     # (inductor is not bitwise: its numerics are tested in test_phase_manager)
     assert by["ours-captured"]["tokens_equal_eager"] is True
+    assert by["ours-captured-nopdl"]["tokens_equal_eager"] is True
     assert by["ours-compiled"]["phases"]["arena_bytes"] > 0        # programs in one arena
     assert by["ours-compiled"]["phases"]["lower"] == "inductor"
     assert by["ours-captured"]["phases"]["lower"] == "graph"
@@ -38,7 +41,7 @@ def test_tiny_run_appends_rows_and_keeps_the_file(tmp_path):
     assert by["ours-resident"]["hbm_roofline_tok_s"] is None       # no HBM on the CPU
     saved = json.loads(out.read_text())
     assert saved["meta"]["date"] == "earlier" and "compiled" in saved["meta"]
-    assert other in saved["rows"] and len(saved["rows"]) == 6
+    assert other in saved["rows"] and len(saved["rows"]) == 7
 
 
 def test_weight_read_bytes_counts_one_embedding_row():

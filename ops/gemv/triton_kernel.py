@@ -16,26 +16,60 @@ import triton
 import triton.language as tl
 
 from kvcompile.ops.cast import TL_DTYPES, round_to
+from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.span_attention.launch import interpreting, launchable
+
+
+@triton.jit
+def _weight_tile(rows, n, k, N, K, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(rows + k[None, :])
+    else:
+        return tl.load(rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _x_tile(x_ptr, k, K, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(x_ptr + k)
+    else:
+        return tl.load(x_ptr + k, mask=k < K, other=0.0)
+
+
+@triton.jit
+def _xt_tile(x_ptr, m, k, M, K, stride_xm, EVEN: tl.constexpr):
+    """x rows m as a [BLOCK_K, 16] operand (rows past M are zeros)."""
+    if EVEN:
+        return tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=m[None, :] < M,
+                       other=0.0)
+    else:
+        return tl.load(x_ptr + m[None, :] * stride_xm + k[:, None],
+                       mask=(m[None, :] < M) & (k[:, None] < K), other=0.0)
+
+
+@triton.jit
+def _dot_rows(w, xt, acc, EXACT: tl.constexpr):
+    if EXACT:
+        return tl.dot(w, xt, acc)
+    else:  # the interpreter's bf16 dot is wrong: take the (exact) fp32 products
+        return tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
 
 
 @triton.jit
 def _gemv_row(x_ptr, w_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-              DTYPE: tl.constexpr, EXACT: tl.constexpr):
+              DTYPE: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     rows = w_ptr + n[:, None].to(tl.int64) * K
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # the first weight tile before the wait: no kernel writes weights (ops/pdl.py)
+    w = _weight_tile(rows, n, kk, N, K, EVEN)
+    wait_for_producers(PDL)
+    acc = w.to(tl.float32) * _x_tile(x_ptr, kk, K, EVEN).to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + kk
-        if EVEN:
-            w = tl.load(rows + k[None, :])
-            x = tl.load(x_ptr + k)
-        else:
-            w = tl.load(rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w = _weight_tile(rows, n, k, N, K, EVEN)
+        acc += w.to(tl.float32) * _x_tile(x_ptr, k, K, EVEN).to(tl.float32)[None, :]
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
@@ -45,26 +79,19 @@ def _gemv_row(x_ptr, w_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr,
 @triton.jit
 def _gemv_rows(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, HAS_BIAS: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-               DTYPE: tl.constexpr, EXACT: tl.constexpr):
+               DTYPE: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, 16)
     kk = tl.arange(0, BLOCK_K)
     rows = w_ptr + n[:, None].to(tl.int64) * K
     acc = tl.zeros([BLOCK_N, 16], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    w = _weight_tile(rows, n, kk, N, K, EVEN)      # before the wait, as in _gemv_row
+    wait_for_producers(PDL)
+    acc = _dot_rows(w, _xt_tile(x_ptr, m, kk, M, K, stride_xm, EVEN), acc, EXACT)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + kk
-        if EVEN:
-            w = tl.load(rows + k[None, :])
-            xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=m[None, :] < M,
-                         other=0.0)
-        else:
-            w = tl.load(rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-            xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None],
-                         mask=(m[None, :] < M) & (k[:, None] < K), other=0.0)
-        if EXACT:
-            acc = tl.dot(w, xt, acc)
-        else:  # the interpreter's bf16 dot is wrong: take the (exact) fp32 products
-            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        w = _weight_tile(rows, n, k, N, K, EVEN)
+        acc = _dot_rows(w, _xt_tile(x_ptr, m, k, M, K, stride_xm, EVEN), acc, EXACT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
     tl.store(y_ptr + m[None, :] * N + n[:, None], round_to(acc, DTYPE, EXACT),
@@ -80,9 +107,10 @@ def row_config(n: int) -> dict:
 
 def rows_config(n: int) -> dict:
     """2..8 rows: 64 output rows a program; deeper pipelines and longer K tiles for the
-    small weights (measured, H200)."""
+    small weights (measured, H200; 4 stages at N <= 4096: the first tile loaded ahead of
+    the loop (ops/pdl.py) takes a fifth's shared memory)."""
     if n <= 4096:
-        return dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=5)
+        return dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
     if n <= 8192:
         return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5)
     return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
@@ -105,5 +133,6 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
     launchable(kernel)[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, weight, y if bias is None else bias, y, *shape, HAS_BIAS=bias is not None,
-        EVEN=even, DTYPE=TL_DTYPES[x.dtype], EXACT=not interpreting(), **cfg)
+        EVEN=even, DTYPE=TL_DTYPES[x.dtype], EXACT=not interpreting(), **cfg,
+        **pdl_launch(x.device))
     return y

@@ -12,6 +12,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kvcompile.ops.cast import to_bf16 as _to_bf16
+from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.span_attention.launch import interpreting, launchable, page_geometry
 
 
@@ -106,7 +107,8 @@ def _store_scales(scales, head, off, dsc, P: tl.constexpr, D: tl.constexpr,
 def _kv_write(k_pool, v_pool, k_new, v_new, slots, page_table, stride_kt, stride_kh,
               stride_vt, stride_vh, k_page_bytes, v_page_bytes, k_code_bytes, v_code_bytes,
               P: tl.constexpr, D: tl.constexpr, K_TYPE: tl.constexpr, V_TYPE: tl.constexpr,
-              HAS_TABLE: tl.constexpr, EXACT_MUL: tl.constexpr):
+              HAS_TABLE: tl.constexpr, EXACT_MUL: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producers(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots + t).to(tl.int64)      # with a page table: the logical position
@@ -145,4 +147,4 @@ def kv_write_triton(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_si
         v_new.stride(0), v_new.stride(1), kg.page_bytes, vg.page_bytes,
         kg.code_bytes, vg.code_bytes, P=page_size, D=head_dim, K_TYPE=kg.kv_type,
         V_TYPE=vg.kv_type, HAS_TABLE=page_table is not None, EXACT_MUL=not interpreting(),
-        num_warps=1)
+        num_warps=1, **pdl_launch(k_new.device))

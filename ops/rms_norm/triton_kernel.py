@@ -10,12 +10,15 @@ import triton
 import triton.language as tl
 
 from kvcompile.ops.cast import TL_DTYPES, round_to
+from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.span_attention.launch import interpreting, launchable
 
 
 @triton.jit
 def _rms_norm(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, n, eps, HAS_RESIDUAL: tl.constexpr,
-              BLOCK: tl.constexpr, DTYPE: tl.constexpr, EXACT: tl.constexpr):
+              BLOCK: tl.constexpr, DTYPE: tl.constexpr, EXACT: tl.constexpr,
+              PDL: tl.constexpr):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64) * n
     c = tl.arange(0, BLOCK)
     m = c < n
@@ -50,5 +53,6 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
         launchable(_rms_norm)[(rows,)](
             x, r, weight.contiguous(), y if s is None else s, y, n, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, DTYPE=TL_DTYPES[x.dtype],
-            EXACT=not interpreting(), num_warps=max(1, min(16, block // 512)))
+            EXACT=not interpreting(), num_warps=max(1, min(16, block // 512)),
+            **pdl_launch(x.device))
     return s, y

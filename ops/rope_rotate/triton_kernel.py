@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kvcompile.ops.cast import TL_DTYPES, round_to
+from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.span_attention.launch import interpreting, launchable
 
 HEADS_PER_PROGRAM = 16     # the smallest tensor-core tile height
@@ -77,7 +78,8 @@ def _rope_rotate(x_ptr, out_ptr, cos_ptr, sin_ptr, rot_a, rot_b, stride_xt, stri
                  stride_ct, n_heads, n_rope, blocks_a, D, R, NEOX: tl.constexpr,
                  HAS_A: tl.constexpr, HAS_B: tl.constexpr, BLOCK_D: tl.constexpr,
                  BH: tl.constexpr, BN: tl.constexpr, DTYPE: tl.constexpr,
-                 EXACT: tl.constexpr):
+                 EXACT: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producers(PDL)
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     cols = tl.program_id(2) * BN + tl.arange(0, BN)
@@ -115,5 +117,5 @@ def rope_rotate_triton(x, cos, sin, neox: bool, n_rope: int, rot_a, rot_b) -> to
         x.stride(0), x.stride(1), cos.stride(0), n_heads, n_rope, blocks_a, head_dim,
         cos.shape[-1], NEOX=bool(neox), HAS_A=rot_a is not None, HAS_B=rot_b is not None,
         BLOCK_D=block_d, BH=bh, BN=bn, DTYPE=TL_DTYPES[x.dtype],
-        EXACT=not interpreting(), num_warps=4)
+        EXACT=not interpreting(), num_warps=4, **pdl_launch(x.device))
     return out

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from kvcompile.ops.cast import TL_DTYPES, round_to
+from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.span_attention.launch import interpreting, launchable
 
 BLOCK = 1024
@@ -14,7 +15,8 @@ BLOCK = 1024
 
 @triton.jit
 def _silu_mul(x_ptr, out_ptr, f, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
-              EXACT: tl.constexpr):
+              EXACT: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < f
@@ -32,5 +34,5 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     if rows:
         launchable(_silu_mul)[(rows, triton.cdiv(f, BLOCK))](
             x, out, f, BLOCK=BLOCK, DTYPE=TL_DTYPES[x.dtype], EXACT=not interpreting(),
-            num_warps=4)
+            num_warps=4, **pdl_launch(x.device))
     return out

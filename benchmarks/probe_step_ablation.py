@@ -1,0 +1,101 @@
+"""Probe (device): what each small kernel of a captured 8B decode step costs, as the decode
+speed with that kernel left out (its outputs are wrong: timing only, never a result).
+
+    python benchmarks/probe_step_ablation.py [--ctx 8192] [--json PATH]
+
+Llama-3-8B geometry, random bf16 weights, q8_0/q4_0 KV, all resident, lower="graph" +
+CUDA graphs, as bench_compiled's ours-captured. Variants, each one process-local patch:
+  base        nothing left out
+  no_silu     SwiGLU's silu_mul (the down GEMV reads the gate half instead)
+  no_out_rot  the attention output's rotation back (quantized V is stored rotated)
+  no_kv_write the K/V page writes
+  no_reduce   the decode attention's reduce kernel (the split's partials are never merged)
+  none_of_4   all four left out
+The gap between a variant and base bounds what fusing that kernel away can gain.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_compiled as B  # noqa: E402
+import bench_streaming as S  # noqa: E402
+from bench_util import hbm_bandwidth, log  # noqa: E402
+
+from kvcompile.ops import rows  # noqa: E402
+from kvcompile.ops.kv_write import op as kv_write_op  # noqa: E402
+from kvcompile.ops.span_attention import decode_blocks  # noqa: E402
+
+
+@contextlib.contextmanager
+def patched(obj, name, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def leave_out(what: str):
+    stack = contextlib.ExitStack()
+    real_rope = rows.rope_rotate
+    if what in ("no_silu", "none_of_4"):
+        stack.enter_context(patched(rows, "silu_mul", lambda gu: gu[..., :gu.shape[-1] // 2]))
+    if what in ("no_out_rot", "none_of_4"):
+        def rope(x, cos, sin, neox, n_rope, rot_a, rot_b):
+            if n_rope == 0:
+                return x
+            return real_rope(x, cos, sin, neox, n_rope, rot_a, rot_b)
+        stack.enter_context(patched(rows, "rope_rotate", rope))
+    if what in ("no_kv_write", "none_of_4"):
+        stack.enter_context(patched(kv_write_op, "kv_write_triton", lambda *a, **k: None))
+    if what in ("no_reduce", "none_of_4"):
+        stack.enter_context(patched(decode_blocks, "launch_reduce", lambda sh, *a: sh.out))
+    return stack
+
+
+VARIANTS = ("base", "no_silu", "no_out_rot", "no_kv_write", "no_reduce", "none_of_4")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    args = B.parse_args(["--resident-contexts", str(a.ctx), "--streamed-contexts", "",
+                         "--decode-steps", "64"])
+    device, dtype = S.device_and_dtype("cuda", "needs CUDA")
+    hbm = hbm_bandwidth()["hbm_gbps_measured"]
+    model = S.build_models(S.LLAMA3_8B, a.ctx + args.decode_steps + 64, dtype, device,
+                           0, want_hf=False)[0]
+    ids = S.random_ids(a.ctx, S.LLAMA3_8B.vocab, a.ctx, device)
+    roofline = hbm * 1e9 / (B.weight_read_bytes(model)
+                            + a.ctx * S.kv_bytes_per_token(S.LLAMA3_8B, "q8_0", "q4_0"))
+    out = []
+    for v in a.variants.split(","):
+        with leave_out(v):
+            row = B.timed_compiled(model, a.ctx, "q8_0/q4_0", args, device, ids, "graph")
+        tok_s = args.decode_steps / row["decode_s"]
+        out.append(dict(variant=v, decode_tok_s=tok_s, step_ms=1e3 / tok_s,
+                        x_roofline=tok_s / roofline))
+        log(f"{v:12s} {tok_s:7.1f} tok/s  {1e3 / tok_s:6.3f} ms a step  "
+            f"{tok_s / roofline:.3f} x roofline ({roofline:.1f})")
+    base = out[0]["step_ms"]
+    for r in out:
+        print(f"{r['variant']:12s} step {r['step_ms']:.3f} ms ({r['step_ms'] - base:+.3f})")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(hbm_gbps_measured=hbm, roofline_tok_s=roofline, rows=out), f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()

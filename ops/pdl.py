@@ -1,0 +1,63 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the decode-step kernels.
+
+A kernel launched with PDL may be scheduled while the kernel before it in the stream is
+still running. It must not read anything an earlier kernel wrote until it passed
+`wait_for_producers` (griddepcontrol.wait: the previous grid has completed and its writes
+are visible); once all its programs passed that point it lets the next kernel launch.
+Reads of data no kernel writes (weights) may go before the wait.
+
+Why: a captured decode step is ~390 kernels, most of a few microseconds; without PDL each
+launch and ramp-up starts only after the previous kernel drained.
+
+Rules that keep it exact: a kernel is launched with PDL if and only if it calls
+`wait_for_producers` before its first dependent read and before any write (`launch`
+returns both switches together); kernels launched without it (torch's, cuBLAS) wait for
+their predecessor as usual, so every chain of waits reaches back to completed work.
+KVCOMPILE_PDL=0 turns it off (read at import; `ENABLED` may be set by benchmarks).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+ENABLED = os.environ.get("KVCOMPILE_PDL", "1") not in ("", "0")
+
+
+@triton.jit
+def wait_for_producers(PDL: tl.constexpr):
+    """Block until the previous kernel completed, then let the next one launch (no-op
+    without PDL)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _traced() -> bool:
+    """True while torch.compile traces the kernel call (the inductor lowering): the traced
+    launch takes no options beyond num_warps / num_stages."""
+    try:
+        from torch._library.triton import is_wrap_triton_enabled
+    except ImportError:       # no wrap_triton at all: nothing traces the launch
+        return False
+    return is_wrap_triton_enabled()
+
+
+def launch(device: torch.device) -> dict:
+    """Keywords for a launch of a kernel with a `PDL` constexpr: PDL on (with the launch
+    attribute) on a Hopper-or-later GPU in an eager or captured launch, off elsewhere
+    (CPU, the Triton interpreter, a traced launch, KVCOMPILE_PDL=0)."""
+    on = (ENABLED and device.type == "cuda"
+          and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not _traced()
+          and _capability(device.index if device.index is not None
+                          else torch.cuda.current_device()) >= 9)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
