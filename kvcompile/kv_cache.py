@@ -13,7 +13,7 @@ from torch import nn
 
 from kvcompile.config import ModelConfig
 from kvcompile.errors import ContextLengthError, KvLayoutError
-from kvcompile.kv_rotation import k_rotation, v_rotation
+from kvcompile.kv_rotation import V_BLOCK, diagonal_blocks, k_rotation, v_rotation
 from kvcompile.ops import kv_format as F
 
 
@@ -31,6 +31,9 @@ class LayerKv(nn.Module):
         self.register_buffer("page_table", page_table)  # int32 [num_logical_pages]
         self.register_buffer("k_rot", k_rot)            # [D, D] for Q and K, or None
         self.register_buffer("v_rot", v_rot)            # [D, D] for V and the output, or None
+        # the output's rotation as span_attention takes it: v_rot's diagonal blocks
+        self.register_buffer("v_rot_blocks", None if v_rot is None
+                             else diagonal_blocks(v_rot.float(), V_BLOCK))
         self.register_buffer("workspace", workspace)    # decode scratch (fp32), or None (CPU)
         self.k_type, self.v_type, self.page_size = k_type, v_type, page_size  # ggml ids
 

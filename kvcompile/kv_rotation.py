@@ -42,9 +42,21 @@ def k_rotation(t: KvType, head_dim: int) -> torch.Tensor | None:
     return block_rotation(head_dim, block)
 
 
+V_BLOCK = MIN_BLOCK      # V rotations are block-diagonal with blocks of this size
+
+
+def diagonal_blocks(rot: torch.Tensor, block: int) -> torch.Tensor:
+    """The [D / block, block, block] diagonal blocks of a block-diagonal [D, D] rotation
+    (span_attention's out_rot form: its decode reduce merges one block's columns a
+    program)."""
+    n = rot.shape[0] // block
+    return torch.stack([rot[i * block:(i + 1) * block, i * block:(i + 1) * block]
+                        for i in range(n)]).contiguous()
+
+
 def v_rotation(t: KvType, head_dim: int) -> torch.Tensor | None:
     """The [D, D] rotation applied to V before a V page of type t (and to the attention
     output after), or None."""
     if not t.quantized or head_dim % MIN_BLOCK:
         return None
-    return block_rotation(head_dim, MIN_BLOCK)
+    return block_rotation(head_dim, V_BLOCK)

@@ -4,7 +4,9 @@ A kernel launched with PDL may be scheduled while the kernel before it in the st
 still running. It must not read anything an earlier kernel wrote until it passed
 `wait_for_producers` (griddepcontrol.wait: the previous grid has completed and its writes
 are visible); once all its programs passed that point it lets the next kernel launch.
-Reads of data no kernel writes (weights) may go before the wait.
+Reads of data no kernel writes may go before the wait: the GEMV's first weight tile, the
+norm weight, the decode reduce's output rotation (parameters and cache buffers; the ops'
+docstrings say so).
 
 Why: a captured decode step is ~390 kernels, most of a few microseconds; without PDL each
 launch and ramp-up starts only after the previous kernel drained.

@@ -48,11 +48,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_mul_naive(gate_up)
 
 
+def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
+            and x.dtype in GEMV_DTYPES and weight.dtype == x.dtype
+            and (bias is None or bias.dtype == x.dtype))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight^T + bias: the gemv op for a decode step's few rows on CUDA (f16 / bf16),
     F.linear (cuBLAS) for prefill, fp32 and other devices."""
-    if (x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
-            and x.dtype in GEMV_DTYPES and weight.dtype == x.dtype
-            and (bias is None or bias.dtype == x.dtype)):
+    if _gemv_fits(x, weight, bias):
         return torch.ops.kvcompile.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """silu_mul(linear(x, weight, bias)) for a fused [gate; up] weight: on the gemv path
+    one kernel (the product in the GEMV's epilogue, same values), else two."""
+    if _gemv_fits(x, weight, bias):
+        return torch.ops.kvcompile.gemv(x, weight, bias, True)
+    return silu_mul(linear(x, weight, bias))

@@ -71,6 +71,36 @@ def test_gemv_kernels_interpreted_match_fp64():
         assert err <= 1.0, name
 
 
+def test_gemv_silu_mul_interpreted_is_silu_mul_of_the_gemv():
+    """silu_mul=True (the SwiGLU gate/up GEMV): both kernels, partial tiles and a bias;
+    the result is silu_mul's formula on the plain GEMV's rounded output (within one unit in
+    the last place: exp differs between the interpreter and torch), the plain GEMV within
+    its fp64 bound."""
+    from kvcompile.ops.silu_mul.naive import silu_mul_naive
+    gen = torch.Generator().manual_seed(fresh_seed())
+    cases = [(1, 64, 128, False, dict(BLOCK_N=16, BLOCK_K=64, num_warps=4)),
+             (1, 40, 100, True, dict(BLOCK_N=16, BLOCK_K=32, num_warps=4)),
+             (5, 96, 80, True, dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2))]
+    jobs, args = [], []
+    for dn, dt in DTYPES.items():
+        for m, n, k, bias, cfg in cases:
+            x, w, b = gemv_case(m, n, k, dt, gen, bias)
+            for silu in (False, True):
+                jobs.append(dict(kind="gemv", args=dict(x=x, weight=w, bias=b, config=cfg,
+                                                        silu_mul=silu)))
+            args.append((f"{dn} m{m} n{n} k{k}", x, w, b))
+    res = run_interpreted(jobs)
+    for i, (name, x, w, b) in enumerate(args):
+        y, z = res[2 * i]["out"], res[2 * i + 1]["out"]
+        assert excess_over_bound(y, x, w, b) <= 1.0, name
+        assert z.shape == (x.shape[0], w.shape[0] // 2) and z.dtype == x.dtype, name
+        want = silu_mul_naive(y)
+        ulp = 2.0 ** -MANTISSA[z.dtype] * want.float().abs().clamp_min(2.0 ** -14)
+        diff = ((z.float() - want.float()).abs() / ulp).max().item()
+        print(f"{name}: silu_mul within {diff:.2f} ulp of silu_mul(gemv)")
+        assert diff <= 2.0, name
+
+
 def test_gemv_rejects_inputs_it_does_not_take():
     x = torch.randn(2, 64).bfloat16()
     w = torch.randn(32, 64).bfloat16()
@@ -78,7 +108,8 @@ def test_gemv_rejects_inputs_it_does_not_take():
            lambda: torch.ops.kvcompile.gemv(x, w[:, :63], None),
            lambda: torch.ops.kvcompile.gemv(x.float(), w.float(), None),
            lambda: torch.ops.kvcompile.gemv(x, w.half(), None),
-           lambda: torch.ops.kvcompile.gemv(x, w, torch.ones(31).bfloat16())]
+           lambda: torch.ops.kvcompile.gemv(x, w, torch.ones(31).bfloat16()),
+           lambda: torch.ops.kvcompile.gemv(x, w[:31], None, True)]     # odd gate/up
     for call in bad:
         with pytest.raises(OpInputError) as e:
             call()
@@ -117,6 +148,9 @@ def test_gpu_gemv_matches_fp64(shape, dtype):
         err = excess_over_bound(got, x, w, b)
         print(f"{n}x{k} {dtype} m{m}: {err:.2f} of the bound")
         assert err <= 1.0
+        # the SwiGLU form: silu_mul in the epilogue, the same bits as the two kernels
+        fused = torch.ops.kvcompile.gemv(xc, wc, bc, True)
+        assert torch.equal(fused, torch.ops.kvcompile.silu_mul(got)), f"silu_mul m{m}"
 
 
 @pytest.mark.gpu

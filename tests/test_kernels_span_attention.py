@@ -17,6 +17,7 @@ import kvcompile.ops  # noqa: F401
 from kernel_oracle import (PAIRS, args_of, build, dense_reference, fresh_seed, rel_err,
                            run_interpreted)
 from kvcompile.errors import KvLayoutError
+from kvcompile.kv_rotation import V_BLOCK, diagonal_blocks, v_rotation
 from kvcompile.ops import kv_format as F
 
 TOL = 1e-3
@@ -48,6 +49,27 @@ for kn, vn, qd in (("bf16", "bf16", torch.bfloat16), ("q8_0", "q4_0", torch.bflo
                        qd, ("resident",), dict(SMALL, chunk_len=32)))
         INTERP.append((f"prefill-K{kn}-V{vn}-D{d}-ctx40", "prefill", kn, vn, 40, 17, d, 1, 2,
                        16, qd, ("resident",), dict(SMALL, block_m=16)))
+# the output rotation folded into the decode reduce (out_rot as diagonal blocks
+# [NB, B, B]): random orthogonal blocks (the op takes any), and the V rotation the cache uses
+_rot_gen = torch.Generator().manual_seed(fresh_seed())
+
+
+def random_rotation(d: int, gen, block: int | None = None) -> torch.Tensor:
+    """[d / block, block, block] random orthogonal blocks (one [1, d, d] by default)."""
+    b = block or d
+    q = torch.linalg.qr(torch.randn(d // b, b, b, generator=gen, dtype=torch.float64))[0]
+    return q.float().contiguous()
+
+
+INTERP += [
+    ("decode-outrot-Kq8_0-Vq4_0-rows2-ctx70", "decode", "q8_0", "q4_0", 70, 2, 64, 2, 4, 16,
+     torch.bfloat16, TWO, dict(SMALL, chunk_len=16, out_rot=random_rotation(64, _rot_gen))),
+    ("decode-outrot32-Kq4_0-Vq8_0-rows3-ctx50", "decode", "q4_0", "q8_0", 50, 3, 64, 2, 2, 16,
+     torch.float16, TWO, dict(SMALL, chunk_len=16, out_rot=random_rotation(64, _rot_gen, 32))),
+    ("decode-outrot-Kbf16-Vq8_0-D128-ctx40", "decode", "bf16", "q8_0", 40, 1, 128, 1, 3, 16,
+     torch.float16, ("resident",), dict(SMALL, chunk_len=32, out_rot=diagonal_blocks(
+         v_rotation(F.kv_type("q8_0"), 128), V_BLOCK))),
+]
 INTERP += [
     ("decode-ctx1", "decode", "q8_0", "q4_0", 1, 1, 64, 2, 2, 16, torch.bfloat16, ALL3, SMALL),
     ("prefill-ctx1", "prefill", "q8_0", "q4_0", 1, 1, 64, 2, 2, 16, torch.bfloat16, ALL3,
@@ -93,7 +115,7 @@ def interp_runs():
     for cid, kernel, kn, vn, n_ctx, rows, d, n_kv, g, p, qd, plans, opts, *extra in INTERP:
         q, q_pos, placed = build(kn, vn, n_ctx, rows, d, n_kv, g, p, qd, gen, plans,
                                  **(extra[0] if extra else {}))
-        inputs[cid] = (kn, vn, q, q_pos, placed, p)
+        inputs[cid] = (kn, vn, q, q_pos, placed, p, opts.get("out_rot"))
         for name, (table, kp, vp) in placed.items():
             jobs.append({"kind": kernel, "opts": opts,
                          "args": args_of(kn, vn, q, q_pos, table, kp, vp, p)})
@@ -114,9 +136,11 @@ def interp_runs():
 @pytest.mark.parametrize("case", INTERP_IDS)
 def test_interpreted_kernel_exact_and_placement_independent(interp_runs, case):
     inputs, outs = interp_runs
-    kn, vn, q, q_pos, placed, p = inputs[case]
+    kn, vn, q, q_pos, placed, p, out_rot = inputs[case]
     table, kp, vp = placed["resident"]
     ref = dense_reference(q, kp, vp, table, q_pos, kn, vn, p, q.shape[-1] ** -0.5)
+    if out_rot is not None:
+        ref = ref @ torch.block_diag(*out_rot.double())
     errs = {name: rel_err(o, ref) for name, o in outs[case].items()}
     print(f"{case}: max relative error vs fp64 per placement {errs}")
     assert max(errs.values()) <= TOL
@@ -210,6 +234,45 @@ def test_gpu_exact_long_context(k_name, v_name, q_dtype, kernel, n_ctx):
     assert err <= TOL
 
 
+GPU_ROT = [(kn, vn, kernel, d, n_ctx) for kn, vn in (("q8_0", "q4_0"), ("bf16", "bf16"))
+           for kernel in DECODES for d in (64, 128, 256) for n_ctx in (257, 32845)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("k_name,v_name,kernel,d,n_ctx", GPU_ROT,
+                         ids=[f"K{k}-V{v}-{ker}-D{d}-ctx{n}" for k, v, ker, d, n in GPU_ROT])
+def test_gpu_decode_output_rotation(k_name, v_name, kernel, d, n_ctx):
+    """out_rot inside the decode reduce: the fp32 output against (fp64 attention) @ rot,
+    placement independent; through the op (f16 rows) equal to that output rounded once, and
+    the prefill path (attention, then rope_rotate) within the f16 rounding of it."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    rot = random_rotation(d, gen, 64).cuda()
+    dense = torch.block_diag(*rot.double())
+    q, q_pos, placed = build(k_name, v_name, n_ctx, 4, d, 2, 4, 256, torch.float16, gen,
+                             ALL3, "cuda")
+    outs = {name: run_gpu(kernel, dict(args_of(k_name, v_name, q, q_pos, *pl, 256),
+                                       out_rot=rot))
+            for name, pl in placed.items()}
+    table, kp, vp = placed["resident"]
+    ref = dense_reference(q, kp, vp, table, q_pos, k_name, v_name, 256, d ** -0.5) @ dense
+    err = rel_err(outs["resident"], ref)
+    print(f"D{d} ctx {n_ctx}: max rel err vs fp64 attention @ rot {err:.2e}")
+    assert err <= TOL
+    assert all(torch.equal(o, outs["resident"]) for o in outs.values())
+    a = dict(args_of(k_name, v_name, q, q_pos, table, kp, vp, 256), out_rot=rot)
+    if op_would_pick(kernel, q, kp, k_name, v_name):
+        assert torch.equal(torch.ops.kvcompile.span_attention(**a), outs["resident"].half())
+    wide = q.repeat(3, 1, 1)[:9]                       # 9 rows: the prefill kernel
+    wide_pos = torch.cat([q_pos] * 3)[:9]
+    got = torch.ops.kvcompile.span_attention(**dict(a, q=wide, q_pos=wide_pos))
+    want = dense_reference(wide, kp, vp, table, wide_pos, k_name, v_name, 256,
+                           d ** -0.5) @ dense
+    assert rel_err(got, want) <= 2 * TOL
+    as_dense = torch.ops.kvcompile.span_attention(**dict(a, out_rot=dense.float()))
+    assert rel_err(as_dense, ref) <= 2 * TOL           # a dense [D, D] is one block
+
+
 # ---- bad input (CPU, through the op) ---------------------------------------------------------
 
 def test_bad_inputs_raise_clear_errors():
@@ -226,6 +289,8 @@ def test_bad_inputs_raise_clear_errors():
         "pool pages differ": (dict(a, v_pool=vp[:-1]), "same number of pages"),
         "pool bytes vs head dim": (dict(a, q=torch.randn(2, 4, 256).bfloat16()), "KV pool must be"),
         "page table 2-D": (dict(a, page_table=table[None]), "1-D"),
+        "out_rot shape": (dict(a, out_rot=torch.eye(32)), "out_rot must be a \\[64, 64\\]"),
+        "out_rot blocks": (dict(a, out_rot=torch.eye(24).expand(3, 24, 24)), "NB \\* B = 64"),
     }
     for name, (kw, text) in bad.items():
         with pytest.raises(KvLayoutError, match=text):

@@ -102,6 +102,12 @@ def test_kv_rotations_are_orthonormal_involutions(head_dim):
         print(f"{name} rotation, head dim {head_dim}: max |R R - I| = {err:.1e}")
         assert torch.equal(r, r.T) and err < 1e-6
         assert make(kv_type("f16"), head_dim) is None      # float pages are stored as is
+    # span_attention takes the V rotation as its diagonal blocks: nothing off them
+    from kvcompile.kv_rotation import V_BLOCK, diagonal_blocks
+    r = v_rotation(kv_type("q4_0"), head_dim)
+    blocks = diagonal_blocks(r, V_BLOCK)
+    assert blocks.shape == (head_dim // V_BLOCK, V_BLOCK, V_BLOCK)
+    assert torch.equal(torch.block_diag(*blocks), r)
 
 
 @pytest.mark.parametrize("n_layers", [1, 2])

@@ -124,6 +124,8 @@ class SwiGLU(nn.Module):
         self.gate_up = fuse_linears(self.gate, self.up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None and x.dim() == 2:
+            return self.down(rows.linear_silu_mul(x, self.gate_up.weight, self.gate_up.bias))
         if self.gate_up is not None:
             return self.down(rows.silu_mul(self.gate_up(x)))
         return self.down(F.silu(self.gate(x)) * self.up(x))
@@ -160,7 +162,7 @@ class PagedAttention(nn.Module):
         """x [T, hidden]; cos/sin [T, R] (rope_rows); q_pos int32 [T] (each row's position:
         kv_write maps it through the page table to the row's slot); kv a LayerKv. Quantized
         K / V are stored rotated (kvcompile.kv_rotation): rope and both rotations are one
-        rope_rotate, the output's rotation back another."""
+        rope_rotate; span_attention rotates its output back (in its reduce on decode)."""
         t, hq, hk = x.shape[0], self.n_heads, self.n_kv_heads
         qkv = rows.rope_rotate(self.heads(x), cos, sin, self.rope_neox, hq + hk, kv.k_rot,
                                kv.v_rot)
@@ -169,7 +171,6 @@ class PagedAttention(nn.Module):
                                      kv.k_type, kv.v_type, kv.page_size, kv.page_table)
         out = torch.ops.kvcompile.span_attention(q, kv.k_pool, kv.v_pool, kv.page_table, q_pos,
                                                  kv.k_type, kv.v_type, kv.page_size, self.scale,
-                                                 getattr(kv, "workspace", None))
-        if kv.v_rot is not None:
-            out = rows.rope_rotate(out, cos, sin, self.rope_neox, 0, None, kv.v_rot)
+                                                 getattr(kv, "workspace", None),
+                                                 kv.v_rot_blocks)
         return self.wo(out.reshape(t, hq * self.head_dim))

@@ -8,6 +8,9 @@ match it on the large ones (benchmarks/probe_overhead.py, docs/performance.md).
   at the end; a row needs 1 FMA per weight element, far below the issue rate.
 - 2..8 rows (`_gemv_rows`): one tensor-core dot per weight tile, the rows padded to 16.
 fp32 accumulation, bias added in fp32, one rounding to x's dtype.
+SILU (the fused gate / up projection of a SwiGLU): tile row 2c is gate row c, 2c + 1 up row
+N / 2 + c, and the epilogue stores silu(gate) * up of the rounded pair (ops/silu_mul's
+formula), BLOCK_N / 2 outputs a program: no separate silu_mul kernel in a decode step.
 """
 from __future__ import annotations
 
@@ -56,10 +59,37 @@ def _dot_rows(w, xt, acc, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _weight_rows(BLOCK_N: tl.constexpr, N, SILU: tl.constexpr):
+    """(weight rows of the program's tile, the output column of each): row j of the tile
+    is output j, or with SILU gate (j even) / up (j odd) row of output j // 2."""
+    j = tl.arange(0, BLOCK_N)
+    if SILU:
+        c = tl.program_id(0) * (BLOCK_N // 2) + j // 2
+        return c + (j % 2) * (N // 2), c
+    else:
+        n = tl.program_id(0) * BLOCK_N + j
+        return n, n
+
+
+@triton.jit
+def _silu_pairs(y, DTYPE: tl.constexpr, EXACT: tl.constexpr, ROWS: tl.constexpr):
+    """fp32 y [BLOCK_N, ...] with (gate, up) in row pairs -> silu(gate) * up [BLOCK_N / 2,
+    ...] in fp32, from the pair rounded to DTYPE as silu_mul reads it."""
+    y = round_to(y, DTYPE, EXACT).to(tl.float32)
+    if not ROWS:
+        g, u = tl.split(tl.reshape(y, (y.shape[0] // 2, 2)))
+    else:
+        g, u = tl.split(tl.permute(tl.reshape(y, (y.shape[0] // 2, 2, y.shape[1])),
+                                   (0, 2, 1)))
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
 def _gemv_row(x_ptr, w_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-              DTYPE: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+              DTYPE: tl.constexpr, EXACT: tl.constexpr, SILU: tl.constexpr,
+              PDL: tl.constexpr):
+    n, _ = _weight_rows(BLOCK_N, N, SILU)
     kk = tl.arange(0, BLOCK_K)
     rows = w_ptr + n[:, None].to(tl.int64) * K
     # the first weight tile before the wait: no kernel writes weights (ops/pdl.py)
@@ -73,14 +103,20 @@ def _gemv_row(x_ptr, w_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr,
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
-    tl.store(y_ptr + n, round_to(y, DTYPE, EXACT), mask=n < N)
+    if SILU:
+        c = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(y_ptr + c, round_to(_silu_pairs(y, DTYPE, EXACT, False), DTYPE, EXACT),
+                 mask=c < N // 2)
+    else:
+        tl.store(y_ptr + n, round_to(y, DTYPE, EXACT), mask=n < N)
 
 
 @triton.jit
 def _gemv_rows(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, HAS_BIAS: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-               DTYPE: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+               DTYPE: tl.constexpr, EXACT: tl.constexpr, SILU: tl.constexpr,
+               PDL: tl.constexpr):
+    n, _ = _weight_rows(BLOCK_N, N, SILU)
     m = tl.arange(0, 16)
     kk = tl.arange(0, BLOCK_K)
     rows = w_ptr + n[:, None].to(tl.int64) * K
@@ -94,8 +130,14 @@ def _gemv_rows(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, HAS_BIAS: tl.cons
         acc = _dot_rows(w, _xt_tile(x_ptr, m, k, M, K, stride_xm, EVEN), acc, EXACT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
-    tl.store(y_ptr + m[None, :] * N + n[:, None], round_to(acc, DTYPE, EXACT),
-             mask=(m[None, :] < M) & (n[:, None] < N))
+    if SILU:
+        c = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(y_ptr + m[None, :] * (N // 2) + c[:, None],
+                 round_to(_silu_pairs(acc, DTYPE, EXACT, True), DTYPE, EXACT),
+                 mask=(m[None, :] < M) & (c[:, None] < N // 2))
+    else:
+        tl.store(y_ptr + m[None, :] * N + n[:, None], round_to(acc, DTYPE, EXACT),
+                 mask=(m[None, :] < M) & (n[:, None] < N))
 
 
 def row_config(n: int) -> dict:
@@ -117,13 +159,15 @@ def rows_config(n: int) -> dict:
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                config: dict | None = None) -> torch.Tensor:
+                config: dict | None = None, silu_mul: bool = False) -> torch.Tensor:
     """x [M, K] (M <= 8, last dim dense), weight [N, K] contiguous, bias [N] or None;
-    `config` overrides the launch defaults (benchmarks)."""
+    `config` overrides the launch defaults (benchmarks); silu_mul: y [M, N / 2] =
+    silu(gate) * up of the [gate; up] rows (module docstring)."""
     m, k = x.shape
     n = weight.shape[0]
     assert weight.is_contiguous() and x.stride(1) == 1, "gemv needs dense rows"
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    assert not silu_mul or n % 2 == 0, "silu_mul pairs gate and up rows: N must be even"
+    y = torch.empty((m, n // 2 if silu_mul else n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     if m == 1:
@@ -133,6 +177,6 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
     launchable(kernel)[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, weight, y if bias is None else bias, y, *shape, HAS_BIAS=bias is not None,
-        EVEN=even, DTYPE=TL_DTYPES[x.dtype], EXACT=not interpreting(), **cfg,
+        EVEN=even, DTYPE=TL_DTYPES[x.dtype], EXACT=not interpreting(), SILU=silu_mul, **cfg,
         **pdl_launch(x.device))
     return y

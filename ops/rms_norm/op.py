@@ -1,7 +1,9 @@
 """torch.ops.kvcompile.rms_norm and add_rms_norm: RMS norm over the last dim (fp32 math,
 output in x's dtype), add_rms_norm with the residual add fused in front.
 
-x, residual: [..., n] float tensors of one dtype; weight [n] (any float dtype).
+x, residual: [..., n] float tensors of one dtype; weight [n] (any float dtype). On a GPU
+with PDL (ops/pdl.py) the kernel reads `weight` before waiting for the kernel launched just
+before it: a weight must be a parameter, not something that kernel computes.
 """
 from __future__ import annotations
 

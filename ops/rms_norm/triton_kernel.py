@@ -18,10 +18,11 @@ from kvcompile.ops.span_attention.launch import interpreting, launchable
 def _rms_norm(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, n, eps, HAS_RESIDUAL: tl.constexpr,
               BLOCK: tl.constexpr, DTYPE: tl.constexpr, EXACT: tl.constexpr,
               PDL: tl.constexpr):
-    wait_for_producers(PDL)
-    row = tl.program_id(0).to(tl.int64) * n
     c = tl.arange(0, BLOCK)
     m = c < n
+    w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)   # constant: before the wait
+    wait_for_producers(PDL)
+    row = tl.program_id(0).to(tl.int64) * n
     x = tl.load(x_ptr + row + c, mask=m, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         # x + residual rounded once to the model dtype, as torch's add rounds it
@@ -33,7 +34,6 @@ def _rms_norm(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, n, eps, HAS_RESIDUAL: tl.conste
     # correctly rounded root and division (once a row), as torch's norm computes them
     ms = (tl.sum(x * x, 0) / n + eps).to(tl.float32)
     inv = tl.math.div_rn(tl.full(ms.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms))
-    w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
     tl.store(y_ptr + row + c, round_to(x * inv * w, DTYPE, EXACT), mask=m)
 
 

@@ -11,6 +11,7 @@ import os
 import triton
 import triton.language as tl
 
+from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.span_attention.decode_kernel import LOG2E, span_attention_decode
 from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape,
                                                        launch_reduce, program_rows_and_chunk,
@@ -29,7 +30,8 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
                          G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QK_F16: tl.constexpr,
-                         K_SPLIT: tl.constexpr, INTERP: tl.constexpr):
+                         K_SPLIT: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producers(PDL)
     KQ: tl.constexpr = K_TYPE == 2 or K_TYPE == 8
     V4: tl.constexpr = V_TYPE == 2
     VQ: tl.constexpr = V_TYPE == 2 or V_TYPE == 8
@@ -107,7 +109,7 @@ def blocks_config(head_dim: int, block_m: int, k_quantized: bool) -> dict:
 def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
                                  page_size, scale, out=None, chunk_len=None, block_n=None,
                                  num_warps=None, num_stages=None, programs_per_sm=None,
-                                 maxnreg=None, workspace=None):
+                                 maxnreg=None, workspace=None, out_rot=None):
     """Same contract as decode_kernel.span_attention_decode; `maxnreg` caps registers a
     thread (more programs resident per SM). Launch options left None come from
     blocks_config."""
@@ -130,9 +132,9 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
         QK_SCALE=scale * LOG2E, G=sh.group, D=head_dim, P=page_size, BLOCK_M=block_m,
         BLOCK_N=block_n, K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16,
         K_SPLIT=k_split(kg.kv_type), INTERP=interpreting(),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(q.device),
         **({"maxnreg": maxnreg} if maxnreg and not interpreting() else {}))
-    return launch_reduce(sh, bufs, q_pos, n_chunks, chunk_len, page_size)
+    return launch_reduce(sh, bufs, q_pos, n_chunks, chunk_len, page_size, out_rot)
 
 
 DECODE_IMPLS = {"legacy": span_attention_decode, "blocks": span_attention_decode_blocks}

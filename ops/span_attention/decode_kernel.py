@@ -13,6 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape,
                                                        launch_reduce, program_rows_and_chunk,
                                                        split_operands, store_partial_stats)
@@ -40,7 +41,8 @@ def _decode_split(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
                   G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QK_F16: tl.constexpr,
-                  K_SPLIT: tl.constexpr, INTERP: tl.constexpr):
+                  K_SPLIT: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producers(PDL)
     h = tl.program_id(1)
     r, t, row_ok, qp, n_ctx, start, end = program_rows_and_chunk(
         q_pos_ptr, n_rows, chunk_len, table_len, G, P, BLOCK_M)
@@ -77,10 +79,12 @@ def _decode_split(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
 
 def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size,
                           scale, out=None, chunk_len=None, block_n=None, num_warps=None,
-                          num_stages=None, programs_per_sm=None, workspace=None):
+                          num_stages=None, programs_per_sm=None, workspace=None,
+                          out_rot=None):
     """Launch the split + reduce kernels; `out` may be given in any float dtype (tests use
     fp32 to see the kernel's own error without the final rounding); `workspace` is an fp32
-    buffer for the partials (workspace.py), allocated per call when None."""
+    buffer for the partials (workspace.py), allocated per call when None; `out_rot` an fp32
+    [D, D] the reduce multiplies each output row by (launch_reduce)."""
     sh = decode_shape(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, out)
     kg, vg, head_dim = sh.kg, sh.vg, sh.head_dim
     if block_n is None:
@@ -103,5 +107,5 @@ def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, 
         BLOCK_N=block_n,
         K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16, K_SPLIT=k_split(kg.kv_type),
         INTERP=interpreting(),
-        num_warps=num_warps, num_stages=num_stages)
-    return launch_reduce(sh, bufs, q_pos, n_chunks, chunk_len, page_size)
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(q.device))
+    return launch_reduce(sh, bufs, q_pos, n_chunks, chunk_len, page_size, out_rot)

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.span_attention.launch import (PageGeometry, check_launch, dot_mode,
                                                  launchable, num_sms, page_geometry, pool_args)
 from kvcompile.ops.span_attention.workspace import carve, chunks_per_head
@@ -108,66 +109,113 @@ def store_partial_stats(m_ptr, l_ptr, m_i, l_i, r, h, n_chunks, n_rows, start, n
 
 
 @triton.jit
-def _decode_reduce(m_ptr, l_ptr, acc_ptr, q_pos_ptr, out_ptr, stride_ot, stride_oh,
+def _merge(m_run, l_run, acc, mc, lc, ac):
+    """Running (max, sum, accumulator) merged with a tile of chunk partials."""
+    m_new = tl.maximum(m_run, tl.max(mc, 0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_run - m_use)
+    w = tl.exp2(mc - m_use)
+    l_run = l_run * alpha + tl.sum(lc * w, 0)
+    acc = acc * alpha + tl.sum(ac * w[:, None], 0)
+    return m_new, l_run, acc
+
+
+@triton.jit
+def _decode_reduce(m_ptr, l_ptr, acc_ptr, q_pos_ptr, rot_ptr, out_ptr, stride_ot, stride_oh,
                    n_rows, n_chunks, chunk_len, table_len,
                    G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-                   ROWS_P2: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+                   ROWS_P2: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                   ONE_STEP: tl.constexpr, ROT: tl.constexpr, PDL: tl.constexpr):
+    """Value columns [pid2 * BLOCK_D, +BLOCK_D) of (head, tile row): the chunks' partials
+    merged in chunk order; with ROT, times the rotation's diagonal block pid2 (fp32
+    [BLOCK_D, BLOCK_D] at rot_ptr), which mixes only these columns. ONE_STEP (all chunks
+    fit one tile): the partials are read alongside q_pos, not after it, and the chunks past
+    the context masked once they are known (one memory round trip less)."""
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    if ROT:    # constant: read before the wait (ops/pdl.py)
+        j = tl.arange(0, BLOCK_D)
+        blk = rot_ptr + tl.program_id(2) * BLOCK_D * BLOCK_D
+        rot = tl.load(blk + j[:, None] * BLOCK_D + j[None, :])
+    wait_for_producers(PDL)
     h = tl.program_id(0)
     r = tl.program_id(1)
     tr = tl.arange(0, ROWS_P2)
+    mrows = n_rows * G
+    if ONE_STEP:
+        cc = tl.arange(0, BLOCK_C)
+        slot = (h * n_chunks + cc) * mrows + r
+        have = cc < n_chunks
+        mc = tl.load(m_ptr + slot, mask=have, other=float("-inf"))
+        lc = tl.load(l_ptr + slot, mask=have, other=0.0)
+        ac = tl.load(acc_ptr + slot.to(tl.int64)[:, None] * D + d[None, :],
+                     mask=have[:, None], other=0.0)
     qp = tl.load(q_pos_ptr + tr, mask=tr < n_rows, other=-1)
     n_ctx = tl.minimum(tl.max(qp, 0) + 1, table_len * P)
     used = tl.cdiv(n_ctx, chunk_len)
-    mrows = n_rows * G
-    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     m_run = tl.full([1], float("-inf"), tl.float32)
     l_run = tl.zeros([1], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for c0 in range(0, used, BLOCK_C):
-        cc = c0 + tl.arange(0, BLOCK_C)
+    if ONE_STEP:       # chunks past the context hold stale partials: masked, never mixed in
         ok = cc < used
-        slot = (h * n_chunks + cc) * mrows + r
-        mc = tl.load(m_ptr + slot, mask=ok, other=float("-inf"))
-        lc = tl.load(l_ptr + slot, mask=ok, other=0.0)
-        ac = tl.load(acc_ptr + slot.to(tl.int64)[:, None] * D + d[None, :],
-                     mask=ok[:, None], other=0.0)
-        m_new = tl.maximum(m_run, tl.max(mc, 0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_use)
-        w = tl.exp2(mc - m_use)
-        l_run = l_run * alpha + tl.sum(lc * w, 0)
-        acc = acc * alpha + tl.sum(ac * w[:, None], 0)
-        m_run = m_new
+        m_run, l_run, acc = _merge(m_run, l_run, acc, tl.where(ok, mc, float("-inf")),
+                                   tl.where(ok, lc, 0.0), tl.where(ok[:, None], ac, 0.0))
+    else:
+        for c0 in range(0, used, BLOCK_C):
+            cc = c0 + tl.arange(0, BLOCK_C)
+            ok = cc < used
+            slot = (h * n_chunks + cc) * mrows + r
+            mc = tl.load(m_ptr + slot, mask=ok, other=float("-inf"))
+            lc = tl.load(l_ptr + slot, mask=ok, other=0.0)
+            ac = tl.load(acc_ptr + slot.to(tl.int64)[:, None] * D + d[None, :],
+                         mask=ok[:, None], other=0.0)
+            m_run, l_run, acc = _merge(m_run, l_run, acc, mc, lc, ac)
     t = r // G
     g = r % G
     o = acc / l_run
+    if ROT:
+        o = tl.sum(o[:, None] * rot, 0)
     optr = out_ptr + t.to(tl.int64) * stride_ot + (h * G + g) * stride_oh + d
     tl.store(optr, o.to(out_ptr.dtype.element_ty))
 
 
-# fp32 partial accumulators one reduce program holds at once ([BLOCK_C, BLOCK_D] tile)
+# fp32 partial accumulators one reduce program holds at once ([BLOCK_C, BLOCK_D] tile):
+# 32 value columns a program without a rotation (more programs, shorter chains); with one,
+# a diagonal block of it (the columns it mixes; 8 warps past REDUCE_TILE_FLOATS).
 REDUCE_TILE_FLOATS = 8192
-REDUCE_BLOCK_D = 32     # value columns a reduce program: more programs, shorter chains
+REDUCE_ROT_TILE_FLOATS = 16384
+REDUCE_BLOCK_D = 32
 
 
-def reduce_block(n_chunks: int) -> int:
+def reduce_block(n_chunks: int, columns: int = REDUCE_BLOCK_D,
+                 tile_floats: int = REDUCE_TILE_FLOATS) -> int:
     """Chunks merged a loop step: all of them in one step when they fit the tile (the
     reduce is latency bound: each step is a round trip to memory), at least 16."""
-    return max(16, min(triton.next_power_of_2(n_chunks), REDUCE_TILE_FLOATS // REDUCE_BLOCK_D))
+    return max(16, min(triton.next_power_of_2(n_chunks), tile_floats // columns))
 
 
 def launch_reduce(sh: DecodeShape, bufs, q_pos, n_chunks: int, chunk_len: int,
-                  page_size: int) -> torch.Tensor:
+                  page_size: int, out_rot: torch.Tensor | None = None) -> torch.Tensor:
     """Pass 2: one program per (KV head, tile row, 32 value columns) merges the partials
-    in chunk order."""
+    in chunk order; with `out_rot` (fp32 diagonal blocks [NB, B, B] of the output's
+    rotation, applied before the one rounding), per block of B columns."""
     m_buf, l_buf, acc_buf = bufs
     out = sh.out
-    block_d = min(REDUCE_BLOCK_D, sh.head_dim)
+    rot = out_rot is not None
+    if rot:
+        nb, block_d = out_rot.shape[0], out_rot.shape[-1]
+        assert out_rot.shape == (nb, block_d, block_d) and nb * block_d == sh.head_dim \
+            and out_rot.dtype == torch.float32 and out_rot.is_contiguous(), \
+            "out_rot must be contiguous fp32 diagonal blocks [NB, B, B], NB * B = D"
+        block_c = reduce_block(n_chunks, block_d, REDUCE_ROT_TILE_FLOATS)
+    else:
+        block_d = min(REDUCE_BLOCK_D, sh.head_dim)
+        block_c = reduce_block(n_chunks)
     assert sh.head_dim % block_d == 0, "head dims are powers of two (decode tiles)"
     launchable(_decode_reduce)[(sh.n_kv, sh.mrows, sh.head_dim // block_d)](
-        m_buf, l_buf, acc_buf, q_pos, out, out.stride(0), out.stride(1),
-        sh.n_rows, n_chunks, chunk_len, sh.table_len,
+        m_buf, l_buf, acc_buf, q_pos, out_rot if rot else out, out, out.stride(0),
+        out.stride(1), sh.n_rows, n_chunks, chunk_len, sh.table_len,
         G=sh.group, D=sh.head_dim, P=page_size,
-        ROWS_P2=max(2, triton.next_power_of_2(sh.n_rows)),
-        BLOCK_C=reduce_block(n_chunks), BLOCK_D=block_d, num_warps=4)
+        ROWS_P2=max(2, triton.next_power_of_2(sh.n_rows)), BLOCK_C=block_c,
+        BLOCK_D=block_d, ONE_STEP=block_c >= n_chunks, ROT=rot, num_warps=8 if block_c * block_d > REDUCE_TILE_FLOATS else 4,
+        **pdl_launch(out.device))
     return out

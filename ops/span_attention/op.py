@@ -10,6 +10,12 @@ page_table: int32 [max_logical_pages], physical page of each logical page (built
 q_pos:      int32 [T], absolute position of each query row; row t sees keys 0..q_pos[t].
 workspace:  optional fp32 scratch of the decode kernels (ops/span_attention/workspace.py),
             owned by the cache so decode allocates nothing per call; ignored on the CPU.
+out_rot:    optional rotation every output head row is multiplied by (the inverse of the
+            rotation quantized V rows are stored under, kvcompile.kv_rotation): a
+            block-diagonal [D, D] given as its diagonal blocks [NB, B, B] (NB * B = D; a
+            dense [D, D] is one block). The decode kernels apply it in fp32 inside their
+            reduce (no separate kernel, one rounding); prefill and the CPU multiply the
+            rounded output in fp32 and round again.
 """
 from __future__ import annotations
 
@@ -74,19 +80,48 @@ DECODE_MAX_ROWS = 8
 def span_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                    page_table: torch.Tensor, q_pos: torch.Tensor, k_type: int, v_type: int,
                    page_size: int, scale: float,
-                   workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   workspace: Optional[torch.Tensor] = None,
+                   out_rot: Optional[torch.Tensor] = None) -> torch.Tensor:
     kt, vt, n_kv = check_span_attention_args(q, k_pool, v_pool, page_table, q_pos, k_type,
                                              v_type, page_size)
+    d = q.shape[2]
+    out_rot = rotation_blocks(out_rot, d, q.device)
     if q.device.type != "cuda":
-        return span_attention_reference(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
-                                        page_size, scale)
-    F.check_cuda_head_dim(q.device, q.shape[2], "span_attention")
+        out = span_attention_reference(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
+                                       page_size, scale)
+        return out if out_rot is None else _rotate_rows(out, out_rot)
+    F.check_cuda_head_dim(q.device, d, "span_attention")
     if q.shape[0] <= DECODE_MAX_ROWS:
         # legacy or blocks by shape (KVCOMPILE_DECODE_IMPL overrides, read once at import)
         group = q.shape[1] // n_kv
         quantized = kt.quantized or vt.quantized
         launch = decode_launcher(rows_per_kv_head=q.shape[0] * group, quantized=quantized)
         return launch(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, scale,
-                      workspace=workspace)
-    return span_attention_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
-                                  page_size, scale)
+                      workspace=workspace,
+                      out_rot=out_rot)
+    out = span_attention_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
+                                 page_size, scale)
+    return out if out_rot is None else _rotate_rows(out, out_rot)
+
+
+def rotation_blocks(out_rot: torch.Tensor | None, d: int, device) -> torch.Tensor | None:
+    """out_rot as contiguous fp32 diagonal blocks [NB, B, B] (KvLayoutError if it cannot
+    be one)."""
+    if out_rot is None:
+        return None
+    blocks = out_rot[None] if out_rot.dim() == 2 else out_rot
+    nb, b = blocks.shape[0], blocks.shape[-1]
+    if (blocks.dim() != 3 or blocks.shape[1] != b or nb * b != d or b & (b - 1) or b < 16
+            or out_rot.device != torch.device(device)):
+        raise KvLayoutError(f"out_rot must be a [{d}, {d}] rotation or its diagonal blocks "
+                            f"[NB, B, B] with NB * B = {d} (B a power of two >= 16) on "
+                            f"{device}; got {tuple(out_rot.shape)} on {out_rot.device}")
+    return blocks.float().contiguous()
+
+
+def _rotate_rows(out: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """out [T, H, D] times the block-diagonal rotation, fp32, one rounding."""
+    t, h, d = out.shape
+    nb, b = blocks.shape[0], blocks.shape[-1]
+    x = out.float().view(t, h, nb, b)
+    return torch.einsum("thnb,nbc->thnc", x, blocks).reshape(t, h, d).to(out.dtype)
