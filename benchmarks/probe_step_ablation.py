@@ -11,6 +11,8 @@ CUDA graphs, as bench_compiled's ours-captured. Variants, each one process-local
   no_kv_write the K/V page writes
   no_reduce   the decode attention's reduce kernel (the split's partials are never merged)
   none_of_4   all four left out
+  ppsN        nothing left out; the decode split launched with N programs an SM (fewer,
+              longer chunks: fewer partials for the reduce)
 The gap between a variant and base bounds what fusing that kernel away can gain.
 """
 from __future__ import annotations
@@ -58,6 +60,12 @@ def leave_out(what: str):
         stack.enter_context(patched(kv_write_op, "kv_write_triton", lambda *a, **k: None))
     if what in ("no_reduce", "none_of_4"):
         stack.enter_context(patched(decode_blocks, "launch_reduce", lambda sh, *a: sh.out))
+    if what.startswith("pps"):
+        real_config = decode_blocks.blocks_config
+
+        def config(*a):
+            return dict(real_config(*a), programs_per_sm=int(what[3:]))
+        stack.enter_context(patched(decode_blocks, "blocks_config", config))
     return stack
 
 

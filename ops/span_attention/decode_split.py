@@ -216,6 +216,6 @@ def launch_reduce(sh: DecodeShape, bufs, q_pos, n_chunks: int, chunk_len: int,
         out.stride(1), sh.n_rows, n_chunks, chunk_len, sh.table_len,
         G=sh.group, D=sh.head_dim, P=page_size,
         ROWS_P2=max(2, triton.next_power_of_2(sh.n_rows)), BLOCK_C=block_c,
-        BLOCK_D=block_d, ONE_STEP=block_c >= n_chunks, ROT=rot, num_warps=8 if block_c * block_d > REDUCE_TILE_FLOATS else 4,
-        **pdl_launch(out.device))
+        BLOCK_D=block_d, ONE_STEP=block_c >= n_chunks, ROT=rot,
+        num_warps=8 if block_c * block_d > REDUCE_TILE_FLOATS else 4, **pdl_launch(out.device))
     return out
