@@ -6,14 +6,14 @@ speed with that kernel left out (its outputs are wrong: timing only, never a res
 Llama-3-8B geometry, random bf16 weights, q8_0/q4_0 KV, all resident, lower="graph" +
 CUDA graphs, as bench_compiled's ours-captured. Variants, each one process-local patch:
   base        nothing left out
-  no_silu     SwiGLU's silu_mul (the down GEMV reads the gate half instead)
-  no_out_rot  the attention output's rotation back (quantized V is stored rotated)
   no_kv_write the K/V page writes
   no_reduce   the decode attention's reduce kernel (the split's partials are never merged)
-  none_of_4   all four left out
+  none_of_2   both left out
   ppsN        nothing left out; the decode split launched with N programs an SM (fewer,
               longer chunks: fewer partials for the reduce)
-The gap between a variant and base bounds what fusing that kernel away can gain.
+The gap between a variant and base bounds what fusing that kernel away can gain. (The
+2026-11-30 03:47 run also left out silu_mul and the output's rotation, then kernels of their
+own; both now live inside other kernels: results/step_ablation.json keeps those rows.)
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ import bench_compiled as B  # noqa: E402
 import bench_streaming as S  # noqa: E402
 from bench_util import hbm_bandwidth, log  # noqa: E402
 
-from kvcompile.ops import rows  # noqa: E402
 from kvcompile.ops.kv_write import op as kv_write_op  # noqa: E402
 from kvcompile.ops.span_attention import decode_blocks  # noqa: E402
 
@@ -47,18 +46,9 @@ def patched(obj, name, value):
 
 def leave_out(what: str):
     stack = contextlib.ExitStack()
-    real_rope = rows.rope_rotate
-    if what in ("no_silu", "none_of_4"):
-        stack.enter_context(patched(rows, "silu_mul", lambda gu: gu[..., :gu.shape[-1] // 2]))
-    if what in ("no_out_rot", "none_of_4"):
-        def rope(x, cos, sin, neox, n_rope, rot_a, rot_b):
-            if n_rope == 0:
-                return x
-            return real_rope(x, cos, sin, neox, n_rope, rot_a, rot_b)
-        stack.enter_context(patched(rows, "rope_rotate", rope))
-    if what in ("no_kv_write", "none_of_4"):
+    if what in ("no_kv_write", "none_of_2"):
         stack.enter_context(patched(kv_write_op, "kv_write_triton", lambda *a, **k: None))
-    if what in ("no_reduce", "none_of_4"):
+    if what in ("no_reduce", "none_of_2"):
         stack.enter_context(patched(decode_blocks, "launch_reduce", lambda sh, *a: sh.out))
     if what.startswith("pps"):
         real_config = decode_blocks.blocks_config
@@ -69,7 +59,7 @@ def leave_out(what: str):
     return stack
 
 
-VARIANTS = ("base", "no_silu", "no_out_rot", "no_kv_write", "no_reduce", "none_of_4")
+VARIANTS = ("base", "no_kv_write", "no_reduce", "none_of_2")
 
 
 def main():

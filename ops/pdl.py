@@ -45,8 +45,11 @@ def _capability(index: int) -> int:
 
 
 def _traced() -> bool:
-    """True while torch.compile traces the kernel call (the inductor lowering): the traced
-    launch takes no options beyond num_warps / num_stages."""
+    """False only inside an op's CUDA implementation run eagerly or captured (triton_op
+    turns wrap_triton off there): then the launch is Triton's own and takes launch_pdl.
+    True while torch.compile traces the kernel call (the inductor lowering, whose launch
+    takes no options beyond num_warps / num_stages) and for a launcher called directly,
+    outside its op (benchmarks, the interpreter tests): those launch without PDL."""
     try:
         from torch._library.triton import is_wrap_triton_enabled
     except ImportError:       # no wrap_triton at all: nothing traces the launch

@@ -180,7 +180,9 @@ def _decode_reduce(m_ptr, l_ptr, acc_ptr, q_pos_ptr, rot_ptr, out_ptr, stride_ot
 
 # fp32 partial accumulators one reduce program holds at once ([BLOCK_C, BLOCK_D] tile):
 # 32 value columns a program without a rotation (more programs, shorter chains); with one,
-# a diagonal block of it (the columns it mixes; 8 warps past REDUCE_TILE_FLOATS).
+# a diagonal block of it (the columns it mixes; 8 warps past REDUCE_TILE_FLOATS or for
+# blocks over 64 wide: a dense 256-wide rotation is correct but register-heavy, the cache's
+# V rotation has 64-wide blocks).
 REDUCE_TILE_FLOATS = 8192
 REDUCE_ROT_TILE_FLOATS = 16384
 REDUCE_BLOCK_D = 32
@@ -217,5 +219,6 @@ def launch_reduce(sh: DecodeShape, bufs, q_pos, n_chunks: int, chunk_len: int,
         G=sh.group, D=sh.head_dim, P=page_size,
         ROWS_P2=max(2, triton.next_power_of_2(sh.n_rows)), BLOCK_C=block_c,
         BLOCK_D=block_d, ONE_STEP=block_c >= n_chunks, ROT=rot,
-        num_warps=8 if block_c * block_d > REDUCE_TILE_FLOATS else 4, **pdl_launch(out.device))
+        num_warps=8 if block_c * block_d > REDUCE_TILE_FLOATS or block_d > 64 else 4,
+        **pdl_launch(out.device))
     return out
