@@ -29,6 +29,7 @@ import torch.nn.functional as Fn
 
 import kvcompile.ops  # noqa: F401
 from kvcompile.ops import kv_format as F
+from kvcompile.ops.kv_write.op import physical_slots
 from kvcompile.ops.span_attention.decode_blocks import decode_launcher
 from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
 
@@ -69,8 +70,8 @@ def make_pools(k_name, v_name, n_ctx, n_kv, d, copies, page=256):
         for s0 in range(0, n_ctx, step):
             pos = torch.arange(s0, min(n_ctx, s0 + step), device="cuda")
             rows = torch.randn(len(pos), n_kv, d, device="cuda", dtype=torch.bfloat16)
-            slots = table[pos // page].long() * page + pos % page
-            torch.ops.kvcompile.kv_write(kp, vp, rows, rows, slots, kt.ggml_id, vt.ggml_id, page)
+            torch.ops.kvcompile.kv_write(kp, vp, rows, rows, pos, kt.ggml_id, vt.ggml_id, page,
+                                         table)
     kv_bytes = n_ctx * (F.bytes_per_token(kt, n_kv, d) + F.bytes_per_token(vt, n_kv, d))
     return kp, vp, tables, kv_bytes
 
@@ -164,7 +165,7 @@ def bench_kv_write(hbm):
             kp, vp, tables, _ = make_pools(kn, vn, 16384, n_kv, d, 1)
             rows = torch.randn(16384, n_kv, d, device="cuda", dtype=torch.bfloat16)
             pos = torch.arange(16384, device="cuda")
-            slots = tables[0][pos // 256].long() * 256 + pos % 256
+            slots = physical_slots(pos, tables[0], 256)
             kt, vt = F.kv_type(kn), F.kv_type(vn)
             ms = events_ms(lambda: torch.ops.kvcompile.kv_write(
                 kp, vp, rows, rows, slots, kt.ggml_id, vt.ggml_id, 256), 10)

@@ -27,6 +27,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+try:
+    from torch._library.triton import is_wrap_triton_enabled
+except ImportError:           # no wrap_triton at all: nothing traces a launch
+    def is_wrap_triton_enabled() -> bool:
+        return False
+
 ENABLED = os.environ.get("KVCOMPILE_PDL", "1") not in ("", "0")
 
 
@@ -44,25 +50,16 @@ def _capability(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-def _traced() -> bool:
-    """False only inside an op's CUDA implementation run eagerly or captured (triton_op
-    turns wrap_triton off there): then the launch is Triton's own and takes launch_pdl.
-    True while torch.compile traces the kernel call (the inductor lowering, whose launch
-    takes no options beyond num_warps / num_stages) and for a launcher called directly,
-    outside its op (benchmarks, the interpreter tests): those launch without PDL."""
-    try:
-        from torch._library.triton import is_wrap_triton_enabled
-    except ImportError:       # no wrap_triton at all: nothing traces the launch
-        return False
-    return is_wrap_triton_enabled()
-
-
 def launch(device: torch.device) -> dict:
     """Keywords for a launch of a kernel with a `PDL` constexpr: PDL on (with the launch
     attribute) on a Hopper-or-later GPU in an eager or captured launch, off elsewhere
-    (CPU, the Triton interpreter, a traced launch, KVCOMPILE_PDL=0)."""
+    (CPU, the Triton interpreter, KVCOMPILE_PDL=0, and wherever wrap_triton is on: while
+    torch.compile traces the launch (the inductor lowering takes no options beyond
+    num_warps / num_stages) and for a launcher called outside its op (benchmarks, the
+    interpreter tests); triton_op turns it off inside an op's CUDA implementation)."""
     on = (ENABLED and device.type == "cuda"
-          and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not _traced()
+          and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")  # launch.interpreting()
+          and not is_wrap_triton_enabled()
           and _capability(device.index if device.index is not None
                           else torch.cuda.current_device()) >= 9)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}

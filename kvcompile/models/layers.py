@@ -85,9 +85,7 @@ class Linear(nn.Linear):
     streams the weight closer to HBM bandwidth than cuBLAS does for them (ops/gemv)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:
-            return rows.linear(x, self.weight, self.bias)
-        return super().forward(x)
+        return rows.linear(x, self.weight, self.bias)
 
 
 def fuse_linears(*linears: nn.Linear) -> nn.Linear:
@@ -124,10 +122,8 @@ class SwiGLU(nn.Module):
         self.gate_up = fuse_linears(self.gate, self.up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None and x.dim() == 2:
-            return self.down(rows.linear_silu_mul(x, self.gate_up.weight, self.gate_up.bias))
         if self.gate_up is not None:
-            return self.down(rows.silu_mul(self.gate_up(x)))
+            return self.down(rows.linear_silu_mul(x, self.gate_up.weight, self.gate_up.bias))
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 

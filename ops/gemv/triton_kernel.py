@@ -60,15 +60,13 @@ def _dot_rows(w, xt, acc, EXACT: tl.constexpr):
 
 @triton.jit
 def _weight_rows(BLOCK_N: tl.constexpr, N, SILU: tl.constexpr):
-    """(weight rows of the program's tile, the output column of each): row j of the tile
-    is output j, or with SILU gate (j even) / up (j odd) row of output j // 2."""
+    """Weight rows of the program's tile: row j is output j, or with SILU the gate (j even)
+    / up (j odd) row of output j // 2."""
     j = tl.arange(0, BLOCK_N)
     if SILU:
-        c = tl.program_id(0) * (BLOCK_N // 2) + j // 2
-        return c + (j % 2) * (N // 2), c
+        return tl.program_id(0) * (BLOCK_N // 2) + j // 2 + (j % 2) * (N // 2)
     else:
-        n = tl.program_id(0) * BLOCK_N + j
-        return n, n
+        return tl.program_id(0) * BLOCK_N + j
 
 
 @triton.jit
@@ -89,7 +87,7 @@ def _gemv_row(x_ptr, w_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
               DTYPE: tl.constexpr, EXACT: tl.constexpr, SILU: tl.constexpr,
               PDL: tl.constexpr):
-    n, _ = _weight_rows(BLOCK_N, N, SILU)
+    n = _weight_rows(BLOCK_N, N, SILU)
     kk = tl.arange(0, BLOCK_K)
     rows = w_ptr + n[:, None].to(tl.int64) * K
     # the first weight tile before the wait: no kernel writes weights (ops/pdl.py)
@@ -116,7 +114,7 @@ def _gemv_rows(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, HAS_BIAS: tl.cons
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
                DTYPE: tl.constexpr, EXACT: tl.constexpr, SILU: tl.constexpr,
                PDL: tl.constexpr):
-    n, _ = _weight_rows(BLOCK_N, N, SILU)
+    n = _weight_rows(BLOCK_N, N, SILU)
     m = tl.arange(0, 16)
     kk = tl.arange(0, BLOCK_K)
     rows = w_ptr + n[:, None].to(tl.int64) * K

@@ -4,7 +4,7 @@ rotations of quantized KV (kvcompile.kv_rotation), as one op.
 x [T, H, D]: heads < n_rope get rope on their first R dims (cos, sin [T, R] from
 layers.rope_rows) and then @ rot_a; the other heads @ rot_b; a rotation left None is the
 identity. Returns a new [T, H, D] in x's dtype (fp32 math, one rounding). With n_rope = 0 it
-is the rotation alone (the attention output back from the V rotation).
+is a rotation alone. (The attention output's rotation back is span_attention's `out_rot`.)
 
 A rotation must be c * S, c = rot[0, 0] > 0, S a sign matrix (entries -1, 0, 1), as
 kvcompile.kv_rotation makes them: the CUDA kernel multiplies by S exactly and scales by c
