@@ -9,6 +9,8 @@ CUDA graphs, as bench_compiled's ours-captured. Variants, each one process-local
   no_kv_write the K/V page writes
   no_reduce   the decode attention's reduce kernel (the split's partials are never merged)
   none_of_2   both left out
+  no_norm     every rms_norm (its input passed on; the residual add too)
+  no_rope     the rope_rotate of q / k / v
   ppsN        nothing left out; the decode split launched with N programs an SM (fewer,
               longer chunks: fewer partials for the reduce)
 The gap between a variant and base bounds what fusing that kernel away can gain. (The
@@ -30,6 +32,7 @@ import bench_compiled as B  # noqa: E402
 import bench_streaming as S  # noqa: E402
 from bench_util import hbm_bandwidth, log  # noqa: E402
 
+from kvcompile.ops import rows  # noqa: E402
 from kvcompile.ops.kv_write import op as kv_write_op  # noqa: E402
 from kvcompile.ops.span_attention import decode_blocks  # noqa: E402
 
@@ -50,6 +53,11 @@ def leave_out(what: str):
         stack.enter_context(patched(kv_write_op, "kv_write_triton", lambda *a, **k: None))
     if what in ("no_reduce", "none_of_2"):
         stack.enter_context(patched(decode_blocks, "launch_reduce", lambda sh, *a: sh.out))
+    if what == "no_norm":
+        stack.enter_context(patched(rows, "rms_norm", lambda x, w, eps: x))
+        stack.enter_context(patched(rows, "add_rms_norm", lambda x, r, w, eps: (x, x)))
+    if what == "no_rope":
+        stack.enter_context(patched(rows, "rope_rotate", lambda x, *a: x))
     if what.startswith("pps"):
         real_config = decode_blocks.blocks_config
 
@@ -59,7 +67,7 @@ def leave_out(what: str):
     return stack
 
 
-VARIANTS = ("base", "no_kv_write", "no_reduce", "none_of_2")
+VARIANTS = ("base", "no_kv_write", "no_reduce", "none_of_2", "no_norm", "no_rope")
 
 
 def main():
