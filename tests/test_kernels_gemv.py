@@ -53,7 +53,8 @@ def test_gemv_kernels_interpreted_match_fp64():
         (1, 40, 100, True, dict(BLOCK_N=16, BLOCK_K=32, num_warps=4)),
         (3, 48, 80, True, dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2)),
         (8, 64, 96, False, dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)),
-        (2, 20, 64, False, None)]
+        (2, 20, 64, False, None),
+        (1, 24, 200, True, None)]   # one row, the launch defaults: a K tile past K, masked
     jobs, args, names = [], [], []
     for dn, dt in DTYPES.items():
         for m, n, k, bias, cfg in cases:

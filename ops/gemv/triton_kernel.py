@@ -138,10 +138,19 @@ def _gemv_rows(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, HAS_BIAS: tl.cons
                  mask=(m[None, :] < M) & (n[:, None] < N))
 
 
-def row_config(n: int) -> dict:
-    """One row: measured best on the 8B shapes (H200): 4 output rows a program for
-    N <= 4096 (o, down), 16 above; K tiles of 512 up to N 8192, 256 beyond."""
-    return dict(BLOCK_N=4 if n <= 4096 else 16, BLOCK_K=512 if n <= 8192 else 256,
+def row_config(n: int, k: int) -> dict:
+    """One row: long K tiles, few output rows a program (measured inside the captured 8B
+    decode step with PDL, benchmarks/probe_step_ablation.py gemv:... variants, H200,
+    2026-11-30 05:35-05:37 UTC: against 4 x 512 / 16 x 256 tiles, 4 x 1024 for the o and
+    down shapes (N 4096) and 8 x 512 for q/k/v (6144) and gate/up (28672) took the step from
+    4.59 to 4.49 ms); the LM head (N above 32768) keeps 16 x 256. K tiles no longer than K."""
+    if n <= 4096:
+        block_n, block_k = 4, 1024
+    elif n <= 32768:
+        block_n, block_k = 8, 512
+    else:
+        block_n, block_k = 16, 256
+    return dict(BLOCK_N=block_n, BLOCK_K=min(block_k, max(16, triton.next_power_of_2(k))),
                 num_warps=4)
 
 
@@ -169,7 +178,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if m == 0 or n == 0:
         return y
     if m == 1:
-        kernel, cfg, shape = _gemv_row, config or row_config(n), (n, k)
+        kernel, cfg, shape = _gemv_row, config or row_config(n, k), (n, k)
     else:
         kernel, cfg, shape = _gemv_rows, config or rows_config(n), (m, n, k, x.stride(0))
     even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
