@@ -11,8 +11,6 @@ CUDA graphs, as bench_compiled's ours-captured. Variants, each one process-local
   none_of_2   both left out
   no_norm     every rms_norm (its input passed on; the residual add too)
   no_rope     the rope_rotate of q / k / v
-  pdl_early   nothing left out; every kernel lets the next one launch before it waits for
-              its own producer (ops/pdl.EARLY)
   gemv:N=../bn=../bk=..[/w=..][/s=..]  nothing left out; the one-row GEMV of N outputs
               launched with that BLOCK_N, BLOCK_K, num_warps, num_stages ('+' between
               several shapes: gemv:N=4096/bn=8/bk=512+N=6144/bn=8/bk=512)
@@ -30,14 +28,12 @@ import json
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_compiled as B  # noqa: E402
 import bench_streaming as S  # noqa: E402
 from bench_util import hbm_bandwidth, log  # noqa: E402
 
-from kvcompile.ops import pdl, rows  # noqa: E402
+from kvcompile.ops import rows  # noqa: E402
 from kvcompile.ops.gemv import triton_kernel as gemv_kernel  # noqa: E402
 from kvcompile.ops.kv_write import op as kv_write_op  # noqa: E402
 from kvcompile.ops.span_attention import decode_blocks  # noqa: E402
@@ -64,8 +60,6 @@ def leave_out(what: str):
         stack.enter_context(patched(rows, "add_rms_norm", lambda x, r, w, eps: (x, x)))
     if what == "no_rope":
         stack.enter_context(patched(rows, "rope_rotate", lambda x, *a: x))
-    if what == "pdl_early":
-        stack.enter_context(patched(pdl, "EARLY", True))
     if what.startswith("gemv:"):
         real_row = gemv_kernel.row_config
         keys = dict(bn="BLOCK_N", bk="BLOCK_K", w="num_warps", s="num_stages")

@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kvcompile.ops.launching import interpreting
+
 try:
     from torch._library.triton import is_wrap_triton_enabled
 except ImportError:           # no wrap_triton at all: nothing traces a launch
@@ -58,7 +60,7 @@ def launch(device: torch.device) -> dict:
     num_warps / num_stages) and for a launcher called outside its op (benchmarks, the
     interpreter tests); triton_op turns it off inside an op's CUDA implementation)."""
     on = (ENABLED and device.type == "cuda"
-          and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")  # launch.interpreting()
+          and not interpreting()
           and not is_wrap_triton_enabled()
           and _capability(device.index if device.index is not None
                           else torch.cuda.current_device()) >= 9)

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from kvcompile.ops.cast import TL_DTYPES, round_to
 from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
-from kvcompile.ops.span_attention.launch import interpreting, launchable
+from kvcompile.ops.launching import interpreting, launchable
 
 
 @triton.jit

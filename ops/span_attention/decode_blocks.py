@@ -16,7 +16,8 @@ from kvcompile.ops.span_attention.decode_kernel import LOG2E, span_attention_dec
 from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape,
                                                        launch_reduce, program_rows_and_chunk,
                                                        split_operands, store_partial_stats)
-from kvcompile.ops.span_attention.launch import interpreting, k_split, launchable
+from kvcompile.ops.launching import interpreting, launchable
+from kvcompile.ops.span_attention.launch import k_split
 from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
                                                      qk_scores, query_tile, v_operand)
 from kvcompile.ops.span_attention.quant_blocks import qk_blocks, v_blocks, value_columns

@@ -17,7 +17,8 @@ from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape,
                                                        launch_reduce, program_rows_and_chunk,
                                                        split_operands, store_partial_stats)
-from kvcompile.ops.span_attention.launch import interpreting, k_split, launchable
+from kvcompile.ops.launching import interpreting, launchable
+from kvcompile.ops.span_attention.launch import k_split
 from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
                                                      qk_quantized, qk_scores, query_tile,
                                                      v_operand)

@@ -11,8 +11,9 @@ import triton
 import triton.language as tl
 
 from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
+from kvcompile.ops.launching import launchable
 from kvcompile.ops.span_attention.launch import (PageGeometry, check_launch, dot_mode,
-                                                 launchable, num_sms, page_geometry, pool_args)
+                                                 num_sms, page_geometry, pool_args)
 from kvcompile.ops.span_attention.workspace import carve, chunks_per_head
 
 

@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
-from triton.runtime.jit import JITFunction
 
 from kvcompile.errors import KvLayoutError
 from kvcompile.ops import kv_format as F
@@ -87,15 +85,6 @@ def check_launch(q, k_pool, v_pool, page_table, q_pos, page_size):
         raise KvLayoutError("span_attention on the GPU: " + "; ".join(problems))
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def launchable(kernel):
-    """wrap_triton so torch.compile sees the kernel; interpreted kernels go as they are."""
-    if isinstance(kernel, JITFunction):
-        return torch.library.wrap_triton(kernel)
-    return kernel
 
 
 @functools.lru_cache(maxsize=None)

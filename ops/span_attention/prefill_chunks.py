@@ -21,7 +21,8 @@ import torch
 
 from kvcompile.errors import KvLayoutError
 from kvcompile.ops import kv_format as F
-from kvcompile.ops.span_attention.launch import dot_mode, interpreting, query_operand
+from kvcompile.ops.launching import interpreting
+from kvcompile.ops.span_attention.launch import dot_mode, query_operand
 from kvcompile.ops.span_attention.naive import span_attention_naive
 from kvcompile.ops.span_attention.op import check_span_attention_args
 from kvcompile.ops.span_attention.prefill_kernel import (  # noqa: F401  (its public home)

@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, interpreting,
-                                                 k_split, launchable, page_geometry,
-                                                 pool_args, query_operand)
+from kvcompile.ops.launching import interpreting, launchable
+from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, k_split,
+                                                 page_geometry, pool_args, query_operand)
 from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
                                                      qk_quantized, qk_scores, v_operand)
 
