@@ -14,8 +14,9 @@ import triton.language as tl
 from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.span_attention.decode_kernel import LOG2E, span_attention_decode
 from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape,
-                                                       launch_reduce, program_rows_and_chunk,
-                                                       split_operands, store_partial_stats)
+                                                       launch_reduce, partial_slot,
+                                                       program_rows_and_chunk, split_operands,
+                                                       store_partial_stats)
 from kvcompile.ops.launching import interpreting, launchable
 from kvcompile.ops.span_attention.launch import k_split
 from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
@@ -39,8 +40,9 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
     DA: tl.constexpr = D // 2 if V4 else D        # accumulator widths (q4_0: two halves)
     DB: tl.constexpr = D // 2 if V4 else 16
     h = tl.program_id(1)
-    r, t, row_ok, qp, n_ctx, start, end = program_rows_and_chunk(
-        q_pos_ptr, n_rows, chunk_len, table_len, G, P, BLOCK_M)
+    r = tl.arange(0, BLOCK_M)
+    t, row_ok, qp, n_ctx, start, end = program_rows_and_chunk(q_pos_ptr, r, n_rows,
+                                                              chunk_len, table_len, G, P)
     qrow = q_ptr + t.to(tl.int64) * stride_qt + (h * G + r % G) * stride_qh
     if not KQ:
         d = tl.arange(0, D)
@@ -77,8 +79,9 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
                           v_code_halves, BLOCK_N, P, D, V_TYPE)
             acc_a = tl.dot(p16, v_operand(v, V_TYPE), acc_a * alpha[:, None])
         m_i = m_new
-    slot, ok = store_partial_stats(m_ptr, l_ptr, m_i, l_i, r, h, n_chunks, n_rows, start,
-                                   n_ctx, G)
+    slot = partial_slot(r, h, n_chunks, n_rows, G)
+    ok = (r < n_rows * G) & (start < n_ctx)
+    store_partial_stats(m_ptr, l_ptr, m_i, l_i, slot, ok)
     base = acc_ptr + slot.to(tl.int64)[:, None] * D
     tl.store(base + value_columns(DA, 0 if V4 else -1)[None, :], acc_a, mask=ok[:, None])
     if V4:

@@ -15,8 +15,9 @@ import triton.language as tl
 
 from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape,
-                                                       launch_reduce, program_rows_and_chunk,
-                                                       split_operands, store_partial_stats)
+                                                       launch_reduce, partial_slot,
+                                                       program_rows_and_chunk, split_operands,
+                                                       store_partial_stats)
 from kvcompile.ops.launching import interpreting, launchable
 from kvcompile.ops.span_attention.launch import k_split
 from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
@@ -45,8 +46,9 @@ def _decode_split(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
                   K_SPLIT: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
     wait_for_producers(PDL)
     h = tl.program_id(1)
-    r, t, row_ok, qp, n_ctx, start, end = program_rows_and_chunk(
-        q_pos_ptr, n_rows, chunk_len, table_len, G, P, BLOCK_M)
+    r = tl.arange(0, BLOCK_M)
+    t, row_ok, qp, n_ctx, start, end = program_rows_and_chunk(q_pos_ptr, r, n_rows,
+                                                              chunk_len, table_len, G, P)
     d = tl.arange(0, D)
     qrow = q_ptr + t.to(tl.int64) * stride_qt + (h * G + r % G) * stride_qh
     q = query_tile(tl.load(qrow[:, None] + d[None, :], mask=row_ok[:, None], other=0.0), QK_F16)
@@ -73,8 +75,9 @@ def _decode_split(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
                       v_code_halves, BLOCK_N, P, D, V_TYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v_operand(v, V_TYPE))
         m_i = m_new
-    slot, ok = store_partial_stats(m_ptr, l_ptr, m_i, l_i, r, h, n_chunks, n_rows, start,
-                                   n_ctx, G)
+    slot = partial_slot(r, h, n_chunks, n_rows, G)
+    ok = (r < n_rows * G) & (start < n_ctx)
+    store_partial_stats(m_ptr, l_ptr, m_i, l_i, slot, ok)
     tl.store(acc_ptr + slot.to(tl.int64)[:, None] * D + d[None, :], acc, mask=ok[:, None])
 
 

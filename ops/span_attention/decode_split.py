@@ -81,32 +81,38 @@ def chunks(sh: DecodeShape, page_size: int, block_n: int, chunk_len: int | None,
     return chunk_len, math.ceil(sh.table_len * page_size / chunk_len)
 
 
+# torch.compile takes every tensor a store's address depends on for written (and clones it
+# before each launch under inductor); through a helper's call it follows all the helper's
+# arguments. So the partials' addresses come from `partial_slot` alone (no pointer, no
+# loaded value among its arguments): tests/test_kernel_access.py checks it.
+
+
 @triton.jit
-def program_rows_and_chunk(q_pos_ptr, n_rows, chunk_len, table_len, G: tl.constexpr,
-                           P: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The program's tile rows r (query row t = r // G), which exist, their positions, the
+def program_rows_and_chunk(q_pos_ptr, r, n_rows, chunk_len, table_len, G: tl.constexpr,
+                           P: tl.constexpr):
+    """For tile rows r (query row t = r // G): t, which rows exist, their positions, the
     context length and the program's chunk [start, end) of logical positions (empty past
     the context). The context is read from q_pos on the device: no host sync."""
-    r = tl.arange(0, BLOCK_M)
     t = r // G
     row_ok = t < n_rows
     qp = tl.load(q_pos_ptr + t, mask=row_ok, other=-1)
     n_ctx = tl.minimum(tl.max(qp, 0) + 1, table_len * P)
     start = tl.program_id(0) * chunk_len
     end = tl.minimum(start + chunk_len, n_ctx)  # start >= end: chunk past the context
-    return r, t, row_ok, qp, n_ctx, start, end
+    return t, row_ok, qp, n_ctx, start, end
 
 
 @triton.jit
-def store_partial_stats(m_ptr, l_ptr, m_i, l_i, r, h, n_chunks, n_rows, start, n_ctx,
-                        G: tl.constexpr):
-    """Store the program's running max and sum; returns (slot, ok) for its accumulator."""
-    mrows = n_rows * G
-    slot = (h * n_chunks + tl.program_id(0)) * mrows + r
-    ok = (r < mrows) & (start < n_ctx)
+def partial_slot(r, h, n_chunks, n_rows, G: tl.constexpr):
+    """Row of the partials' buffers that holds tile row r of this program (KV head h)."""
+    return (h * n_chunks + tl.program_id(0)) * (n_rows * G) + r
+
+
+@triton.jit
+def store_partial_stats(m_ptr, l_ptr, m_i, l_i, slot, ok):
+    """Store the program's running max and sum at `slot` where `ok`."""
     tl.store(m_ptr + slot, m_i, mask=ok)
     tl.store(l_ptr + slot, l_i, mask=ok)
-    return slot, ok
 
 
 @triton.jit
