@@ -4,7 +4,7 @@ rows merged into benchmarks/results/streaming.json (meta under "compiled").
     python benchmarks/bench_compiled.py [--resident-contexts 8192] [--streamed-contexts 131072]
         [--systems ours-compiled,ours-captured,ours-captured-nopdl,ours-resident,ours-graphs,ours]
         [--kv q8_0/q4_0]
-        [--arena-mib 2048] [--decode-steps 32] [--out PATH]
+        [--arena-mib 2048] [--decode-steps 32] [--trials 1] [--out PATH]
     python benchmarks/bench_compiled.py --device cpu --tiny      # the logic, seconds
 
 Llama-3-8B geometry, random bf16 weights made on the device (bench_streaming's builder).
@@ -25,7 +25,9 @@ bytes a decode step reads + KV bytes of the context)` (HBM bandwidth measured in
 the embedding table counted as the one row a step reads unless the head shares it); streamed
 rows the PCIe bound of bench_streaming. Targets (issue 5): ours-compiled decode >= 0.8 x the
 HBM roofline at 8K; the streamed path >= 0.85 x the PCIe bound at 128K. `speedup_vs_eager`
-compares each row with its eager twin of the same context and KV type.
+compares each row with its eager twin of the same context and KV type. `--trials N` runs
+every row N times in the process and keeps the median run (runs of one build in one process
+differ by up to ~3% on the H200: docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -105,6 +107,9 @@ def parse_args(argv=None):
     ap.add_argument("--kv", default="q8_0/q4_0")
     ap.add_argument("--arena-mib", type=float, default=None, help="default 2048 (tiny: 0.9)")
     ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--trials", type=int, default=1,
+                    help="runs of each row in this process; the row is the median run's, "
+                         "every run's decode tok/s is kept (decode_tok_s_trials)")
     ap.add_argument("--ubatch", type=int, default=4096)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny geometry and contexts (logic check)")
@@ -125,8 +130,8 @@ def parse_args(argv=None):
     args.resident_contexts = [int(c) for c in args.resident_contexts.split(",") if c]
     args.streamed_contexts = [int(c) for c in args.streamed_contexts.split(",") if c]
     S.parse_lists(ap, args, SYSTEMS)
-    if args.decode_steps < 1 or args.ubatch < 1:
-        ap.error("--decode-steps and --ubatch must be positive")
+    if args.decode_steps < 1 or args.ubatch < 1 or args.trials < 1:
+        ap.error("--decode-steps, --ubatch and --trials must be positive")
     return args
 
 
@@ -188,11 +193,17 @@ def measure(system, model, g, ctx, kv, args, device, ids, meta) -> dict:
                decode_steps=args.decode_steps, device=meta["device"])
     log(f"{system} {kv} @ {ctx}")
     try:
-        S.finish(row, run_row(system, model, g, ctx, kv, args, device, ids), args.decode_steps)
+        runs = [run_row(system, model, g, ctx, kv, args, device, ids)
+                for _ in range(args.trials)]
+        runs.sort(key=lambda r: r["decode_s"])
+        S.finish(row, runs[len(runs) // 2], args.decode_steps)   # the median run (upper)
+        row["decode_tok_s_trials"] = [args.decode_steps / r["decode_s"] for r in runs]
         h = row["hbm_roofline_tok_s"]
         row["decode_vs_hbm_roofline"] = row["decode_tok_s"] / h if h else None
+        spread = (f" (median of {len(runs)}: {min(row['decode_tok_s_trials']):.2f}-"
+                  f"{max(row['decode_tok_s_trials']):.2f})" if len(runs) > 1 else "")
         log(f"  prefill {row['prefill_tok_s']:.0f} tok/s, decode {row['decode_tok_s']:.2f} "
-            f"tok/s (x bound {S.fmt(row['decode_vs_bound'], '.2f')}, x HBM roofline "
+            f"tok/s{spread} (x bound {S.fmt(row['decode_vs_bound'], '.2f')}, x HBM roofline "
             f"{S.fmt(row['decode_vs_hbm_roofline'], '.2f')})")
     except Exception as e:
         S.failed(row, e)

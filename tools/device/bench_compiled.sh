@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 5's benchmark: compiled + captured decode (all resident, 8K) and piecewise graphs
 # (streamed, 128K, arena 2048 MiB) beside their eager twins, Llama-3-8B geometry.
-# NOT run yet; estimated ~5 min on one H200 (the 8B compile ~1-2 min, two 128K prefills
-# ~40 s each). Writes $OUT/bench_compiled/{streaming.json,log.txt}: merge its rows into
-# benchmarks/results/streaming.json (bench_streaming.save(..., section="compiled")).
+# ~2.5 min on one H200 for the default systems (ARGS adds options, e.g. --trials 3). Writes
+# $OUT/bench_compiled/{streaming.json,log.txt}: merge its rows into
+# benchmarks/results/streaming.json (bench_streaming.save(..., section="compiled")); copy
+# the JSON to $OUT's top level in the same call (many files under $OUT come back as none).
 set -uo pipefail
 R=${R:-$(pwd)}
 D="$OUT/bench_compiled"; mkdir -p "$D"
