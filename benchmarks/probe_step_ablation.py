@@ -16,6 +16,8 @@ CUDA graphs, as bench_compiled's ours-captured. Variants, each one process-local
               several shapes: gemv:N=4096/bn=8/bk=512+N=6144/bn=8/bk=512)
   ppsN        nothing left out; the decode split launched with N programs an SM (fewer,
               longer chunks: fewer partials for the reduce)
+  split:bn=../w=../s=../pps=..  nothing left out; the quantized decode split launched with
+              those positions a tile, warps, stages and programs an SM (any subset)
 The gap between a variant and base bounds what fusing that kernel away can gain. (The
 2026-11-30 03:47 run also left out silu_mul and the output's rotation, then kernels of their
 own; both now live inside other kernels: results/step_ablation.json keeps those rows.)
@@ -72,11 +74,17 @@ def leave_out(what: str):
         def row_config(n, k):
             return dict(real_row(n, k), **over.get(n, {}))
         stack.enter_context(patched(gemv_kernel, "row_config", row_config))
-    if what.startswith("pps"):
+    if what.startswith("pps") or what.startswith("split:"):
         real_config = decode_blocks.blocks_config
+        if what.startswith("pps"):
+            over = dict(programs_per_sm=int(what[3:]))
+        else:
+            keys = dict(bn="block_n", w="num_warps", s="num_stages", pps="programs_per_sm")
+            over = {keys[k]: int(v) for k, v in (item.split("=")
+                                                 for item in what[6:].split("/"))}
 
         def config(*a):
-            return dict(real_config(*a), programs_per_sm=int(what[3:]))
+            return dict(real_config(*a), **over)
         stack.enter_context(patched(decode_blocks, "blocks_config", config))
     return stack
 
