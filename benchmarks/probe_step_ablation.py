@@ -16,8 +16,9 @@ CUDA graphs, as bench_compiled's ours-captured. Variants, each one process-local
               several shapes: gemv:N=4096/bn=8/bk=512+N=6144/bn=8/bk=512)
   ppsN        nothing left out; the decode split launched with N programs an SM (fewer,
               longer chunks: fewer partials for the reduce)
-  split:bn=../w=../s=../pps=..  nothing left out; the quantized decode split launched with
-              those positions a tile, warps, stages and programs an SM (any subset)
+  split:bn=../w=../s=../pps=../r=..  nothing left out; the quantized decode split launched
+              with those positions a tile, warps, stages, programs an SM and register cap
+              (maxnreg; any subset)
 The gap between a variant and base bounds what fusing that kernel away can gain. (The
 2026-11-30 03:47 run also left out silu_mul and the output's rotation, then kernels of their
 own; both now live inside other kernels: results/step_ablation.json keeps those rows.)
@@ -79,7 +80,8 @@ def leave_out(what: str):
         if what.startswith("pps"):
             over = dict(programs_per_sm=int(what[3:]))
         else:
-            keys = dict(bn="block_n", w="num_warps", s="num_stages", pps="programs_per_sm")
+            keys = dict(bn="block_n", w="num_warps", s="num_stages", pps="programs_per_sm",
+                        r="maxnreg")
             over = {keys[k]: int(v) for k, v in (item.split("=")
                                                  for item in what[6:].split("/"))}
 

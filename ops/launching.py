@@ -1,12 +1,25 @@
 """How every kvcompile Triton kernel is launched: through wrap_triton (torch.compile then
 sees the kernel), or as it is under the Triton interpreter (TRITON_INTERPRET=1, the CPU
-tests). No imports from the ops themselves: ops/pdl.py and each op's launcher use it."""
+tests). No imports from the ops themselves: ops/pdl.py and each op's launcher use it.
+
+A launch is *traced* while wrap_triton is on: torch.compile tracing it (the inductor lowering
+takes no launch options beyond num_warps / num_stages), or a launcher called outside its op
+(benchmarks); triton_op turns it off inside an op's CUDA implementation, which is what eager,
+graph-lowered and captured steps run. Launch options such as PDL's and `maxnreg` go only
+with untraced launches.
+"""
 from __future__ import annotations
 
 import os
 
 import torch
 from triton.runtime.jit import JITFunction
+
+try:
+    from torch._library.triton import is_wrap_triton_enabled
+except ImportError:           # no wrap_triton at all: nothing traces a launch
+    def is_wrap_triton_enabled() -> bool:
+        return False
 
 
 def interpreting() -> bool:
@@ -18,3 +31,13 @@ def launchable(kernel):
     if isinstance(kernel, JITFunction):
         return torch.library.wrap_triton(kernel)
     return kernel
+
+
+def traced() -> bool:
+    """Whether a launch now goes through wrap_triton's tracing (module docstring)."""
+    return is_wrap_triton_enabled()
+
+
+def register_cap(maxnreg: int | None) -> dict:
+    """`maxnreg` as a launch option where one can go: not traced, not interpreted."""
+    return {"maxnreg": maxnreg} if maxnreg and not interpreting() and not traced() else {}

@@ -27,13 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kvcompile.ops.launching import interpreting
-
-try:
-    from torch._library.triton import is_wrap_triton_enabled
-except ImportError:           # no wrap_triton at all: nothing traces a launch
-    def is_wrap_triton_enabled() -> bool:
-        return False
+from kvcompile.ops.launching import interpreting, traced
 
 ENABLED = os.environ.get("KVCOMPILE_PDL", "1") not in ("", "0")
 
@@ -55,13 +49,10 @@ def _capability(index: int) -> int:
 def launch(device: torch.device) -> dict:
     """Keywords for a launch of a kernel with a `PDL` constexpr: PDL on (with the launch
     attribute) on a Hopper-or-later GPU in an eager or captured launch, off elsewhere
-    (CPU, the Triton interpreter, KVCOMPILE_PDL=0, and wherever wrap_triton is on: while
-    torch.compile traces the launch (the inductor lowering takes no options beyond
-    num_warps / num_stages) and for a launcher called outside its op (benchmarks, the
-    interpreter tests); triton_op turns it off inside an op's CUDA implementation)."""
+    (CPU, the Triton interpreter, KVCOMPILE_PDL=0, and traced launches: ops/launching)."""
     on = (ENABLED and device.type == "cuda"
           and not interpreting()
-          and not is_wrap_triton_enabled()
+          and not traced()
           and _capability(device.index if device.index is not None
                           else torch.cuda.current_device()) >= 9)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}

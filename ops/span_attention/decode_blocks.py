@@ -17,7 +17,7 @@ from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape,
                                                        launch_reduce, partial_slot,
                                                        program_rows_and_chunk, split_operands,
                                                        store_partial_stats)
-from kvcompile.ops.launching import interpreting, launchable
+from kvcompile.ops.launching import interpreting, launchable, register_cap
 from kvcompile.ops.span_attention.launch import k_split
 from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
                                                      qk_scores, query_tile, v_operand)
@@ -95,8 +95,8 @@ def blocks_config(head_dim: int, block_m: int, k_quantized: bool) -> dict:
     SM (the loop is latency bound): 64 positions, 1 warp, 8 programs an SM for D <= 128
     (0.58 of HBM at 256K in that sweep, 0.44 with the old defaults of 128 positions x 4 warps
     x 2 programs); 64 positions, 2 warps, 4 programs an SM for D = 256 (0.45, old defaults
-    0.38). No register cap: torch.compile's wrap_triton does not pass `maxnreg` through as a
-    launch option. Wider verify: 64 positions (32 past 32 rows: registers), 8 warps; float K
+    0.38). No register cap (`maxnreg`; it goes only with untraced launches, ops/launching:
+    that sweep launched traced, so caps were never measured). Wider verify: 64 positions (32 past 32 rows: registers), 8 warps; float K
     keeps decode_kernel's tile; both 2 programs an SM."""
     if k_quantized and block_m <= 16:
         if head_dim <= 128:
@@ -115,8 +115,8 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
                                  num_warps=None, num_stages=None, programs_per_sm=None,
                                  maxnreg=None, workspace=None, out_rot=None):
     """Same contract as decode_kernel.span_attention_decode; `maxnreg` caps registers a
-    thread (more programs resident per SM). Launch options left None come from
-    blocks_config."""
+    thread (more programs resident per SM; untraced launches only). Launch options left None
+    come from blocks_config."""
     sh = decode_shape(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, out)
     kg, vg, head_dim = sh.kg, sh.vg, sh.head_dim
     block_m = sh.block_m
@@ -125,6 +125,7 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
     num_warps = num_warps or cfg["num_warps"]
     num_stages = num_stages or cfg["num_stages"]
     programs_per_sm = programs_per_sm or cfg["programs_per_sm"]
+    maxnreg = maxnreg or cfg.get("maxnreg")
     assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
     chunk_len, n_chunks = chunks(sh, page_size, block_n, chunk_len, programs_per_sm, q.device)
     bufs, qk_f16, (kv, ks, kpe, kph, kch), (vv, vs, vpe, vph, vch) = split_operands(
@@ -137,7 +138,7 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
         BLOCK_N=block_n, K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16,
         K_SPLIT=k_split(kg.kv_type), INTERP=interpreting(),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(q.device),
-        **({"maxnreg": maxnreg} if maxnreg and not interpreting() else {}))
+        **register_cap(maxnreg))
     return launch_reduce(sh, bufs, q_pos, n_chunks, chunk_len, page_size, out_rot)
 
 
