@@ -7,7 +7,9 @@ GEMV beats cuBLAS on the 8B decode shapes. Prints tables; --json writes the rows
 - gemv: y = x @ W^T, x [M, K] bf16 (M = 1, 4, 8), W [N, K] bf16, 4 rotated weight copies:
   cuBLAS against candidate kernels of ops/gemv's design (the same loops without masks, bias
   and the exact rounding), a config sweep that chose ops/gemv's launch defaults.
-- sweep (--only sweep): decode launch configs by context (1 row, full call).
+- sweep (--only sweep): decode launch configs by context (1 row, full call). With
+  --untraced the launches run as inside the op (wrap_triton off: PDL and register caps
+  apply, ops/launching.py); the register-capped configs only differ from uncapped ones there.
 Rows of the 2026-11-30 runs: benchmarks/results/probe_overhead.json, decode_sweep.json.
 """
 from __future__ import annotations
@@ -116,7 +118,13 @@ SWEEP = {("q8_0", 128): [{}, dict(block_n=64, num_warps=1, num_stages=3, program
                          dict(block_n=64, num_warps=2, num_stages=3, programs_per_sm=8),
                          dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=4),
                          dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4),
-                         dict(block_n=64, num_warps=1, num_stages=2, programs_per_sm=16)],
+                         dict(block_n=64, num_warps=1, num_stages=2, programs_per_sm=16),
+                         dict(block_n=32, num_warps=1, num_stages=3, programs_per_sm=16,
+                              maxnreg=128),
+                         dict(block_n=32, num_warps=2, num_stages=3, programs_per_sm=8,
+                              maxnreg=128),
+                         dict(block_n=64, num_warps=2, num_stages=3, programs_per_sm=8,
+                              maxnreg=128)],
          ("q8_0", 256): [{}, dict(block_n=32, num_warps=1, num_stages=3, programs_per_sm=8),
                          dict(block_n=32, num_warps=2, num_stages=3, programs_per_sm=8),
                          dict(block_n=64, num_warps=2, num_stages=3, programs_per_sm=4),
@@ -221,6 +229,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--only", choices=["attention", "gemv", "sweep"])
+    ap.add_argument("--untraced", action="store_true",
+                    help="launch as inside the ops (wrap_triton off: PDL, register caps)")
     a = ap.parse_args()
     hbm = hbm_bandwidth()["hbm_gbps_measured"]
     print(f"HBM {hbm:.0f} GB/s", flush=True)
@@ -228,7 +238,9 @@ def main():
     if a.only in (None, "attention"):
         rows += attention_rows(hbm)
     if a.only == "sweep":
-        rows += sweep_rows(hbm)
+        from torch._library.triton import set_wrap_triton_enabled
+        with set_wrap_triton_enabled(not a.untraced):
+            rows += sweep_rows(hbm)
     if a.only in (None, "gemv"):
         rows += gemv_rows(hbm)
     if a.json:
