@@ -6,7 +6,9 @@
   4 KV heads x 256 dims (24 q heads) and 8 KV heads x 128 dims (32 q heads), q8_0 K / q4_0 V
   and bf16 K / V. gbps = KV bytes of the context / time. Pages are scattered (random page
   table) and four disjoint copies of the KV rotate so that L2 cannot serve repeats.
-  Timed as CUDA-graph replays (how decode runs in a phase program).
+  Timed as CUDA-graph replays (how decode runs in a phase program). --untraced launches
+  as inside the op (wrap_triton off: PDL between the split and the reduce and register
+  caps apply, ops/launching.py), as the models' decode steps run; rows say which.
 - prefill: 16K query rows over 16K keys, causal, beside F.scaled_dot_product_attention on
   the same shapes (bf16; K/V expanded to the query heads for SDPA).
 - kv_write: 16K rows quantized into pages.
@@ -197,6 +199,8 @@ def main() -> None:
                     help="decode implementations to time, e.g. legacy,blocks (rows tagged impl)")
     ap.add_argument("--decode-only", action="store_true", help="same as --parts decode")
     ap.add_argument("--contexts", default="", help="decode contexts, e.g. 32768,131072")
+    ap.add_argument("--untraced", action="store_true",
+                    help="decode: launch as inside the op (PDL, register caps)")
     ap.add_argument("--defaults-only", action="store_true",
                     help="decode: time each implementation's launch defaults only (no sweep)")
     args = ap.parse_args()
@@ -228,13 +232,20 @@ def main() -> None:
             dict(block_n=64, num_warps=1, num_stages=3, programs_per_sm=8),
             dict(block_n=32, num_warps=2, num_stages=3, programs_per_sm=6),
             dict(block_n=32, num_warps=2, num_stages=3, programs_per_sm=8, maxnreg=128),
+            # register caps (untraced launches only): 16 one-warp or 8 two-warp programs
+            dict(block_n=32, num_warps=1, num_stages=3, programs_per_sm=16, maxnreg=128),
+            dict(block_n=64, num_warps=2, num_stages=3, programs_per_sm=8, maxnreg=128),
             # fewer, longer chunks: at 32K the fixed cost (partials, reduce) dominates
             dict(programs_per_sm=1), dict(block_n=64, num_warps=2, num_stages=3,
                                           programs_per_sm=1)]}
         if args.defaults_only:
             dcfg = {impl: [{}] for impl in dcfg}
-        rows += bench_decode(hbm, [int(r) for r in args.rows.split(",")], ctxs, dcfg,
-                             args.impls.split(","))
+        from torch._library.triton import set_wrap_triton_enabled
+        with set_wrap_triton_enabled(not args.untraced):
+            decode_rows = bench_decode(hbm, [int(r) for r in args.rows.split(",")], ctxs,
+                                       dcfg, args.impls.split(","))
+        rows += [dict(r, launch="untraced" if args.untraced else "traced")
+                 for r in decode_rows]
     if "prefill" in parts:
         pcfg = {128: [dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
                       dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
