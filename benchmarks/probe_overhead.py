@@ -8,8 +8,8 @@ GEMV beats cuBLAS on the 8B decode shapes. Prints tables; --json writes the rows
   cuBLAS against candidate kernels of ops/gemv's design (the same loops without masks, bias
   and the exact rounding), a config sweep that chose ops/gemv's launch defaults.
 - sweep (--only sweep): decode launch configs by context (1 row, full call). With
-  --untraced the launches run as inside the op (wrap_triton off: PDL and register caps
-  apply, ops/launching.py); the register-capped configs only differ from uncapped ones there.
+  --untraced the launches run as inside the op (wrap_triton off: PDL, and register caps,
+  which ops/launching.register_cap passes to untraced launches only).
 Rows of the 2026-11-30 runs: benchmarks/results/probe_overhead.json, decode_sweep.json.
 """
 from __future__ import annotations

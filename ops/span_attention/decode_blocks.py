@@ -95,9 +95,9 @@ def blocks_config(head_dim: int, block_m: int, k_quantized: bool) -> dict:
     SM (the loop is latency bound): 64 positions, 1 warp, 8 programs an SM for D <= 128
     (0.58 of HBM at 256K in that sweep, 0.44 with the old defaults of 128 positions x 4 warps
     x 2 programs); 64 positions, 2 warps, 4 programs an SM for D = 256 (0.45, old defaults
-    0.38). No register cap (`maxnreg`; it goes only with untraced launches, ops/launching:
-    that sweep launched traced, so caps were never measured). Wider verify: 64 positions (32 past 32 rows: registers), 8 warps; float K
-    keeps decode_kernel's tile; both 2 programs an SM."""
+    0.38). No register cap by default (`maxnreg`, untraced launches only: ops/launching).
+    Wider verify: 64 positions (32 past 32 rows: registers), 8 warps; float K keeps
+    decode_kernel's tile; both 2 programs an SM."""
     if k_quantized and block_m <= 16:
         if head_dim <= 128:
             return dict(block_n=64, num_warps=1, num_stages=3, programs_per_sm=8)
