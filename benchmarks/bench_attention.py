@@ -7,8 +7,8 @@
   and bf16 K / V. gbps = KV bytes of the context / time. Pages are scattered (random page
   table) and four disjoint copies of the KV rotate so that L2 cannot serve repeats.
   Timed as CUDA-graph replays (how decode runs in a phase program). --untraced launches
-  as inside the op (wrap_triton off: PDL between the split and the reduce and register
-  caps apply, ops/launching.py), as the models' decode steps run; rows say which.
+  as inside the op (wrap_triton off: PDL between the split and the reduce, ops/pdl.py), as
+  the models' decode steps run; rows say which (`launch`).
 - prefill: 16K query rows over 16K keys, causal, beside F.scaled_dot_product_attention on
   the same shapes (bf16; K/V expanded to the query heads for SDPA).
 - kv_write: 16K rows quantized into pages.
@@ -200,7 +200,7 @@ def main() -> None:
     ap.add_argument("--decode-only", action="store_true", help="same as --parts decode")
     ap.add_argument("--contexts", default="", help="decode contexts, e.g. 32768,131072")
     ap.add_argument("--untraced", action="store_true",
-                    help="decode: launch as inside the op (PDL, register caps)")
+                    help="decode: launch as inside the op (wrap_triton off: PDL)")
     ap.add_argument("--defaults-only", action="store_true",
                     help="decode: time each implementation's launch defaults only (no sweep)")
     args = ap.parse_args()
@@ -232,7 +232,7 @@ def main() -> None:
             dict(block_n=64, num_warps=1, num_stages=3, programs_per_sm=8),
             dict(block_n=32, num_warps=2, num_stages=3, programs_per_sm=6),
             dict(block_n=32, num_warps=2, num_stages=3, programs_per_sm=8, maxnreg=128),
-            # register caps (untraced launches only): 16 one-warp or 8 two-warp programs
+            # register caps at 128: 16 one-warp or 8 two-warp programs
             dict(block_n=32, num_warps=1, num_stages=3, programs_per_sm=16, maxnreg=128),
             dict(block_n=64, num_warps=2, num_stages=3, programs_per_sm=8, maxnreg=128),
             # fewer, longer chunks: at 32K the fixed cost (partials, reduce) dominates

@@ -108,8 +108,9 @@ def parse_args(argv=None):
     ap.add_argument("--arena-mib", type=float, default=None, help="default 2048 (tiny: 0.9)")
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--trials", type=int, default=1,
-                    help="runs of each row in this process; the row is the median run's, "
-                         "every run's decode tok/s is kept (decode_tok_s_trials)")
+                    help="runs of each row in this process; the row is the median run's (of "
+                         "an even count the slower middle one), every run's decode tok/s is "
+                         "kept in run order (decode_tok_s_trials)")
     ap.add_argument("--ubatch", type=int, default=4096)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny geometry and contexts (logic check)")
@@ -195,8 +196,9 @@ def measure(system, model, g, ctx, kv, args, device, ids, meta) -> dict:
     try:
         runs = [run_row(system, model, g, ctx, kv, args, device, ids)
                 for _ in range(args.trials)]
-        runs.sort(key=lambda r: r["decode_s"])
-        S.finish(row, runs[len(runs) // 2], args.decode_steps)   # the median run (upper)
+        # the median run (of an even count the slower middle one); all runs in run order
+        median = sorted(runs, key=lambda r: r["decode_s"])[len(runs) // 2]
+        S.finish(row, median, args.decode_steps)
         row["decode_tok_s_trials"] = [args.decode_steps / r["decode_s"] for r in runs]
         h = row["hbm_roofline_tok_s"]
         row["decode_vs_hbm_roofline"] = row["decode_tok_s"] / h if h else None

@@ -8,8 +8,8 @@ GEMV beats cuBLAS on the 8B decode shapes. Prints tables; --json writes the rows
   cuBLAS against candidate kernels of ops/gemv's design (the same loops without masks, bias
   and the exact rounding), a config sweep that chose ops/gemv's launch defaults.
 - sweep (--only sweep): decode launch configs by context (1 row, full call). With
-  --untraced the launches run as inside the op (wrap_triton off: PDL, and register caps,
-  which ops/launching.register_cap passes to untraced launches only).
+  --untraced the launches run as inside the op (wrap_triton off: with PDL between the
+  split and the reduce, ops/pdl.py).
 Rows of the 2026-11-30 runs: benchmarks/results/probe_overhead.json, decode_sweep.json.
 """
 from __future__ import annotations
@@ -230,7 +230,7 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--only", choices=["attention", "gemv", "sweep"])
     ap.add_argument("--untraced", action="store_true",
-                    help="launch as inside the ops (wrap_triton off: PDL, register caps)")
+                    help="--only sweep: launch as inside the ops (wrap_triton off: PDL)")
     a = ap.parse_args()
     hbm = hbm_bandwidth()["hbm_gbps_measured"]
     print(f"HBM {hbm:.0f} GB/s", flush=True)
@@ -240,7 +240,8 @@ def main():
     if a.only == "sweep":
         from torch._library.triton import set_wrap_triton_enabled
         with set_wrap_triton_enabled(not a.untraced):
-            rows += sweep_rows(hbm)
+            rows += [dict(r, launch="untraced" if a.untraced else "traced")
+                     for r in sweep_rows(hbm)]
     if a.only in (None, "gemv"):
         rows += gemv_rows(hbm)
     if a.json:

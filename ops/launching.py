@@ -2,11 +2,12 @@
 sees the kernel), or as it is under the Triton interpreter (TRITON_INTERPRET=1, the CPU
 tests). No imports from the ops themselves: ops/pdl.py and each op's launcher use it.
 
-A launch is *traced* while wrap_triton is on: torch.compile tracing it (the inductor lowering
-takes no launch options beyond num_warps / num_stages), or a launcher called outside its op
-(benchmarks); triton_op turns it off inside an op's CUDA implementation, which is what eager,
-graph-lowered and captured steps run. Launch options such as PDL's and `maxnreg` go only
-with untraced launches.
+A launch is *traced* while wrap_triton is on: torch.compile tracing it, or a launcher called
+outside its op (benchmarks; torch's kernel wrapper then launches it eagerly); triton_op turns
+it off inside an op's CUDA implementation, which is what eager, graph-lowered and captured
+steps run. PDL goes only with untraced launches (ops/pdl.py); a register cap (`maxnreg`)
+with any launch that torch.compile is not tracing (its inductor lowering takes no launch
+options beyond num_warps / num_stages).
 """
 from __future__ import annotations
 
@@ -39,5 +40,7 @@ def traced() -> bool:
 
 
 def register_cap(maxnreg: int | None) -> dict:
-    """`maxnreg` as a launch option where one can go: not traced, not interpreted."""
-    return {"maxnreg": maxnreg} if maxnreg and not interpreting() and not traced() else {}
+    """`maxnreg` as a launch option where one can go: not while torch.compile traces the
+    launch, not in the interpreter."""
+    on = maxnreg and not interpreting() and not torch.compiler.is_compiling()
+    return {"maxnreg": maxnreg} if on else {}

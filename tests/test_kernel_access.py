@@ -2,7 +2,7 @@
 
 Under the inductor lowering, a kernel launched through wrap_triton is analysed from its TTIR:
 every tensor it seems to store through counts as mutated and is cloned before the launch. The
-analysis follows a store's address back through every op, and through a `tl.jit` helper's
+analysis follows a store's address back through every op, and through a `triton.jit` helper's
 call to all of that helper's arguments, so a helper that returns an index and also takes a
 loaded value (or a pointer) makes that tensor look written: a KV pool or the query cloned on
 every call. This test compiles each kernel's TTIR for sm_90 on the CPU (Triton needs a
@@ -84,6 +84,16 @@ CASES = {
                             {"m_ptr", "l_ptr", "acc_ptr"}),
     "decode_split_legacy": (_decode_split, dict(SPLIT_TENSORS, k_vals=I8), SPLIT_CONST,
                             {"m_ptr", "l_ptr", "acc_ptr"}),
+    "decode_split_blocks_bf16": (_decode_split_blocks,
+                                 dict(SPLIT_TENSORS, k_vals=BF16, v_vals=BF16, k_scl=BF16,
+                                      v_scl=BF16),
+                                 dict(SPLIT_CONST, K_TYPE=30, V_TYPE=30, QK_F16=0),
+                                 {"m_ptr", "l_ptr", "acc_ptr"}),
+    "decode_split_legacy_bf16": (_decode_split,
+                                 dict(SPLIT_TENSORS, k_vals=BF16, v_vals=BF16, k_scl=BF16,
+                                      v_scl=BF16),
+                                 dict(SPLIT_CONST, K_TYPE=30, V_TYPE=30, QK_F16=0),
+                                 {"m_ptr", "l_ptr", "acc_ptr"}),
     "decode_reduce": (_decode_reduce, dict(m_ptr=F32, l_ptr=F32, acc_ptr=F32, q_pos_ptr=I32,
                                            rot_ptr=F32, out_ptr=BF16),
                       dict(G=4, D=128, P=256, ROWS_P2=2, BLOCK_C=128, BLOCK_D=64,

@@ -1,19 +1,28 @@
-"""Launch options that only untraced launches take (ops/launching.py)."""
+"""Launch options by launch mode (ops/launching.py)."""
 from __future__ import annotations
 
-from torch._library.triton import set_wrap_triton_enabled
+import pytest
+import torch
 
 from kvcompile.ops import launching
 
+set_wrap_triton_enabled = pytest.importorskip("torch._library.triton").set_wrap_triton_enabled
 
-def test_register_cap_only_for_untraced_compiled_launches(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+def test_traced_follows_wrap_triton():
     with set_wrap_triton_enabled(False):               # inside an op's CUDA implementation
         assert not launching.traced()
+    assert launching.traced()                          # outside: wrap_triton on
+
+
+def test_register_cap_unless_compiling_or_interpreting(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert launching.register_cap(128) == {"maxnreg": 128}
+    assert launching.register_cap(None) == {}
+    with set_wrap_triton_enabled(False):
         assert launching.register_cap(128) == {"maxnreg": 128}
-        assert launching.register_cap(None) == {}
-        monkeypatch.setenv("TRITON_INTERPRET", "1")    # the interpreter takes no such option
-        assert launching.register_cap(128) == {}
-    monkeypatch.delenv("TRITON_INTERPRET")
-    assert launching.traced()                          # wrap_triton on: a traced launch
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert launching.register_cap(128) == {}           # inductor takes no such option
+    monkeypatch.undo()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")        # nor does the interpreter
     assert launching.register_cap(128) == {}

@@ -141,9 +141,10 @@ def _gemv_rows(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, HAS_BIAS: tl.cons
 def row_config(n: int, k: int) -> dict:
     """One row: long K tiles, few output rows a program (measured inside the captured 8B
     decode step with PDL, benchmarks/probe_step_ablation.py gemv:... variants, H200,
-    2026-11-30 05:35-05:37 UTC: against 4 x 512 / 16 x 256 tiles, 4 x 1024 for the o and
-    down shapes (N 4096) and 8 x 512 for q/k/v (6144) and gate/up (28672) took the step from
-    4.59 to 4.49 ms); the LM head (N above 32768) keeps 16 x 256. K tiles no longer than K."""
+    2026-11-30 05:35-05:37 UTC: against the earlier 4 x 512 (N <= 4096), 16 x 512 (N <= 8192)
+    and 16 x 256 tiles, 4 x 1024 for the o and down shapes (N 4096) and 8 x 512 for q/k/v
+    (6144) and gate/up (28672) took the step from 4.59 to 4.49 ms); the LM head (N above
+    32768) keeps 16 x 256. K tiles no longer than K."""
     if n <= 4096:
         block_n, block_k = 4, 1024
     elif n <= 32768:

@@ -95,7 +95,7 @@ def blocks_config(head_dim: int, block_m: int, k_quantized: bool) -> dict:
     SM (the loop is latency bound): 64 positions, 1 warp, 8 programs an SM for D <= 128
     (0.58 of HBM at 256K in that sweep, 0.44 with the old defaults of 128 positions x 4 warps
     x 2 programs); 64 positions, 2 warps, 4 programs an SM for D = 256 (0.45, old defaults
-    0.38). No register cap by default (`maxnreg`, untraced launches only: ops/launching).
+    0.38). No register cap by default (`maxnreg`; none under torch.compile: ops/launching).
     Wider verify: 64 positions (32 past 32 rows: registers), 8 warps; float K keeps
     decode_kernel's tile; both 2 programs an SM."""
     if k_quantized and block_m <= 16:
@@ -115,7 +115,7 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
                                  num_warps=None, num_stages=None, programs_per_sm=None,
                                  maxnreg=None, workspace=None, out_rot=None):
     """Same contract as decode_kernel.span_attention_decode; `maxnreg` caps registers a
-    thread (more programs resident per SM; untraced launches only). Launch options left None
+    thread (more programs resident per SM; dropped under torch.compile). Launch options left None
     come from blocks_config."""
     sh = decode_shape(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, out)
     kg, vg, head_dim = sh.kg, sh.vg, sh.head_dim

@@ -85,8 +85,6 @@ def check_launch(q, k_pool, v_pool, page_table, q_pos, page_size):
         raise KvLayoutError("span_attention on the GPU: " + "; ".join(problems))
 
 
-
-
 @functools.lru_cache(maxsize=None)
 def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
