@@ -1,12 +1,10 @@
 """Launch options by launch mode (ops/launching.py)."""
 from __future__ import annotations
 
-import pytest
 import torch
+from torch._library.triton import set_wrap_triton_enabled
 
 from kvcompile.ops import launching
-
-set_wrap_triton_enabled = pytest.importorskip("torch._library.triton").set_wrap_triton_enabled
 
 
 def test_traced_follows_wrap_triton():

@@ -12,8 +12,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kvcompile.ops.cast import to_bf16 as _to_bf16
-from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.launching import interpreting, launchable
+from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.span_attention.launch import page_geometry
 
 

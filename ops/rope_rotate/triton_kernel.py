@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from kvcompile.ops.cast import TL_DTYPES, round_to
-from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.launching import interpreting, launchable
+from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 
 HEADS_PER_PROGRAM = 16     # the smallest tensor-core tile height
 

@@ -11,13 +11,13 @@ import os
 import triton
 import triton.language as tl
 
+from kvcompile.ops.launching import interpreting, launchable, register_cap
 from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.span_attention.decode_kernel import LOG2E, span_attention_decode
 from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape,
                                                        launch_reduce, partial_slot,
                                                        program_rows_and_chunk, split_operands,
                                                        store_partial_stats)
-from kvcompile.ops.launching import interpreting, launchable, register_cap
 from kvcompile.ops.span_attention.launch import k_split
 from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
                                                      qk_scores, query_tile, v_operand)
@@ -79,7 +79,7 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
                           v_code_halves, BLOCK_N, P, D, V_TYPE)
             acc_a = tl.dot(p16, v_operand(v, V_TYPE), acc_a * alpha[:, None])
         m_i = m_new
-    slot = partial_slot(r, h, n_chunks, n_rows, G)
+    slot = partial_slot(tl.program_id(0), r, h, n_chunks, n_rows, G)
     ok = (r < n_rows * G) & (start < n_ctx)
     store_partial_stats(m_ptr, l_ptr, m_i, l_i, slot, ok)
     base = acc_ptr + slot.to(tl.int64)[:, None] * D
@@ -115,8 +115,8 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
                                  num_warps=None, num_stages=None, programs_per_sm=None,
                                  maxnreg=None, workspace=None, out_rot=None):
     """Same contract as decode_kernel.span_attention_decode; `maxnreg` caps registers a
-    thread (more programs resident per SM; dropped under torch.compile). Launch options left None
-    come from blocks_config."""
+    thread (more programs resident per SM; dropped under torch.compile). Launch options
+    left None come from blocks_config."""
     sh = decode_shape(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, out)
     kg, vg, head_dim = sh.kg, sh.vg, sh.head_dim
     block_m = sh.block_m

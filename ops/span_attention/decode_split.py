@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.launching import launchable
+from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.span_attention.launch import (PageGeometry, check_launch, dot_mode,
                                                  num_sms, page_geometry, pool_args)
 from kvcompile.ops.span_attention.workspace import carve, chunks_per_head
@@ -103,9 +103,10 @@ def program_rows_and_chunk(q_pos_ptr, r, n_rows, chunk_len, table_len, G: tl.con
 
 
 @triton.jit
-def partial_slot(r, h, n_chunks, n_rows, G: tl.constexpr):
-    """Row of the partials' buffers that holds tile row r of this program (KV head h)."""
-    return (h * n_chunks + tl.program_id(0)) * (n_rows * G) + r
+def partial_slot(chunk, r, h, n_chunks, n_rows, G: tl.constexpr):
+    """Row of the partials' buffers that holds tile row r of `chunk` (KV head h): the split
+    writes its own chunk's, the reduce reads them all."""
+    return (h * n_chunks + chunk) * (n_rows * G) + r
 
 
 @triton.jit
@@ -147,10 +148,9 @@ def _decode_reduce(m_ptr, l_ptr, acc_ptr, q_pos_ptr, rot_ptr, out_ptr, stride_ot
     h = tl.program_id(0)
     r = tl.program_id(1)
     tr = tl.arange(0, ROWS_P2)
-    mrows = n_rows * G
     if ONE_STEP:
         cc = tl.arange(0, BLOCK_C)
-        slot = (h * n_chunks + cc) * mrows + r
+        slot = partial_slot(cc, r, h, n_chunks, n_rows, G)
         have = cc < n_chunks
         mc = tl.load(m_ptr + slot, mask=have, other=float("-inf"))
         lc = tl.load(l_ptr + slot, mask=have, other=0.0)
@@ -170,7 +170,7 @@ def _decode_reduce(m_ptr, l_ptr, acc_ptr, q_pos_ptr, rot_ptr, out_ptr, stride_ot
         for c0 in range(0, used, BLOCK_C):
             cc = c0 + tl.arange(0, BLOCK_C)
             ok = cc < used
-            slot = (h * n_chunks + cc) * mrows + r
+            slot = partial_slot(cc, r, h, n_chunks, n_rows, G)
             mc = tl.load(m_ptr + slot, mask=ok, other=float("-inf"))
             lc = tl.load(l_ptr + slot, mask=ok, other=0.0)
             ac = tl.load(acc_ptr + slot.to(tl.int64)[:, None] * D + d[None, :],
