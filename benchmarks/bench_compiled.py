@@ -191,7 +191,8 @@ def measure(system, model, g, ctx, kv, args, device, ids, meta) -> dict:
                hbm_gbps_measured=hbm, weight_read_bytes=meta["weight_read_bytes"],
                hbm_roofline_tok_s=(hbm * 1e9 / (meta["weight_read_bytes"] + kv_bytes)
                                    if hbm and not streamed else None),
-               decode_steps=args.decode_steps, device=meta["device"])
+               decode_steps=args.decode_steps, device=meta["device"],
+               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     log(f"{system} {kv} @ {ctx}")
     try:
         runs = [run_row(system, model, g, ctx, kv, args, device, ids)
@@ -229,10 +230,11 @@ def report(rows: list[dict]) -> None:
         if r.get("status") != "ok":
             continue
         off = [t for t in rows if t["system"] == r["system"] + "-nopdl"
-               and t["context"] == r["context"] and t.get("status") == "ok"]
+               and t["context"] == r["context"] and t["kv_type"] == r["kv_type"]
+               and t.get("status") == "ok"]
         if off:
-            print(f"PDL @ {r['context']} ({r['system']}): {r['decode_tok_s']:.1f} vs "
-                  f"{off[0]['decode_tok_s']:.1f} tok/s without "
+            print(f"PDL @ {r['context']} ({r['system']} {r['kv_type']}): "
+                  f"{r['decode_tok_s']:.1f} vs {off[0]['decode_tok_s']:.1f} tok/s without "
                   f"({r['decode_tok_s'] / off[0]['decode_tok_s']:.3f}x)")
         if r["system"] in LOWER and r.get("decode_vs_hbm_roofline") is not None:
             x = r["decode_vs_hbm_roofline"]
