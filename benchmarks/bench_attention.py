@@ -33,6 +33,7 @@ import kvcompile.ops  # noqa: F401
 from kvcompile.ops import kv_format as F
 from kvcompile.ops.kv_write.op import physical_slots
 from kvcompile.ops.span_attention.decode_blocks import decode_launcher
+from kvcompile.ops.span_attention.decode_transposed import transposed_takes
 from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
@@ -85,6 +86,10 @@ def bench_decode(hbm, rows_list, contexts, configs, impls=("legacy", "blocks")):
             for n_ctx in contexts:
                 kp, vp, tables, kv_bytes = make_pools(kn, vn, n_ctx, n_kv, d, ROT)
                 for rows, impl in [(r, i) for r in rows_list for i in impls]:
+                    if impl == "transposed" and not transposed_takes(
+                            F.kv_type(kn).quantized, F.kv_type(vn).quantized,
+                            rows * n_q // n_kv):
+                        continue
                     decode = decode_launcher(impl)
                     q = torch.randn(rows, n_q, d, device="cuda", dtype=torch.bfloat16)
                     q_pos = torch.arange(n_ctx - rows, n_ctx, device="cuda", dtype=torch.int32)
@@ -184,7 +189,7 @@ def fmt(r: dict) -> str:
     val = f"{r['gbps']:8.0f} GB/s" if "gbps" in r else f"{r['tflops']:8.1f} TFLOP/s"
     extra = f" {r['frac_of_hbm']:.2f} of HBM" if "frac_of_hbm" in r else ""
     extra += f" {r['vs_sdpa']:.2f}x SDPA" if "vs_sdpa" in r else ""
-    return (f"{r['kernel']:8s} {r.get('impl', ''):6s} {r['kv_type']:10s} Hkv{r['n_kv_heads']}xD{r['head_dim']:<4d} "
+    return (f"{r['kernel']:8s} {r.get('impl', ''):10s} {r['kv_type']:10s} Hkv{r['n_kv_heads']}xD{r['head_dim']:<4d} "
             f"ctx {r['context']:7d} rows {r['q_rows']:6d} {r['ms']:9.4f} ms {val}{extra}")
 
 
@@ -195,8 +200,10 @@ def main() -> None:
     ap.add_argument("--parts", default="decode,prefill,kv_write")
     ap.add_argument("--pairs", default="q8_0/q4_0,bf16/bf16", help="K/V type pairs")
     ap.add_argument("--rows", default="1,8", help="decode query rows")
-    ap.add_argument("--impls", default="legacy,blocks",
-                    help="decode implementations to time, e.g. legacy,blocks (rows tagged impl)")
+    ap.add_argument("--impls", default="legacy,blocks,transposed",
+                    help="decode implementations to time, e.g. legacy,blocks (rows tagged impl;"
+                         " transposed only where it applies: quantized K and V, <= 16 query "
+                         "rows a KV head)")
     ap.add_argument("--decode-only", action="store_true", help="same as --parts decode")
     ap.add_argument("--contexts", default="", help="decode contexts, e.g. 32768,131072")
     ap.add_argument("--untraced", action="store_true",
@@ -237,7 +244,14 @@ def main() -> None:
             dict(block_n=64, num_warps=2, num_stages=3, programs_per_sm=8, maxnreg=128),
             # fewer, longer chunks: at 32K the fixed cost (partials, reduce) dominates
             dict(programs_per_sm=1), dict(block_n=64, num_warps=2, num_stages=3,
-                                          programs_per_sm=1)]}
+                                          programs_per_sm=1)],
+            # transposed (positions on the MMA's 16-row side): fewer registers a warp (offline
+            # sm_90 counts: 128-168 for 2 warps x 64 positions, 168 for 1 warp x 32), so
+            # more programs resident
+            "transposed": [{}] + [dict(block_n=b, num_warps=w, num_stages=3, programs_per_sm=p)
+                                  for b, w, p in ((64, 2, 8), (64, 2, 6), (32, 1, 12),
+                                                  (32, 1, 8), (32, 2, 8), (64, 4, 4),
+                                                  (128, 4, 4))]}
         if args.defaults_only:
             dcfg = {impl: [{}] for impl in dcfg}
         from torch._library.triton import set_wrap_triton_enabled

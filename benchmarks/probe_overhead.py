@@ -50,7 +50,9 @@ def attention_rows(hbm):
             q = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16)
             q_pos = torch.tensor([n_ctx - 1], device="cuda", dtype=torch.int32)
             out = torch.empty_like(q)
-            launch = decode_blocks.decode_launcher(quantized=kn != "bf16", rows_per_kv_head=4)
+            quant = kn != "bf16"
+            launch = decode_blocks.decode_launcher(k_quantized=quant, v_quantized=quant,
+                                                   rows_per_kv_head=4)
             kt, vt = F.kv_type(kn).ggml_id, F.kv_type(vn).ggml_id
             res = {}
             for pps in (None, 1, 4):
@@ -148,7 +150,8 @@ def sweep_rows(hbm):
             q = torch.randn(1, n_q, d, device="cuda", dtype=torch.bfloat16)
             q_pos = torch.tensor([n_ctx - 1], device="cuda", dtype=torch.int32)
             out = torch.empty_like(q)
-            launch = decode_blocks.decode_launcher(quantized=kn != "bf16",
+            quant = kn != "bf16"
+            launch = decode_blocks.decode_launcher(k_quantized=quant, v_quantized=quant,
                                                    rows_per_kv_head=n_q // n_kv)
             kt, vt = F.kv_type(kn).ggml_id, F.kv_type(vn).ggml_id
             ideal = kv_bytes / (hbm * 1e9) * 1e6

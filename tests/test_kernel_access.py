@@ -27,6 +27,7 @@ from kvcompile.ops.rope_rotate.triton_kernel import _rope_rotate  # noqa: E402
 from kvcompile.ops.silu_mul.triton_kernel import _silu_mul  # noqa: E402
 from kvcompile.ops.span_attention.decode_blocks import _decode_split_blocks  # noqa: E402
 from kvcompile.ops.span_attention.decode_kernel import _decode_split  # noqa: E402
+from kvcompile.ops.span_attention.decode_transposed import _decode_split_t  # noqa: E402
 from kvcompile.ops.span_attention.decode_split import _decode_reduce  # noqa: E402
 from kvcompile.ops.span_attention.prefill_kernel import _prefill  # noqa: E402
 
@@ -82,6 +83,10 @@ CASES = {
                             {"m_ptr", "l_ptr", "acc_ptr"}),
     "decode_split_legacy": (_decode_split, dict(SPLIT_TENSORS, k_vals=I8), SPLIT_CONST,
                             {"m_ptr", "l_ptr", "acc_ptr"}),
+    "decode_split_transposed": (_decode_split_t, SPLIT_TENSORS,
+                                {k: v for k, v in SPLIT_CONST.items()
+                                 if k not in ("BLOCK_M", "QK_F16", "K_SPLIT")} | dict(BLOCK_R=4),
+                                {"m_ptr", "l_ptr", "acc_ptr"}),
     "decode_split_blocks_bf16": (_decode_split_blocks,
                                  dict(SPLIT_TENSORS, k_vals=BF16, v_vals=BF16, k_scl=BF16,
                                       v_scl=BF16),

@@ -93,11 +93,23 @@ def _blocks(case):
             *case[OPTS + 1:])
 
 
-INTERP += [_blocks(c) for c in INTERP if c[1] == "decode"]
+def _transposed(case):
+    return (case[0] + "-transposed", *case[1:OPTS], dict(case[OPTS], impl="transposed"),
+            *case[OPTS + 1:])
+
+
+QUANT = ("q8_0", "q4_0")
+DECODE_CASES = [c for c in INTERP if c[1] == "decode"]
+INTERP += [_blocks(c) for c in DECODE_CASES]
+# the "transposed" decode on every case it takes: quantized K and V, at most 16 query rows
+# a KV head (rows x group)
+INTERP += [_transposed(c) for c in DECODE_CASES
+           if c[2] in QUANT and c[3] in QUANT and c[5] * c[8] <= 16]
 INTERP_IDS = [c[0] for c in INTERP]
 # cases also run with q as a head slice of a wider tensor (the model splits q off one
 # [T, Hq + Hk, D] rope output): placement "strided_q" must equal "resident" bitwise
 STRIDED_Q = {"decode-Kq8_0-Vq4_0-rows8-ctx70", "decode-Kq8_0-Vq4_0-rows8-ctx70-blocks",
+             "decode-Kq8_0-Vq4_0-rows2-ctx70-transposed",
              "prefill-Kq8_0-Vq4_0-rows8-ctx70", "decode-Kbf16-Vbf16-D128-ctx40-blocks"}
 assert STRIDED_Q <= set(INTERP_IDS)
 
@@ -153,20 +165,31 @@ def test_interpreted_kernel_exact_and_placement_independent(interp_runs, case):
 
 def run_gpu(kernel, a, out_dtype=torch.float32):
     """kernel: "decode" (the op's default implementation), "decode-legacy",
-    "decode-blocks" or "prefill"."""
-    from kvcompile.ops.span_attention.decode_blocks import decode_launcher
+    "decode-blocks", "decode-transposed" or "prefill"."""
+    from kvcompile.ops.span_attention.decode_blocks import launcher_for
     from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
     if kernel.startswith("decode"):
-        fn = decode_launcher(kernel.partition("-")[2] or None)
+        fn = launcher_for(a["q"], a["k_pool"], a["k_type"], a["v_type"], a["page_size"],
+                          kernel.partition("-")[2] or None)
     else:
         fn = span_attention_prefill
     out = torch.empty(a["q"].shape, dtype=out_dtype, device="cuda")
     return fn(**a, out=out)
 
 
-DECODES = ("decode-legacy", "decode-blocks")
+DECODES = ("decode-legacy", "decode-blocks", "decode-transposed")
+
+
+def takes(kernel, k_name, v_name, rows_per_kv_head) -> bool:
+    """Whether `kernel` takes this shape (the transposed decode: quantized K and V, at most
+    16 query rows a KV head; the others everything)."""
+    from kvcompile.ops.span_attention.decode_transposed import transposed_takes
+    return kernel != "decode-transposed" or transposed_takes(
+        k_name in QUANT, v_name in QUANT, rows_per_kv_head)
+
+
 GPU_PLACE = [(kn, vn, kernel, rows) for kn, vn in PAIRS for kernel in DECODES + ("prefill",)
-             for rows in (1, 2, 4, 8)]
+             for rows in (1, 2, 4, 8) if takes(kernel, kn, vn, rows * 3)]
 
 
 @pytest.mark.gpu
@@ -196,23 +219,20 @@ def test_gpu_placement_independence(k_name, v_name, kernel, rows):
 
 
 def op_would_pick(kernel, q, k_pool, k_name, v_name) -> bool:
-    """Whether the op itself dispatches this shape to `kernel` (decode-legacy/-blocks)."""
-    from kvcompile.ops import kv_format as F
-    from kvcompile.ops.span_attention.decode_blocks import decode_launcher
+    """Whether the op itself dispatches this shape to `kernel` (decode-legacy, -blocks or
+    -transposed)."""
+    from kvcompile.ops.span_attention.decode_blocks import decode_launcher, launcher_for
     if not kernel.startswith("decode-"):
         return False
-    kt, vt = F.kv_type(k_name), F.kv_type(v_name)
-    group = q.shape[1] // F.n_kv_heads_of(k_pool, kt, 256, q.shape[2])
-    chosen = decode_launcher(rows_per_kv_head=q.shape[0] * group,
-                             quantized=kt.quantized or vt.quantized)
-    return chosen is decode_launcher(kernel.partition("-")[2])
+    return launcher_for(q, k_pool, k_name, v_name, 256) is decode_launcher(
+        kernel.partition("-")[2])
 
 
 GPU_EXACT = [(kn, vn, qd, kernel, n_ctx)
              for kn, vn, qd in (("bf16", "bf16", torch.bfloat16), ("q8_0", "q4_0", torch.bfloat16),
                                 ("f16", "f16", torch.float16), ("q4_0", "q8_0", torch.float16))
              for kernel in DECODES + ("prefill",)
-             for n_ctx in (1, 255, 257, 4109, 32845, 131072)]
+             for n_ctx in (1, 255, 257, 4109, 32845, 131072) if takes(kernel, kn, vn, 16)]
 
 
 @pytest.mark.gpu
@@ -235,7 +255,8 @@ def test_gpu_exact_long_context(k_name, v_name, q_dtype, kernel, n_ctx):
 
 
 GPU_ROT = [(kn, vn, kernel, d, n_ctx) for kn, vn in (("q8_0", "q4_0"), ("bf16", "bf16"))
-           for kernel in DECODES for d in (64, 128, 256) for n_ctx in (257, 32845)]
+           for kernel in DECODES for d in (64, 128, 256) for n_ctx in (257, 32845)
+           if takes(kernel, kn, vn, 16)]
 
 
 @pytest.mark.gpu
@@ -271,6 +292,23 @@ def test_gpu_decode_output_rotation(k_name, v_name, kernel, d, n_ctx):
     assert rel_err(got, want) <= 2 * TOL
     as_dense = torch.ops.kvcompile.span_attention(**dict(a, out_rot=dense.float()))
     assert rel_err(as_dense, ref) <= 2 * TOL           # a dense [D, D] is one block
+
+
+# ---- which decode kernel the op takes (CPU) ------------------------------------------------
+
+@pytest.mark.parametrize("k_name,v_name,rows,group,want", [
+    ("q8_0", "q4_0", 1, 4, "transposed"), ("q4_0", "q8_0", 2, 8, "transposed"),
+    ("q8_0", "q4_0", 8, 4, "blocks"),        # 32 rows a KV head: past the transposed's 16
+    ("q8_0", "bf16", 1, 4, "blocks"), ("bf16", "q4_0", 1, 4, "blocks"),
+    ("q8_0", "q4_0", 8, 6, "legacy"),        # 48 rows a KV head
+    ("bf16", "bf16", 1, 4, "legacy"), ("f16", "f32", 8, 4, "legacy")])
+def test_decode_choice_by_shape(k_name, v_name, rows, group, want):
+    from kvcompile.ops.span_attention.decode_blocks import DECODE_IMPLS, launcher_for
+    gen = torch.Generator().manual_seed(fresh_seed())
+    q, q_pos, placed = build(k_name, v_name, 20, rows, 64, 2, group, 16, torch.float16, gen,
+                             ("resident",))
+    table, kp, vp = placed["resident"]
+    assert launcher_for(q, kp, k_name, v_name, 16) is DECODE_IMPLS[want]
 
 
 # ---- bad input (CPU, through the op) ---------------------------------------------------------

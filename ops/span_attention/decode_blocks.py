@@ -11,6 +11,7 @@ import os
 import triton
 import triton.language as tl
 
+from kvcompile.ops import kv_format as F
 from kvcompile.ops.launching import interpreting, launchable, register_cap
 from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.span_attention.decode_kernel import LOG2E, span_attention_decode
@@ -21,6 +22,8 @@ from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape,
 from kvcompile.ops.span_attention.launch import k_split
 from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
                                                      qk_scores, query_tile, v_operand)
+from kvcompile.ops.span_attention.decode_transposed import (span_attention_decode_transposed,
+                                                            transposed_takes)
 from kvcompile.ops.span_attention.quant_blocks import qk_blocks, v_blocks, value_columns
 
 
@@ -142,24 +145,43 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
     return launch_reduce(sh, bufs, q_pos, n_chunks, chunk_len, page_size, out_rot)
 
 
-DECODE_IMPLS = {"legacy": span_attention_decode, "blocks": span_attention_decode_blocks}
-# The op's decode kernel; KVCOMPILE_DECODE_IMPL=auto|legacy|blocks, read once at import.
+DECODE_IMPLS = {"legacy": span_attention_decode, "blocks": span_attention_decode_blocks,
+                "transposed": span_attention_decode_transposed}
+# The op's decode kernel; KVCOMPILE_DECODE_IMPL=auto|legacy|blocks|transposed, read once at
+# import (a forced transposed refuses shapes it does not take).
 DECODE_IMPL = os.environ.get("KVCOMPILE_DECODE_IMPL", "auto")
 if DECODE_IMPL not in (*DECODE_IMPLS, "auto"):
     raise ValueError(f"KVCOMPILE_DECODE_IMPL={DECODE_IMPL!r}; use auto or one of "
                      f"{sorted(DECODE_IMPLS)}")
-# auto: blocks for quantized pages up to 32 query rows a KV head. Measured on the H200 with
-# position-major V pages (benchmarks/results/attention_decode.json, 2026-11-29 20:26 UTC):
-# 1 row: blocks 0.25-0.56 of HBM vs legacy 0.14-0.17; 8 rows x 4 heads (32 a KV head):
-# blocks 0.22-0.38 vs 0.11-0.13; 8 rows x 6 heads (48): blocks 0.09-0.10 vs 0.12-0.15.
+# auto: transposed where it applies (quantized K and V, <= 16 query rows a KV head), else
+# blocks for quantized pages up to 32 query rows a KV head, else legacy. Measured on the
+# H200, 1 row, q8_0/q4_0 (2026-11-30 07:5x UTC, benchmarks/results/decode_sweep_untraced.json):
+# transposed 0.47 / 0.66 / 0.71 of HBM at 32K / 128K / 256K with 8 KV heads x 128 against
+# blocks 0.39 / 0.55 / 0.60; 0.42 / 0.57 / 0.64 with 4 x 256 against 0.32 / 0.43 / 0.46.
+# Earlier (position-major V pages, attention_decode.json, 2026-11-29 20:26 UTC): 1 row
+# blocks 0.25-0.56 vs legacy 0.14-0.17; 8 rows x 4 heads (32 a KV head): blocks 0.22-0.38 vs
+# 0.11-0.13; 8 rows x 6 heads (48): blocks 0.09-0.10 vs 0.12-0.15.
 BLOCKS_MAX_ROWS_PER_KV_HEAD = 32
 
 
 def decode_launcher(impl: str | None = None, rows_per_kv_head: int = 1,
-                    quantized: bool = True):
+                    k_quantized: bool = True, v_quantized: bool = True):
     """The decode launcher of `impl` (default: DECODE_IMPL; auto picks by shape)."""
     impl = impl or DECODE_IMPL
     if impl == "auto":
-        fits = rows_per_kv_head <= BLOCKS_MAX_ROWS_PER_KV_HEAD
-        impl = "blocks" if quantized and fits else "legacy"
+        if transposed_takes(k_quantized, v_quantized, rows_per_kv_head):
+            impl = "transposed"
+        elif (k_quantized or v_quantized) and rows_per_kv_head <= BLOCKS_MAX_ROWS_PER_KV_HEAD:
+            impl = "blocks"
+        else:
+            impl = "legacy"
     return DECODE_IMPLS[impl]
+
+
+def launcher_for(q, k_pool, k_type, v_type, page_size: int, impl: str | None = None):
+    """The decode launcher the op picks for these arguments (decode_launcher by shape;
+    `impl` forces one)."""
+    kt, vt = F.kv_type(k_type), F.kv_type(v_type)
+    n_kv = F.n_kv_heads_of(k_pool, kt, page_size, q.shape[2])
+    return decode_launcher(impl, q.shape[0] * (q.shape[1] // n_kv), kt.quantized,
+                           vt.quantized)

@@ -92,10 +92,11 @@ def span_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         return out if out_rot is None else _rotate_rows(out, out_rot)
     F.check_cuda_head_dim(q.device, d, "span_attention")
     if q.shape[0] <= DECODE_MAX_ROWS:
-        # legacy or blocks by shape (KVCOMPILE_DECODE_IMPL overrides, read once at import)
+        # legacy, blocks or transposed by shape (KVCOMPILE_DECODE_IMPL overrides, read once
+        # at import)
         group = q.shape[1] // n_kv
-        quantized = kt.quantized or vt.quantized
-        launch = decode_launcher(rows_per_kv_head=q.shape[0] * group, quantized=quantized)
+        launch = decode_launcher(rows_per_kv_head=q.shape[0] * group,
+                                 k_quantized=kt.quantized, v_quantized=vt.quantized)
         return launch(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, scale,
                       workspace=workspace,
                       out_rot=out_rot)

@@ -65,15 +65,14 @@ def q4_codes_f16(byte, INTERP: tl.constexpr):
 
 
 @triton.jit
-def v_blocks(vals, scl, phys, head, off, mask, page_elems, page_halves, code_halves,
-             BLOCK_N: tl.constexpr, D: tl.constexpr, P: tl.constexpr, V_TYPE: tl.constexpr,
-             INTERP: tl.constexpr):
-    """fp16 V operands (a, b) of positions `off` of a position-major V page (kv_format):
-    q8_0: a = [N, D] rows in value order, b unused (= a); q4_0: a = [N, D/2] the low-nibble
-    values (column 16 k + j = value 32 k + j), b the high ones (value 32 k + 16 + j). Each is
-    code * scale, one rounding. Codes are read as [code rows, N] runs of contiguous positions
-    (the P @ V contraction runs along them, so the tensor-core operand needs no byte
-    shuffles), unmasked: rows past the context have their scale masked to 0."""
+def v_blocks_t(vals, scl, phys, head, off, mask, page_elems, page_halves, code_halves,
+               BLOCK_N: tl.constexpr, D: tl.constexpr, P: tl.constexpr, V_TYPE: tl.constexpr,
+               INTERP: tl.constexpr):
+    """fp16 V^T operands (a, b) of positions `off` of a position-major V page (kv_format),
+    code rows by positions: q8_0: a = [D, N] rows in value order, b unused (= a); q4_0:
+    a = [D/2, N] the low-nibble values (row 16 k + j = value 32 k + j), b the high ones
+    (value 32 k + 16 + j). Each is code * scale, one rounding. Codes are read as runs of
+    contiguous positions, unmasked: positions past the context have their scale masked to 0."""
     NB: tl.constexpr = D // 32
     W: tl.constexpr = D if V_TYPE == 8 else D // 2
     c = tl.arange(0, W)
@@ -83,14 +82,26 @@ def v_blocks(vals, scl, phys, head, off, mask, page_elems, page_halves, code_hal
                 + off[None, :], mask=mask[None, :], other=0.0)             # [NB, N]
     if V_TYPE == 8:
         sw = tl.reshape(tl.broadcast_to(s[:, None, :], (NB, 32, BLOCK_N)), (D, BLOCK_N))
-        va = tl.trans(q8_codes_f16(codes, INTERP) * sw)
+        va = q8_codes_f16(codes, INTERP) * sw
         vb = va
     else:
         sw = tl.reshape(tl.broadcast_to(s[:, None, :], (NB, 16, BLOCK_N)), (W, BLOCK_N))
         lo, hi = q4_codes_f16(codes, INTERP)
-        va = tl.trans(lo * sw)
-        vb = tl.trans(hi * sw)
+        va = lo * sw
+        vb = hi * sw
     return va, vb
+
+
+@triton.jit
+def v_blocks(vals, scl, phys, head, off, mask, page_elems, page_halves, code_halves,
+             BLOCK_N: tl.constexpr, D: tl.constexpr, P: tl.constexpr, V_TYPE: tl.constexpr,
+             INTERP: tl.constexpr):
+    """v_blocks_t transposed: the P @ V operands [N, D] (q8_0) or [N, D/2] (q4_0 halves);
+    the contraction runs along the codes' contiguous positions, so the tensor-core operand
+    needs no byte shuffles."""
+    va, vb = v_blocks_t(vals, scl, phys, head, off, mask, page_elems, page_halves,
+                        code_halves, BLOCK_N, D, P, V_TYPE, INTERP)
+    return tl.trans(va), tl.trans(vb)
 
 
 @triton.jit

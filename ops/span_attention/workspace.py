@@ -14,7 +14,8 @@ from kvcompile.errors import KvLayoutError
 
 
 # Most programs an SM any decode launch default asks for (decode_blocks.blocks_config,
-# decode_kernel.legacy_programs_per_sm): what a cache's workspace is sized for.
+# decode_transposed.transposed_config, decode_kernel.legacy_programs_per_sm): what a
+# cache's workspace is sized for.
 MAX_PROGRAMS_PER_SM = 8
 
 

@@ -1,0 +1,168 @@
+"""span_attention decode, "transposed" implementation: the blocks kernel's math with scores
+computed as S^T = K Q^T, positions on the tensor-core tile's 16-row side.
+
+Why: one query row of a GQA model brings only G = 4-8 query rows a KV head. The blocks
+kernel puts them on the dot's row side (M, padded to 16), so 12 of 16 rows of every score,
+softmax and accumulator tile are padding. Transposed, positions fill M and the query rows
+sit on the narrow side (N, padded by Triton to the MMA's 8): half the score registers and
+elementwise work, half the MMAs, and V enters P @ V as V^T straight from its position-major
+page (no transpose). Same chunks, same partials, same reduce as the other decode kernels, so
+placement independence holds the same way.
+
+Quantized K and V only (q8_0 / q4_0 pairs); the codes reach fp16 as in quant_blocks.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvcompile.ops.launching import interpreting, launchable, register_cap
+from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
+from kvcompile.ops.span_attention.decode_kernel import LOG2E
+from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape, launch_reduce,
+                                                       partial_slot, program_rows_and_chunk,
+                                                       split_operands, store_partial_stats)
+from kvcompile.ops.span_attention.quant_blocks import (q4_codes_f16, q8_codes_f16,
+                                                       v_blocks_t, value_columns)
+
+
+@triton.jit
+def qk_blocks_t(qrow, row_ok, vals, scl, phys, row, mask, page_elems, page_halves,
+                code_halves, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr,
+                K_TYPE: tl.constexpr, INTERP: tl.constexpr):
+    """Scores^T [N, R] (fp32, before the softmax scale) of K rows `row` of page `phys`
+    against the query rows `qrow` (pointers, read as fp16): per 32-value block one dot
+    codes [N, 32] x q^T [32, R], times the block's scale (exact up to fp32 accumulation, as
+    quant_blocks.qk_blocks). Codes unmasked: rows past the context have scale 0."""
+    NB: tl.constexpr = D // 32
+    base = vals + phys * page_elems
+    sbase = scl + phys * page_halves + code_halves + row * NB
+    s = tl.zeros([BLOCK_N, BLOCK_R], tl.float32)
+    for b in tl.static_range(NB):
+        sc = tl.load(sbase + b, mask=mask, other=0.0).to(tl.float32)
+        if K_TYPE == 8:
+            j = tl.arange(0, 32)
+            c = tl.load(base + row[:, None] * D + b * 32 + j[None, :])          # [N, 32]
+            qb = tl.load(qrow[None, :] + b * 32 + j[:, None], mask=row_ok[None, :],
+                         other=0.0).to(tl.float16)                               # [32, R]
+            part = tl.dot(q8_codes_f16(c, INTERP), qb)
+        else:
+            j = tl.arange(0, 16)
+            byte = tl.load(base + row[:, None] * (D // 2) + b * 16 + j[None, :])
+            qa = tl.load(qrow[None, :] + b * 32 + j[:, None], mask=row_ok[None, :],
+                         other=0.0).to(tl.float16)
+            qb = tl.load(qrow[None, :] + b * 32 + 16 + j[:, None], mask=row_ok[None, :],
+                         other=0.0).to(tl.float16)
+            lo, hi = q4_codes_f16(byte, INTERP)
+            part = tl.dot(lo, qa)
+            part = tl.dot(hi, qb, part)
+        s += part * sc[:, None]
+    return s
+
+
+@triton.jit
+def online_softmax_t(s, m_i, l_i):
+    """online_softmax over scores^T s [N, R] (positions down the columns)."""
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[None, :])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 0)
+
+
+@triton.jit
+def _decode_split_t(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
+                    m_ptr, l_ptr, acc_ptr, stride_qt, stride_qh, n_rows, n_chunks,
+                    chunk_len, table_len, k_page_elems, k_page_halves, k_code_halves,
+                    v_page_elems, v_page_halves, v_code_halves, QK_SCALE: tl.constexpr,
+                    G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                    K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, INTERP: tl.constexpr,
+                    PDL: tl.constexpr):
+    wait_for_producers(PDL)
+    V4: tl.constexpr = V_TYPE == 2
+    DA: tl.constexpr = D // 2 if V4 else D        # accumulator heights (q4_0: two halves)
+    DB: tl.constexpr = D // 2 if V4 else 16
+    h = tl.program_id(1)
+    r = tl.arange(0, BLOCK_R)
+    t, row_ok, qp, n_ctx, start, end = program_rows_and_chunk(q_pos_ptr, r, n_rows,
+                                                              chunk_len, table_len, G, P)
+    qrow = q_ptr + t.to(tl.int64) * stride_qt + (h * G + r % G) * stride_qh
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc_a = tl.zeros([DA, BLOCK_R], tl.float32)
+    acc_b = tl.zeros([DB, BLOCK_R], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        off = tl.multiple_of(n0 % P, BLOCK_N) + tl.arange(0, BLOCK_N)
+        pos = n0 + tl.arange(0, BLOCK_N)
+        live = pos < end
+        phys = tl.load(page_table + n0 // P).to(tl.int64)
+        s = qk_blocks_t(qrow, row_ok, k_vals, k_scl, phys, h * P + off, live, k_page_elems,
+                        k_page_halves, k_code_halves, BLOCK_N, BLOCK_R, D, K_TYPE, INTERP)
+        s = s * QK_SCALE
+        s = tl.where(pos[:, None] <= qp[None, :], s, float("-inf"))
+        p, alpha, m_new, l_i = online_softmax_t(s, m_i, l_i)
+        p16 = p.to(tl.float16)
+        va, vb = v_blocks_t(v_vals, v_scl, phys, h, off, live, v_page_elems, v_page_halves,
+                            v_code_halves, BLOCK_N, D, P, V_TYPE, INTERP)
+        acc_a = tl.dot(va, p16, acc_a * alpha[None, :])
+        if V4:
+            acc_b = tl.dot(vb, p16, acc_b * alpha[None, :])
+        m_i = m_new
+    slot = partial_slot(tl.program_id(0), r, h, n_chunks, n_rows, G)
+    ok = (r < n_rows * G) & (start < n_ctx)
+    store_partial_stats(m_ptr, l_ptr, m_i, l_i, slot, ok)
+    base = acc_ptr + slot.to(tl.int64)[None, :] * D
+    tl.store(base + value_columns(DA, 0 if V4 else -1)[:, None], acc_a, mask=ok[None, :])
+    if V4:
+        tl.store(base + value_columns(DB, 1)[:, None], acc_b, mask=ok[None, :])
+
+
+# Most query rows a KV head (rows x group) this kernel takes; wider verify batches fill the
+# blocks kernel's 16-row side anyway.
+TRANSPOSED_MAX_ROWS = 16
+
+
+def transposed_takes(k_quantized: bool, v_quantized: bool, rows_per_kv_head: int) -> bool:
+    """Whether span_attention_decode_transposed takes this shape."""
+    return k_quantized and v_quantized and rows_per_kv_head <= TRANSPOSED_MAX_ROWS
+
+
+def transposed_config(head_dim: int) -> dict:
+    """Launch defaults: the best of a sweep at 32K-256K (H200, 1 query row, q8_0/q4_0,
+    2026-11-30, bench_attention.py; docs/performance.md): 64 positions x 2 warps, 8 programs
+    an SM for D <= 128 (128 registers a thread in the offline sm_90 count), 6 for D = 256
+    (168 registers)."""
+    return dict(block_n=64, num_warps=2, num_stages=3,
+                programs_per_sm=8 if head_dim <= 128 else 6)
+
+
+def span_attention_decode_transposed(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
+                                     page_size, scale, out=None, chunk_len=None,
+                                     block_n=None, num_warps=None, num_stages=None,
+                                     programs_per_sm=None, maxnreg=None, workspace=None,
+                                     out_rot=None):
+    """Same contract as decode_kernel.span_attention_decode, for quantized K and V and at
+    most TRANSPOSED_MAX_ROWS query rows a KV head."""
+    sh = decode_shape(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, out)
+    kg, vg, head_dim = sh.kg, sh.vg, sh.head_dim
+    assert transposed_takes(kg.quantized, vg.quantized, sh.mrows), \
+        f"the transposed decode takes q8_0 / q4_0 K and V and at most {TRANSPOSED_MAX_ROWS} " \
+        f"query rows a KV head (here {sh.mrows}): use blocks"
+    block_r = max(2, triton.next_power_of_2(sh.mrows))
+    cfg = transposed_config(head_dim)
+    block_n = min(block_n or cfg["block_n"], page_size)
+    assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
+    chunk_len, n_chunks = chunks(sh, page_size, block_n, chunk_len,
+                                 programs_per_sm or cfg["programs_per_sm"], q.device)
+    bufs, _, (kv, ks, kpe, kph, kch), (vv, vs, vpe, vph, vch) = split_operands(
+        sh, q, k_pool, v_pool, workspace, n_chunks, raw_codes=True)
+    launchable(_decode_split_t)[(n_chunks, sh.n_kv)](
+        q, kv, ks, vv, vs, page_table, q_pos, *bufs,
+        q.stride(0), q.stride(1), sh.n_rows, n_chunks, chunk_len, sh.table_len,
+        kpe, kph, kch, vpe, vph, vch,
+        QK_SCALE=scale * LOG2E, G=sh.group, D=head_dim, P=page_size, BLOCK_R=block_r,
+        BLOCK_N=block_n, K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, INTERP=interpreting(),
+        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
+        **pdl_launch(q.device), **register_cap(maxnreg))
+    return launch_reduce(sh, bufs, q_pos, n_chunks, chunk_len, page_size, out_rot)
