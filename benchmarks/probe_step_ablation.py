@@ -19,6 +19,8 @@ CUDA graphs, as bench_compiled's ours-captured. Variants, each one process-local
   split:bn=../w=../s=../pps=../r=..  nothing left out; the quantized decode split launched
               with those positions a tile, warps, stages, programs an SM and register cap
               (maxnreg; any subset)
+  impl:NAME   nothing left out; the decode attention forced to NAME (blocks, transposed,
+              legacy) instead of the op's choice by shape
 The gap between a variant and base bounds what fusing that kernel away can gain. (The
 2026-11-30 03:47 run also left out silu_mul and the output's rotation, then kernels of their
 own; both now live inside other kernels: results/step_ablation.json keeps those rows.)
@@ -40,6 +42,7 @@ from kvcompile.ops import rows  # noqa: E402
 from kvcompile.ops.gemv import triton_kernel as gemv_kernel  # noqa: E402
 from kvcompile.ops.kv_write import op as kv_write_op  # noqa: E402
 from kvcompile.ops.span_attention import decode_blocks  # noqa: E402
+from kvcompile.ops.span_attention import decode_transposed  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -57,7 +60,10 @@ def leave_out(what: str):
     if what in ("no_kv_write", "none_of_2"):
         stack.enter_context(patched(kv_write_op, "kv_write_triton", lambda *a, **k: None))
     if what in ("no_reduce", "none_of_2"):
-        stack.enter_context(patched(decode_blocks, "launch_reduce", lambda sh, *a: sh.out))
+        for mod in (decode_blocks, decode_transposed):
+            stack.enter_context(patched(mod, "launch_reduce", lambda sh, *a: sh.out))
+    if what.startswith("impl:"):
+        stack.enter_context(patched(decode_blocks, "DECODE_IMPL", what[5:]))
     if what == "no_norm":
         stack.enter_context(patched(rows, "rms_norm", lambda x, w, eps: x))
         stack.enter_context(patched(rows, "add_rms_norm", lambda x, r, w, eps: (x, x)))
@@ -87,7 +93,12 @@ def leave_out(what: str):
 
         def config(*a):
             return dict(real_config(*a), **over)
+
+        def config_t(*a):
+            return dict(real_config_t(*a), **over)
+        real_config_t = decode_transposed.transposed_config
         stack.enter_context(patched(decode_blocks, "blocks_config", config))
+        stack.enter_context(patched(decode_transposed, "transposed_config", config_t))
     return stack
 
 
