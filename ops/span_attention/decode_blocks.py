@@ -15,7 +15,7 @@ from kvcompile.ops import kv_format as F
 from kvcompile.ops.launching import interpreting, launchable, register_cap
 from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.span_attention.decode_kernel import LOG2E, span_attention_decode
-from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape,
+from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape, decode_tile,
                                                        launch_reduce, partial_slot,
                                                        program_rows_and_chunk, split_operands,
                                                        store_partial_stats)
@@ -56,10 +56,7 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
     acc_a = tl.zeros([BLOCK_M, DA], tl.float32)
     acc_b = tl.zeros([BLOCK_M, DB], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        off = tl.multiple_of(n0 % P, BLOCK_N) + tl.arange(0, BLOCK_N)
-        pos = n0 + tl.arange(0, BLOCK_N)
-        live = pos < end
-        phys = tl.load(page_table + n0 // P).to(tl.int64)
+        off, pos, live, phys = decode_tile(page_table, n0, end, P, BLOCK_N)
         if KQ:
             s = qk_blocks(qrow, row_ok, k_vals, k_scl, phys, h * P + off, live, k_page_elems,
                           k_page_halves, k_code_halves, BLOCK_M, BLOCK_N, D, K_TYPE, INTERP)

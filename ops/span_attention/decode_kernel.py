@@ -15,7 +15,7 @@ import triton.language as tl
 
 from kvcompile.ops.launching import interpreting, launchable
 from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
-from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape,
+from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape, decode_tile,
                                                        launch_reduce, partial_slot,
                                                        program_rows_and_chunk, split_operands,
                                                        store_partial_stats)
@@ -56,11 +56,7 @@ def _decode_split(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        lp = n0 // P
-        off = tl.multiple_of(n0 % P, BLOCK_N) + tl.arange(0, BLOCK_N)
-        pos = n0 + tl.arange(0, BLOCK_N)
-        live = pos < end
-        phys = tl.load(page_table + lp).to(tl.int64)
+        off, pos, live, phys = decode_tile(page_table, n0, end, P, BLOCK_N)
         if K_TYPE == 2 or K_TYPE == 8:
             s = qk_quantized(q, k_vals, k_scl, phys, h, off, live, k_page_elems, k_page_halves,
                              k_code_halves, BLOCK_N, P, D, K_TYPE, INTERP)

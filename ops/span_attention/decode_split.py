@@ -103,6 +103,16 @@ def program_rows_and_chunk(q_pos_ptr, r, n_rows, chunk_len, table_len, G: tl.con
 
 
 @triton.jit
+def decode_tile(page_table, n0, end, P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tile [n0, n0 + BLOCK_N) of a program's chunk (inside one page): its offsets in the
+    page, its logical positions, which of them lie before the chunk's end, and the page's
+    physical index."""
+    off = tl.multiple_of(n0 % P, BLOCK_N) + tl.arange(0, BLOCK_N)
+    pos = n0 + tl.arange(0, BLOCK_N)
+    return off, pos, pos < end, tl.load(page_table + n0 // P).to(tl.int64)
+
+
+@triton.jit
 def partial_slot(chunk, r, h, n_chunks, n_rows, G: tl.constexpr):
     """Row of the partials' buffers that holds tile row r of `chunk` (KV head h): the split
     writes its own chunk's, the reduce reads them all."""

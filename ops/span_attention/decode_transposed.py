@@ -19,9 +19,10 @@ import triton.language as tl
 from kvcompile.ops.launching import interpreting, launchable, register_cap
 from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.span_attention.decode_kernel import LOG2E
-from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape, launch_reduce,
-                                                       partial_slot, program_rows_and_chunk,
-                                                       split_operands, store_partial_stats)
+from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape, decode_tile,
+                                                       launch_reduce, partial_slot,
+                                                       program_rows_and_chunk, split_operands,
+                                                       store_partial_stats)
 from kvcompile.ops.span_attention.quant_blocks import (q4_codes_f16, q8_codes_f16,
                                                        v_blocks_t, value_columns)
 
@@ -93,10 +94,7 @@ def _decode_split_t(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
     acc_a = tl.zeros([DA, BLOCK_R], tl.float32)
     acc_b = tl.zeros([DB, BLOCK_R], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        off = tl.multiple_of(n0 % P, BLOCK_N) + tl.arange(0, BLOCK_N)
-        pos = n0 + tl.arange(0, BLOCK_N)
-        live = pos < end
-        phys = tl.load(page_table + n0 // P).to(tl.int64)
+        off, pos, live, phys = decode_tile(page_table, n0, end, P, BLOCK_N)
         s = qk_blocks_t(qrow, row_ok, k_vals, k_scl, phys, h * P + off, live, k_page_elems,
                         k_page_halves, k_code_halves, BLOCK_N, BLOCK_R, D, K_TYPE, INTERP)
         s = s * QK_SCALE
