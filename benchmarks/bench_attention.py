@@ -14,7 +14,7 @@
 - kv_write: 16K rows quantized into pages.
 
 usage: python benchmarks/bench_attention.py [--quick] [--out PATH]
-       python benchmarks/bench_attention.py --decode-only --impls legacy,blocks
+       python benchmarks/bench_attention.py --decode-only --impls legacy,blocks,transposed
 """
 from __future__ import annotations
 
@@ -189,8 +189,9 @@ def fmt(r: dict) -> str:
     val = f"{r['gbps']:8.0f} GB/s" if "gbps" in r else f"{r['tflops']:8.1f} TFLOP/s"
     extra = f" {r['frac_of_hbm']:.2f} of HBM" if "frac_of_hbm" in r else ""
     extra += f" {r['vs_sdpa']:.2f}x SDPA" if "vs_sdpa" in r else ""
-    return (f"{r['kernel']:8s} {r.get('impl', ''):10s} {r['kv_type']:10s} Hkv{r['n_kv_heads']}xD{r['head_dim']:<4d} "
-            f"ctx {r['context']:7d} rows {r['q_rows']:6d} {r['ms']:9.4f} ms {val}{extra}")
+    return (f"{r['kernel']:8s} {r.get('impl', ''):10s} {r['kv_type']:10s} "
+            f"Hkv{r['n_kv_heads']}xD{r['head_dim']:<4d} ctx {r['context']:7d} "
+            f"rows {r['q_rows']:6d} {r['ms']:9.4f} ms {val}{extra}")
 
 
 def main() -> None:

@@ -10,6 +10,9 @@ GEMV beats cuBLAS on the 8B decode shapes. Prints tables; --json writes the rows
 - sweep (--only sweep): decode launch configs by context (1 row, full call). With
   --untraced the launches run as inside the op (wrap_triton off: with PDL between the
   split and the reduce, ops/pdl.py).
+--impl NAME times that decode implementation (attention and sweep; default: the op's choice
+by shape, which for quantized K and V is now the transposed kernel; the 2026-11-30 runs
+before 07:20 UTC timed blocks, what the op chose then: --impl blocks repeats them).
 Rows of the 2026-11-30 runs: benchmarks/results/probe_overhead.json, decode_sweep.json.
 """
 from __future__ import annotations
@@ -29,7 +32,12 @@ from bench_util import hbm_bandwidth  # noqa: E402
 
 import kvcompile.ops  # noqa: F401,E402
 from kvcompile.ops import kv_format as F  # noqa: E402
-from kvcompile.ops.span_attention import decode_blocks, decode_kernel, decode_split  # noqa: E402
+from kvcompile.ops.span_attention import (decode_blocks, decode_kernel, decode_split,  # noqa: E402
+                                          decode_transposed)
+
+
+# the modules whose launchers call launch_reduce (patched out for split-only timings)
+SPLIT_MODULES = (decode_blocks, decode_kernel, decode_transposed)
 
 
 @triton.jit
@@ -37,7 +45,7 @@ def _empty(x_ptr):
     pass
 
 
-def attention_rows(hbm):
+def attention_rows(hbm, impl=None):
     rows = []
     x = torch.zeros(1, device="cuda")
     floor = graph_ms([lambda: _empty[(256,)](x)] * 40)
@@ -51,8 +59,8 @@ def attention_rows(hbm):
             q_pos = torch.tensor([n_ctx - 1], device="cuda", dtype=torch.int32)
             out = torch.empty_like(q)
             quant = kn != "bf16"
-            launch = decode_blocks.decode_launcher(k_quantized=quant, v_quantized=quant,
-                                                   rows_per_kv_head=4)
+            launch = decode_blocks.decode_launcher(impl, k_quantized=quant,
+                                                   v_quantized=quant, rows_per_kv_head=4)
             kt, vt = F.kv_type(kn).ggml_id, F.kv_type(vn).ggml_id
             res = {}
             for pps in (None, 1, 4):
@@ -64,14 +72,14 @@ def attention_rows(hbm):
                 def no_reduce(sh, bufs, *a):
                     saved.append(bufs)
                     return sh.out
-                for mod in (decode_blocks, decode_kernel):
+                for mod in SPLIT_MODULES:
                     mod.launch_reduce = no_reduce
                 try:
                     split = graph_ms([lambda t=t: launch(q, kp, vp, t, q_pos, kt, vt, 256,
                                                          0.088, out=out, **cfg)
                                       for t in tables] * 5)
                 finally:
-                    for mod in (decode_blocks, decode_kernel):
+                    for mod in SPLIT_MODULES:
                         mod.launch_reduce = real_reduce
                 res[pps] = (full, split)
                 ideal = kv_bytes / (hbm * 1e9) * 1e3
@@ -138,7 +146,7 @@ SWEEP = {("q8_0", 128): [{}, dict(block_n=64, num_warps=1, num_stages=3, program
                          dict(block_n=32, num_warps=4, programs_per_sm=4)]}
 
 
-def sweep_rows(hbm):
+def sweep_rows(hbm, impl=None):
     """Decode launch configs (1 query row, auto implementation) by context: full call
     (split + reduce) as graph replays."""
     rows = []
@@ -151,7 +159,8 @@ def sweep_rows(hbm):
             q_pos = torch.tensor([n_ctx - 1], device="cuda", dtype=torch.int32)
             out = torch.empty_like(q)
             quant = kn != "bf16"
-            launch = decode_blocks.decode_launcher(k_quantized=quant, v_quantized=quant,
+            launch = decode_blocks.decode_launcher(impl, k_quantized=quant,
+                                                   v_quantized=quant,
                                                    rows_per_kv_head=n_q // n_kv)
             kt, vt = F.kv_type(kn).ggml_id, F.kv_type(vn).ggml_id
             ideal = kv_bytes / (hbm * 1e9) * 1e6
@@ -234,17 +243,19 @@ def main():
     ap.add_argument("--only", choices=["attention", "gemv", "sweep"])
     ap.add_argument("--untraced", action="store_true",
                     help="--only sweep: launch as inside the ops (wrap_triton off: PDL)")
+    ap.add_argument("--impl", choices=sorted(decode_blocks.DECODE_IMPLS),
+                    help="decode implementation timed (default: the op's choice by shape)")
     a = ap.parse_args()
     hbm = hbm_bandwidth()["hbm_gbps_measured"]
     print(f"HBM {hbm:.0f} GB/s", flush=True)
     rows = []
     if a.only in (None, "attention"):
-        rows += attention_rows(hbm)
+        rows += attention_rows(hbm, a.impl)
     if a.only == "sweep":
         from torch._library.triton import set_wrap_triton_enabled
         with set_wrap_triton_enabled(not a.untraced):
             rows += [dict(r, launch="untraced" if a.untraced else "traced")
-                     for r in sweep_rows(hbm)]
+                     for r in sweep_rows(hbm, a.impl)]
     if a.only in (None, "gemv"):
         rows += gemv_rows(hbm)
     if a.json:

@@ -6,8 +6,8 @@ for issue-bound quantized decode (int->float converts, I2F, are quarter rate on 
 Integer arguments get Triton's divisible-by-16 hint as on a real launch (without it every
 load is scalar).
 
-usage: python benchmarks/sass_decode.py [--pair q8_0/q4_0] [--head-dim 256] [--group 6] [--rows-m 16]
-       [--block-n 64] [--warps 4] [--stages 2]
+usage: python benchmarks/sass_decode.py [--pair q8_0/q4_0] [--head-dim 256] [--group 6]
+       [--rows-m 16] [--block-n 64] [--warps 4] [--stages 2] [--impls legacy,blocks,transposed]
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from triton.compiler import ASTSource
 from kvcompile.ops import kv_format as F
 from kvcompile.ops.span_attention.decode_blocks import _decode_split_blocks
 from kvcompile.ops.span_attention.decode_kernel import _decode_split
+from kvcompile.ops.span_attention.decode_transposed import _decode_split_t
 
 ARGS = ("q_ptr k_vals k_scl v_vals v_scl page_table q_pos_ptr m_ptr l_ptr acc_ptr stride_qt "
         "stride_qh n_rows n_chunks chunk_len table_len k_page_elems k_page_halves "
@@ -33,19 +34,27 @@ ALIGNED = {i for i, a in enumerate(ARGS) if a not in ("n_rows", "n_chunks", "tab
 PTR = {0: "*fp32", 1: "*fp16", 30: "*bf16", 8: "*i8", 2: "*u8"}
 
 
+TRANSPOSED_PAIRS = {f"{k}/{v}" for k in ("q8_0", "q4_0") for v in ("q8_0", "q4_0")}
+
+
 def compile_split(impl, k_type, v_type, head_dim, group, block_m, block_n, warps, stages):
     sig = {a: "i32" for a in ARGS}
     sig.update(q_ptr="*bf16" if k_type == v_type == 30 else "*fp16", k_scl="*fp16",
                v_scl="*fp16", page_table="*i32", q_pos_ptr="*i32", m_ptr="*fp32",
                l_ptr="*fp32", acc_ptr="*fp32")
-    raw = impl == "blocks"
+    raw = impl != "legacy"
     sig["k_vals"] = "*u8" if raw and k_type in (2, 8) else PTR[k_type]
     sig["v_vals"] = "*u8" if raw and v_type in (2, 8) else PTR[v_type]
     ce = dict(QK_SCALE=0.1, G=group, D=head_dim, P=256, BLOCK_M=block_m, BLOCK_N=block_n,
               K_TYPE=k_type, V_TYPE=v_type, QK_F16=int(not k_type == v_type == 30),
               K_SPLIT=int(k_type == 0), INTERP=0, PDL=False)
+    if impl == "transposed":      # its query rows: one row's group, padded to a power of 2
+        for k in ("BLOCK_M", "QK_F16", "K_SPLIT"):
+            del ce[k]
+        ce["BLOCK_R"] = max(2, triton.next_power_of_2(group))
     sig.update({k: "constexpr" for k in ce})
-    fn = _decode_split_blocks if raw else _decode_split
+    fn = {"legacy": _decode_split, "blocks": _decode_split_blocks,
+          "transposed": _decode_split_t}[impl]
     src = ASTSource(fn=fn, signature=sig, constexprs=ce,
                     attrs={(i,): [["tt.divisibility", 16]] for i in ALIGNED})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -82,9 +91,13 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, default=64)
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--impls", help="comma-separated, default legacy,blocks(,transposed for "
+                                     "q8_0 / q4_0 pairs); transposed: its query rows are one "
+                                     "row's group (--rows-m applies to the others)")
     a = ap.parse_args()
     kt, vt = (F.kv_type(n).ggml_id for n in a.pair.split("/"))
-    for impl in ("legacy", "blocks"):
+    impls = ("legacy", "blocks") + (("transposed",) if a.pair in TRANSPOSED_PAIRS else ())
+    for impl in a.impls.split(",") if a.impls else impls:
         k = compile_split(impl, kt, vt, a.head_dim, a.group, a.rows_m, a.block_n, a.warps, a.stages)
         loop = longest_loop(cuobjdump(k, "-sass"))
         res = re.findall(r"REG:(\d+) STACK:(\d+)", cuobjdump(k, "-res-usage"))[0]

@@ -19,6 +19,7 @@ from kernel_oracle import (PAIRS, args_of, build, dense_reference, fresh_seed, r
 from kvcompile.errors import KvLayoutError
 from kvcompile.kv_rotation import V_BLOCK, diagonal_blocks, v_rotation
 from kvcompile.ops import kv_format as F
+from kvcompile.ops.span_attention.decode_transposed import transposed_takes
 
 TOL = 1e-3
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -84,27 +85,22 @@ INTERP += [
     ("prefill-scattered-rows-long-table", "prefill", "q8_0", "bf16", 90, 24, 64, 2, 2, 16,
      torch.bfloat16, ALL3, dict(SMALL, block_m=16), dict(scattered_rows=True, table_pad=5)),
 ]
-# the "blocks" decode implementation (quantized K / V block by block) on every decode case
 OPTS = 12   # index of the launcher options in a case
 
 
-def _blocks(case):
-    return (case[0] + "-blocks", *case[1:OPTS], dict(case[OPTS], impl="blocks"),
-            *case[OPTS + 1:])
-
-
-def _transposed(case):
-    return (case[0] + "-transposed", *case[1:OPTS], dict(case[OPTS], impl="transposed"),
-            *case[OPTS + 1:])
+def _with_impl(case, impl, suffix):
+    return (case[0] + suffix, *case[1:OPTS], dict(case[OPTS], impl=impl), *case[OPTS + 1:])
 
 
 QUANT = ("q8_0", "q4_0")
 DECODE_CASES = [c for c in INTERP if c[1] == "decode"]
-INTERP += [_blocks(c) for c in DECODE_CASES]
-# the "transposed" decode on every case it takes: quantized K and V, at most 16 query rows
-# a KV head (rows x group)
-INTERP += [_transposed(c) for c in DECODE_CASES
-           if c[2] in QUANT and c[3] in QUANT and c[5] * c[8] <= 16]
+# every decode case on each implementation that takes it: the base ids run legacy, "-blocks"
+# the blocks kernel, "-transposed" the transposed one (quantized K and V, at most 16 query
+# rows a KV head: rows x group); the op's choice among them has its own test
+INTERP = [_with_impl(c, "legacy", "") if c[1] == "decode" else c for c in INTERP]
+INTERP += [_with_impl(c, "blocks", "-blocks") for c in DECODE_CASES]
+INTERP += [_with_impl(c, "transposed", "-transposed") for c in DECODE_CASES
+           if transposed_takes(c[2] in QUANT, c[3] in QUANT, c[5] * c[8])]
 INTERP_IDS = [c[0] for c in INTERP]
 # cases also run with q as a head slice of a wider tensor (the model splits q off one
 # [T, Hq + Hk, D] rope output): placement "strided_q" must equal "resident" bitwise
@@ -183,7 +179,6 @@ DECODES = ("decode-legacy", "decode-blocks", "decode-transposed")
 def takes(kernel, k_name, v_name, rows_per_kv_head) -> bool:
     """Whether `kernel` takes this shape (the transposed decode: quantized K and V, at most
     16 query rows a KV head; the others everything)."""
-    from kvcompile.ops.span_attention.decode_transposed import transposed_takes
     return kernel != "decode-transposed" or transposed_takes(
         k_name in QUANT, v_name in QUANT, rows_per_kv_head)
 
@@ -297,7 +292,9 @@ def test_gpu_decode_output_rotation(k_name, v_name, kernel, d, n_ctx):
 # ---- which decode kernel the op takes (CPU) ------------------------------------------------
 
 @pytest.mark.parametrize("k_name,v_name,rows,group,want", [
-    ("q8_0", "q4_0", 1, 4, "transposed"), ("q4_0", "q8_0", 2, 8, "transposed"),
+    ("q8_0", "q4_0", 1, 4, "transposed"), ("q4_0", "q8_0", 2, 4, "transposed"),
+    ("q4_0", "q4_0", 1, 8, "transposed"),
+    ("q8_0", "q8_0", 4, 4, "blocks"),        # 16 rows a KV head: blocks' tile is full
     ("q8_0", "q4_0", 8, 4, "blocks"),        # 32 rows a KV head: past the transposed's 16
     ("q8_0", "bf16", 1, 4, "blocks"), ("bf16", "q4_0", 1, 4, "blocks"),
     ("q8_0", "q4_0", 8, 6, "legacy"),        # 48 rows a KV head

@@ -15,10 +15,10 @@ from kvcompile.ops import kv_format as F
 from kvcompile.ops.launching import interpreting, launchable, register_cap
 from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.span_attention.decode_kernel import LOG2E, span_attention_decode
-from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape, decode_tile,
+from kvcompile.ops.span_attention.decode_split import (decode_shape, decode_tile,
                                                        launch_reduce, partial_slot,
-                                                       program_rows_and_chunk, split_operands,
-                                                       store_partial_stats)
+                                                       program_rows_and_chunk, split_launch,
+                                                       split_operands, store_partial_stats)
 from kvcompile.ops.span_attention.launch import k_split
 from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
                                                      qk_scores, query_tile, v_operand)
@@ -120,26 +120,20 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
     sh = decode_shape(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, out)
     kg, vg, head_dim = sh.kg, sh.vg, sh.head_dim
     block_m = sh.block_m
-    cfg = blocks_config(head_dim, block_m, kg.quantized)
-    block_n = min(block_n or cfg["block_n"], page_size)
-    num_warps = num_warps or cfg["num_warps"]
-    num_stages = num_stages or cfg["num_stages"]
-    programs_per_sm = programs_per_sm or cfg["programs_per_sm"]
-    maxnreg = maxnreg or cfg.get("maxnreg")
-    assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
-    chunk_len, n_chunks = chunks(sh, page_size, block_n, chunk_len, programs_per_sm, q.device)
+    go = split_launch(sh, blocks_config(head_dim, block_m, kg.quantized), page_size, q.device,
+                      chunk_len, block_n, num_warps, num_stages, programs_per_sm, maxnreg)
     bufs, qk_f16, (kv, ks, kpe, kph, kch), (vv, vs, vpe, vph, vch) = split_operands(
-        sh, q, k_pool, v_pool, workspace, n_chunks, raw_codes=True)
-    launchable(_decode_split_blocks)[(n_chunks, sh.n_kv)](
+        sh, q, k_pool, v_pool, workspace, go.n_chunks, raw_codes=True)
+    launchable(_decode_split_blocks)[(go.n_chunks, sh.n_kv)](
         q, kv, ks, vv, vs, page_table, q_pos, *bufs,
-        q.stride(0), q.stride(1), sh.n_rows, n_chunks, chunk_len, sh.table_len,
+        q.stride(0), q.stride(1), sh.n_rows, go.n_chunks, go.chunk_len, sh.table_len,
         kpe, kph, kch, vpe, vph, vch,
         QK_SCALE=scale * LOG2E, G=sh.group, D=head_dim, P=page_size, BLOCK_M=block_m,
-        BLOCK_N=block_n, K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16,
+        BLOCK_N=go.block_n, K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16,
         K_SPLIT=k_split(kg.kv_type), INTERP=interpreting(),
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(q.device),
-        **register_cap(maxnreg))
-    return launch_reduce(sh, bufs, q_pos, n_chunks, chunk_len, page_size, out_rot)
+        num_warps=go.num_warps, num_stages=go.num_stages, **pdl_launch(q.device),
+        **register_cap(go.maxnreg))
+    return launch_reduce(sh, bufs, q_pos, go.n_chunks, go.chunk_len, page_size, out_rot)
 
 
 DECODE_IMPLS = {"legacy": span_attention_decode, "blocks": span_attention_decode_blocks,
@@ -150,14 +144,18 @@ DECODE_IMPL = os.environ.get("KVCOMPILE_DECODE_IMPL", "auto")
 if DECODE_IMPL not in (*DECODE_IMPLS, "auto"):
     raise ValueError(f"KVCOMPILE_DECODE_IMPL={DECODE_IMPL!r}; use auto or one of "
                      f"{sorted(DECODE_IMPLS)}")
-# auto: transposed where it applies (quantized K and V, <= 16 query rows a KV head), else
-# blocks for quantized pages up to 32 query rows a KV head, else legacy. Measured on the
-# H200, 1 row, q8_0/q4_0 (2026-11-30 07:5x UTC, benchmarks/results/decode_sweep_untraced.json):
-# transposed 0.47 / 0.66 / 0.71 of HBM at 32K / 128K / 256K with 8 KV heads x 128 against
-# blocks 0.39 / 0.55 / 0.60; 0.42 / 0.57 / 0.64 with 4 x 256 against 0.32 / 0.43 / 0.46.
-# Earlier (position-major V pages, attention_decode.json, 2026-11-29 20:26 UTC): 1 row
-# blocks 0.25-0.56 vs legacy 0.14-0.17; 8 rows x 4 heads (32 a KV head): blocks 0.22-0.38 vs
-# 0.11-0.13; 8 rows x 6 heads (48): blocks 0.09-0.10 vs 0.12-0.15.
+# auto: transposed for quantized K and V up to 8 query rows a KV head (there the blocks
+# kernel's 16-row tile is at least half padding; from 9 to 16 both kernels do about the same
+# work a tile and the choice is unmeasured, so blocks keeps it), blocks for other quantized
+# pages up to 32 query rows a KV head, legacy otherwise. Measured on the H200, 1 row,
+# q8_0/q4_0, launch defaults (2026-11-30 07:33 UTC, benchmarks/results/attention.json):
+# transposed 0.48 / 0.66 / 0.71 of HBM at 32K / 128K / 256K with 8 KV heads x 128 against
+# blocks 0.38 / 0.55 / 0.59; 0.38 / 0.57 / 0.64 with 4 x 256 against 0.32 / 0.43 / 0.46
+# (the sweeps: decode_sweep_untraced.json, 07:14 and 07:29 UTC). Earlier (position-major V
+# pages, attention_decode.json, 2026-11-29 20:26 UTC): 1 row blocks 0.25-0.56 vs legacy
+# 0.14-0.17; 8 rows x 4 heads (32 a KV head): blocks 0.22-0.38 vs 0.11-0.13; 8 rows x 6
+# heads (48): blocks 0.09-0.10 vs 0.12-0.15.
+TRANSPOSED_AUTO_ROWS_PER_KV_HEAD = 8
 BLOCKS_MAX_ROWS_PER_KV_HEAD = 32
 
 
@@ -166,7 +164,8 @@ def decode_launcher(impl: str | None = None, rows_per_kv_head: int = 1,
     """The decode launcher of `impl` (default: DECODE_IMPL; auto picks by shape)."""
     impl = impl or DECODE_IMPL
     if impl == "auto":
-        if transposed_takes(k_quantized, v_quantized, rows_per_kv_head):
+        if transposed_takes(k_quantized, v_quantized, rows_per_kv_head) and \
+                rows_per_kv_head <= TRANSPOSED_AUTO_ROWS_PER_KV_HEAD:
             impl = "transposed"
         elif (k_quantized or v_quantized) and rows_per_kv_head <= BLOCKS_MAX_ROWS_PER_KV_HEAD:
             impl = "blocks"

@@ -15,10 +15,10 @@ import triton.language as tl
 
 from kvcompile.ops.launching import interpreting, launchable
 from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
-from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape, decode_tile,
+from kvcompile.ops.span_attention.decode_split import (decode_shape, decode_tile,
                                                        launch_reduce, partial_slot,
-                                                       program_rows_and_chunk, split_operands,
-                                                       store_partial_stats)
+                                                       program_rows_and_chunk, split_launch,
+                                                       split_operands, store_partial_stats)
 from kvcompile.ops.span_attention.launch import k_split
 from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
                                                      qk_quantized, qk_scores, query_tile,
@@ -87,25 +87,19 @@ def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, 
     [D, D] the reduce multiplies each output row by (launch_reduce)."""
     sh = decode_shape(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, out)
     kg, vg, head_dim = sh.kg, sh.vg, sh.head_dim
-    if block_n is None:
-        block_n = 64 if head_dim <= 128 else 32
-    block_n = min(block_n, page_size)
-    assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
-    programs_per_sm = programs_per_sm or legacy_programs_per_sm(head_dim, kg.quantized)
-    chunk_len, n_chunks = chunks(sh, page_size, block_n, chunk_len, programs_per_sm, q.device)
+    defaults = dict(block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2,
+                    programs_per_sm=legacy_programs_per_sm(head_dim, kg.quantized))
+    go = split_launch(sh, defaults, page_size, q.device, chunk_len, block_n, num_warps,
+                      num_stages, programs_per_sm)
     bufs, qk_f16, (kv, ks, kpe, kph, kch), (vv, vs, vpe, vph, vch) = split_operands(
-        sh, q, k_pool, v_pool, workspace, n_chunks)
-    if num_warps is None:
-        num_warps = 4
-    if num_stages is None:
-        num_stages = 2
-    launchable(_decode_split)[(n_chunks, sh.n_kv)](
+        sh, q, k_pool, v_pool, workspace, go.n_chunks)
+    launchable(_decode_split)[(go.n_chunks, sh.n_kv)](
         q, kv, ks, vv, vs, page_table, q_pos, *bufs,
-        q.stride(0), q.stride(1), sh.n_rows, n_chunks, chunk_len, sh.table_len,
+        q.stride(0), q.stride(1), sh.n_rows, go.n_chunks, go.chunk_len, sh.table_len,
         kpe, kph, kch, vpe, vph, vch,
         QK_SCALE=scale * LOG2E, G=sh.group, D=head_dim, P=page_size, BLOCK_M=sh.block_m,
-        BLOCK_N=block_n,
+        BLOCK_N=go.block_n,
         K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16, K_SPLIT=k_split(kg.kv_type),
         INTERP=interpreting(),
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(q.device))
-    return launch_reduce(sh, bufs, q_pos, n_chunks, chunk_len, page_size, out_rot)
+        num_warps=go.num_warps, num_stages=go.num_stages, **pdl_launch(q.device))
+    return launch_reduce(sh, bufs, q_pos, go.n_chunks, go.chunk_len, page_size, out_rot)

@@ -1,6 +1,7 @@
-"""What both decode implementations (decode_kernel, decode_blocks) share around their split
-kernels: the launch's shapes and output, the chunking of the page table, a program's query
-rows and chunk of positions, its partial softmax statistics, and the reduce launch."""
+"""What the three decode implementations (decode_kernel, decode_blocks, decode_transposed)
+share around their split kernels: the launch's shapes and output, its options and the
+chunking of the page table, a program's query rows, tiles and chunk of positions, its
+partial softmax statistics, and the reduce launch."""
 from __future__ import annotations
 
 import math
@@ -68,6 +69,33 @@ def decode_chunking(table_len: int, page_size: int, n_kv_heads: int, block_n: in
     tiles_per_chunk = max(1, math.ceil(n_tiles / want))
     chunk_len = tiles_per_chunk * block_n
     return chunk_len, math.ceil(table_len * page_size / chunk_len)
+
+
+@dataclass(frozen=True)
+class SplitLaunch:
+    """A split kernel's launch: tile, warps, stages, register cap, and its chunking."""
+    block_n: int
+    num_warps: int
+    num_stages: int
+    maxnreg: int | None
+    chunk_len: int
+    n_chunks: int
+
+
+def split_launch(sh: DecodeShape, defaults: dict, page_size: int, device,
+                 chunk_len: int | None = None, block_n: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None,
+                 programs_per_sm: int | None = None,
+                 maxnreg: int | None = None) -> SplitLaunch:
+    """The caller's launch options over a kernel's `defaults` (block_n, num_warps,
+    num_stages, programs_per_sm, optionally maxnreg), checked, and the chunks they give."""
+    block_n = min(block_n or defaults["block_n"], page_size)
+    assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
+    chunk_len, n_chunks = chunks(sh, page_size, block_n, chunk_len,
+                                 programs_per_sm or defaults["programs_per_sm"], device)
+    return SplitLaunch(block_n, num_warps or defaults["num_warps"],
+                       num_stages or defaults["num_stages"], maxnreg or defaults.get("maxnreg"),
+                       chunk_len, n_chunks)
 
 
 def chunks(sh: DecodeShape, page_size: int, block_n: int, chunk_len: int | None,

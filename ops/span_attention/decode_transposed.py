@@ -19,10 +19,10 @@ import triton.language as tl
 from kvcompile.ops.launching import interpreting, launchable, register_cap
 from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.span_attention.decode_kernel import LOG2E
-from kvcompile.ops.span_attention.decode_split import (chunks, decode_shape, decode_tile,
+from kvcompile.ops.span_attention.decode_split import (decode_shape, decode_tile,
                                                        launch_reduce, partial_slot,
-                                                       program_rows_and_chunk, split_operands,
-                                                       store_partial_stats)
+                                                       program_rows_and_chunk, split_launch,
+                                                       split_operands, store_partial_stats)
 from kvcompile.ops.span_attention.quant_blocks import (q4_codes_f16, q8_codes_f16,
                                                        v_blocks_t, value_columns)
 
@@ -127,10 +127,11 @@ def transposed_takes(k_quantized: bool, v_quantized: bool, rows_per_kv_head: int
 
 
 def transposed_config(head_dim: int) -> dict:
-    """Launch defaults: the best of a sweep at 32K-256K (H200, 1 query row, q8_0/q4_0,
-    2026-11-30, bench_attention.py; docs/performance.md): 64 positions x 2 warps, 8 programs
-    an SM for D <= 128 (128 registers a thread in the offline sm_90 count), 6 for D = 256
-    (168 registers)."""
+    """Launch defaults from a sweep at 32K-256K (H200, 1 query row, q8_0/q4_0, 2026-11-30,
+    bench_attention.py; docs/performance.md): 64 positions x 2 warps, 8 programs an SM for
+    D <= 128 (the best at 32K and 128K, within 0.3% of it at 256K; 128 registers a thread in
+    the offline sm_90 count), 6 for D = 256 (the best at 128K and 256K; 168 registers; at
+    32K 4 warps x 4 programs an SM was 10% faster)."""
     return dict(block_n=64, num_warps=2, num_stages=3,
                 programs_per_sm=8 if head_dim <= 128 else 6)
 
@@ -148,19 +149,16 @@ def span_attention_decode_transposed(q, k_pool, v_pool, page_table, q_pos, k_typ
         f"the transposed decode takes q8_0 / q4_0 K and V and at most {TRANSPOSED_MAX_ROWS} " \
         f"query rows a KV head (here {sh.mrows}): use blocks"
     block_r = max(2, triton.next_power_of_2(sh.mrows))
-    cfg = transposed_config(head_dim)
-    block_n = min(block_n or cfg["block_n"], page_size)
-    assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
-    chunk_len, n_chunks = chunks(sh, page_size, block_n, chunk_len,
-                                 programs_per_sm or cfg["programs_per_sm"], q.device)
+    go = split_launch(sh, transposed_config(head_dim), page_size, q.device, chunk_len, block_n,
+                      num_warps, num_stages, programs_per_sm, maxnreg)
     bufs, _, (kv, ks, kpe, kph, kch), (vv, vs, vpe, vph, vch) = split_operands(
-        sh, q, k_pool, v_pool, workspace, n_chunks, raw_codes=True)
-    launchable(_decode_split_t)[(n_chunks, sh.n_kv)](
+        sh, q, k_pool, v_pool, workspace, go.n_chunks, raw_codes=True)
+    launchable(_decode_split_t)[(go.n_chunks, sh.n_kv)](
         q, kv, ks, vv, vs, page_table, q_pos, *bufs,
-        q.stride(0), q.stride(1), sh.n_rows, n_chunks, chunk_len, sh.table_len,
+        q.stride(0), q.stride(1), sh.n_rows, go.n_chunks, go.chunk_len, sh.table_len,
         kpe, kph, kch, vpe, vph, vch,
         QK_SCALE=scale * LOG2E, G=sh.group, D=head_dim, P=page_size, BLOCK_R=block_r,
-        BLOCK_N=block_n, K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, INTERP=interpreting(),
-        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
-        **pdl_launch(q.device), **register_cap(maxnreg))
-    return launch_reduce(sh, bufs, q_pos, n_chunks, chunk_len, page_size, out_rot)
+        BLOCK_N=go.block_n, K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, INTERP=interpreting(),
+        num_warps=go.num_warps, num_stages=go.num_stages, **pdl_launch(q.device),
+        **register_cap(go.maxnreg))
+    return launch_reduce(sh, bufs, q_pos, go.n_chunks, go.chunk_len, page_size, out_rot)

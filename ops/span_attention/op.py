@@ -25,7 +25,7 @@ import torch
 
 from kvcompile.errors import KvLayoutError
 from kvcompile.ops import kv_format as F
-from kvcompile.ops.span_attention.decode_blocks import decode_launcher
+from kvcompile.ops.span_attention.decode_blocks import launcher_for
 from kvcompile.ops.span_attention.naive import span_attention_naive
 from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
 
@@ -94,9 +94,7 @@ def span_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if q.shape[0] <= DECODE_MAX_ROWS:
         # legacy, blocks or transposed by shape (KVCOMPILE_DECODE_IMPL overrides, read once
         # at import)
-        group = q.shape[1] // n_kv
-        launch = decode_launcher(rows_per_kv_head=q.shape[0] * group,
-                                 k_quantized=kt.quantized, v_quantized=vt.quantized)
+        launch = launcher_for(q, k_pool, kt, vt, page_size)
         return launch(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, scale,
                       workspace=workspace,
                       out_rot=out_rot)
