@@ -41,8 +41,8 @@ from bench_util import hbm_bandwidth, log  # noqa: E402
 from kvcompile.ops import rows  # noqa: E402
 from kvcompile.ops.gemv import triton_kernel as gemv_kernel  # noqa: E402
 from kvcompile.ops.kv_write import op as kv_write_op  # noqa: E402
-from kvcompile.ops.span_attention import decode_blocks  # noqa: E402
-from kvcompile.ops.span_attention import decode_transposed  # noqa: E402
+from kvcompile.ops.span_attention import (decode_blocks, decode_kernel,  # noqa: E402
+                                          decode_transposed)
 
 
 @contextlib.contextmanager
@@ -60,7 +60,7 @@ def leave_out(what: str):
     if what in ("no_kv_write", "none_of_2"):
         stack.enter_context(patched(kv_write_op, "kv_write_triton", lambda *a, **k: None))
     if what in ("no_reduce", "none_of_2"):
-        for mod in (decode_blocks, decode_transposed):
+        for mod in (decode_blocks, decode_kernel, decode_transposed):   # their launchers
             stack.enter_context(patched(mod, "launch_reduce", lambda sh, *a: sh.out))
     if what.startswith("impl:"):
         stack.enter_context(patched(decode_blocks, "DECODE_IMPL", what[5:]))
@@ -82,7 +82,6 @@ def leave_out(what: str):
             return dict(real_row(n, k), **over.get(n, {}))
         stack.enter_context(patched(gemv_kernel, "row_config", row_config))
     if what.startswith("pps") or what.startswith("split:"):
-        real_config = decode_blocks.blocks_config
         if what.startswith("pps"):
             over = dict(programs_per_sm=int(what[3:]))
         else:
@@ -90,15 +89,11 @@ def leave_out(what: str):
                         r="maxnreg")
             over = {keys[k]: int(v) for k, v in (item.split("=")
                                                  for item in what[6:].split("/"))}
-
-        def config(*a):
-            return dict(real_config(*a), **over)
-
-        def config_t(*a):
-            return dict(real_config_t(*a), **over)
-        real_config_t = decode_transposed.transposed_config
-        stack.enter_context(patched(decode_blocks, "blocks_config", config))
-        stack.enter_context(patched(decode_transposed, "transposed_config", config_t))
+        for mod, name in ((decode_blocks, "blocks_config"),
+                          (decode_transposed, "transposed_config")):
+            real = getattr(mod, name)
+            stack.enter_context(patched(mod, name,
+                                        lambda *a, real=real: dict(real(*a), **over)))
     return stack
 
 

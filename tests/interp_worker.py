@@ -32,6 +32,7 @@ ROW_KERNELS = {"rms_norm": _row_kernel("rms_norm", "rms_norm_triton"),
 
 def run(job: dict) -> dict:
     from kvcompile.ops.kv_write.triton_kernel import kv_write_triton
+    from kvcompile.ops import kv_format as F
     from kvcompile.ops.span_attention.decode_blocks import launcher_for
     from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
 
@@ -45,8 +46,9 @@ def run(job: dict) -> dict:
         return {"k_pool": kp, "v_pool": vp}
     if job["kind"] == "decode":
         opts = dict(opts)
-        fn = launcher_for(a["q"], a["k_pool"], a["k_type"], a["v_type"], a["page_size"],
-                          opts.pop("impl", None))
+        n_kv = F.n_kv_heads_of(a["k_pool"], F.kv_type(a["k_type"]), a["page_size"],
+                               a["q"].shape[2])
+        fn = launcher_for(a["q"], n_kv, a["k_type"], a["v_type"], opts.pop("impl", None))
     else:
         fn = span_attention_prefill
     out = torch.empty(a["q"].shape, dtype=torch.float32)

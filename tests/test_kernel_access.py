@@ -20,16 +20,16 @@ from triton.backends.compiler import GPUTarget
 
 from torch._higher_order_ops import triton_kernel_wrap as wrap
 
-from kvcompile.ops.gemv.triton_kernel import _gemv_row, _gemv_rows  # noqa: E402
-from kvcompile.ops.kv_write.triton_kernel import _kv_write  # noqa: E402
-from kvcompile.ops.rms_norm.triton_kernel import _rms_norm  # noqa: E402
-from kvcompile.ops.rope_rotate.triton_kernel import _rope_rotate  # noqa: E402
-from kvcompile.ops.silu_mul.triton_kernel import _silu_mul  # noqa: E402
-from kvcompile.ops.span_attention.decode_blocks import _decode_split_blocks  # noqa: E402
-from kvcompile.ops.span_attention.decode_kernel import _decode_split  # noqa: E402
-from kvcompile.ops.span_attention.decode_transposed import _decode_split_t  # noqa: E402
-from kvcompile.ops.span_attention.decode_split import _decode_reduce  # noqa: E402
-from kvcompile.ops.span_attention.prefill_kernel import _prefill  # noqa: E402
+from kvcompile.ops.gemv.triton_kernel import _gemv_row, _gemv_rows
+from kvcompile.ops.kv_write.triton_kernel import _kv_write
+from kvcompile.ops.rms_norm.triton_kernel import _rms_norm
+from kvcompile.ops.rope_rotate.triton_kernel import _rope_rotate
+from kvcompile.ops.silu_mul.triton_kernel import _silu_mul
+from kvcompile.ops.span_attention.decode_blocks import _decode_split_blocks
+from kvcompile.ops.span_attention.decode_kernel import _decode_split
+from kvcompile.ops.span_attention.decode_split import _decode_reduce
+from kvcompile.ops.span_attention.decode_transposed import _decode_split_t
+from kvcompile.ops.span_attention.prefill_kernel import _prefill
 
 
 class _Sm90:

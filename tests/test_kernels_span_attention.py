@@ -162,11 +162,10 @@ def test_interpreted_kernel_exact_and_placement_independent(interp_runs, case):
 def run_gpu(kernel, a, out_dtype=torch.float32):
     """kernel: "decode" (the op's default implementation), "decode-legacy",
     "decode-blocks", "decode-transposed" or "prefill"."""
-    from kvcompile.ops.span_attention.decode_blocks import launcher_for
     from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
     if kernel.startswith("decode"):
-        fn = launcher_for(a["q"], a["k_pool"], a["k_type"], a["v_type"], a["page_size"],
-                          kernel.partition("-")[2] or None)
+        fn = op_launcher(a["q"], a["k_pool"], a["k_type"], a["v_type"], a["page_size"],
+                         kernel.partition("-")[2] or None)
     else:
         fn = span_attention_prefill
     out = torch.empty(a["q"].shape, dtype=out_dtype, device="cuda")
@@ -213,13 +212,20 @@ def test_gpu_placement_independence(k_name, v_name, kernel, rows):
         assert torch.equal(torch.ops.kvcompile.span_attention(**a), outs["resident"].to(qd))
 
 
+def op_launcher(q, k_pool, k_type, v_type, page_size, impl=None):
+    """The decode launcher the op takes for these arguments (`impl` forces one)."""
+    from kvcompile.ops.span_attention.decode_blocks import launcher_for
+    n_kv = F.n_kv_heads_of(k_pool, F.kv_type(k_type), page_size, q.shape[2])
+    return launcher_for(q, n_kv, k_type, v_type, impl)
+
+
 def op_would_pick(kernel, q, k_pool, k_name, v_name) -> bool:
     """Whether the op itself dispatches this shape to `kernel` (decode-legacy, -blocks or
     -transposed)."""
-    from kvcompile.ops.span_attention.decode_blocks import decode_launcher, launcher_for
+    from kvcompile.ops.span_attention.decode_blocks import decode_launcher
     if not kernel.startswith("decode-"):
         return False
-    return launcher_for(q, k_pool, k_name, v_name, 256) is decode_launcher(
+    return op_launcher(q, k_pool, k_name, v_name, 256) is decode_launcher(
         kernel.partition("-")[2])
 
 
@@ -300,12 +306,12 @@ def test_gpu_decode_output_rotation(k_name, v_name, kernel, d, n_ctx):
     ("q8_0", "q4_0", 8, 6, "legacy"),        # 48 rows a KV head
     ("bf16", "bf16", 1, 4, "legacy"), ("f16", "f32", 8, 4, "legacy")])
 def test_decode_choice_by_shape(k_name, v_name, rows, group, want):
-    from kvcompile.ops.span_attention.decode_blocks import DECODE_IMPLS, launcher_for
+    from kvcompile.ops.span_attention.decode_blocks import DECODE_IMPLS
     gen = torch.Generator().manual_seed(fresh_seed())
     q, q_pos, placed = build(k_name, v_name, 20, rows, 64, 2, group, 16, torch.float16, gen,
                              ("resident",))
     table, kp, vp = placed["resident"]
-    assert launcher_for(q, kp, k_name, v_name, 16) is DECODE_IMPLS[want]
+    assert op_launcher(q, kp, k_name, v_name, 16) is DECODE_IMPLS[want]
 
 
 # ---- bad input (CPU, through the op) ---------------------------------------------------------

@@ -19,11 +19,11 @@ from kvcompile.ops.span_attention.decode_split import (decode_shape, decode_tile
                                                        launch_reduce, partial_slot,
                                                        program_rows_and_chunk, split_launch,
                                                        split_operands, store_partial_stats)
+from kvcompile.ops.span_attention.decode_transposed import (span_attention_decode_transposed,
+                                                            transposed_takes)
 from kvcompile.ops.span_attention.launch import k_split
 from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
                                                      qk_scores, query_tile, v_operand)
-from kvcompile.ops.span_attention.decode_transposed import (span_attention_decode_transposed,
-                                                            transposed_takes)
 from kvcompile.ops.span_attention.quant_blocks import qk_blocks, v_blocks, value_columns
 
 
@@ -174,10 +174,9 @@ def decode_launcher(impl: str | None = None, rows_per_kv_head: int = 1,
     return DECODE_IMPLS[impl]
 
 
-def launcher_for(q, k_pool, k_type, v_type, page_size: int, impl: str | None = None):
-    """The decode launcher the op picks for these arguments (decode_launcher by shape;
-    `impl` forces one)."""
+def launcher_for(q, n_kv_heads: int, k_type, v_type, impl: str | None = None):
+    """The decode launcher the op picks for query rows q [T, Hq, D] over n_kv_heads KV heads
+    of these types (decode_launcher by shape; `impl` forces one)."""
     kt, vt = F.kv_type(k_type), F.kv_type(v_type)
-    n_kv = F.n_kv_heads_of(k_pool, kt, page_size, q.shape[2])
-    return decode_launcher(impl, q.shape[0] * (q.shape[1] // n_kv), kt.quantized,
+    return decode_launcher(impl, q.shape[0] * (q.shape[1] // n_kv_heads), kt.quantized,
                            vt.quantized)

@@ -83,8 +83,9 @@ def span_attention_decode(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, 
                           out_rot=None):
     """Launch the split + reduce kernels; `out` may be given in any float dtype (tests use
     fp32 to see the kernel's own error without the final rounding); `workspace` is an fp32
-    buffer for the partials (workspace.py), allocated per call when None; `out_rot` an fp32
-    [D, D] the reduce multiplies each output row by (launch_reduce)."""
+    buffer for the partials (workspace.py), allocated per call when None; `out_rot` the fp32
+    diagonal blocks [NB, B, B] of a rotation the reduce multiplies each output row by
+    (launch_reduce)."""
     sh = decode_shape(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, out)
     kg, vg, head_dim = sh.kg, sh.vg, sh.head_dim
     defaults = dict(block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2,

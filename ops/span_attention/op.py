@@ -94,7 +94,7 @@ def span_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if q.shape[0] <= DECODE_MAX_ROWS:
         # legacy, blocks or transposed by shape (KVCOMPILE_DECODE_IMPL overrides, read once
         # at import)
-        launch = launcher_for(q, k_pool, kt, vt, page_size)
+        launch = launcher_for(q, n_kv, kt, vt)
         return launch(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, scale,
                       workspace=workspace,
                       out_rot=out_rot)
