@@ -209,6 +209,8 @@ def main() -> None:
     ap.add_argument("--contexts", default="", help="decode contexts, e.g. 32768,131072")
     ap.add_argument("--untraced", action="store_true",
                     help="decode: launch as inside the op (wrap_triton off: PDL)")
+    ap.add_argument("--configs-from", help="decode: time a slice of one implementation's "
+                                            "config list, e.g. transposed:8: (the newer ones)")
     ap.add_argument("--defaults-only", action="store_true",
                     help="decode: time each implementation's launch defaults only (no sweep)")
     args = ap.parse_args()
@@ -252,9 +254,18 @@ def main() -> None:
             "transposed": [{}] + [dict(block_n=b, num_warps=w, num_stages=3, programs_per_sm=p)
                                   for b, w, p in ((64, 2, 8), (64, 2, 6), (32, 1, 12),
                                                   (32, 1, 8), (32, 2, 8), (64, 4, 4),
-                                                  (128, 4, 4))]}
+                                                  (128, 4, 4))]
+            # deeper prefetch (more tiles in flight a program), and one-warp programs held
+            # to 128 registers (no spills at D 128 offline: 16 an SM, no cross-warp softmax)
+            + [dict(block_n=64, num_warps=2, num_stages=s, programs_per_sm=p)
+               for s, p in ((4, 8), (5, 8), (4, 6), (4, 5))]
+            + [dict(block_n=32, num_warps=1, num_stages=s, programs_per_sm=16, maxnreg=128)
+               for s in (3, 5)]}
         if args.defaults_only:
             dcfg = {impl: [{}] for impl in dcfg}
+        elif args.configs_from:       # a slice of the list, e.g. "transposed:8:" (Python slice)
+            impl, _, sl = args.configs_from.partition(":")
+            dcfg[impl] = dcfg[impl][slice(*(int(x) if x else None for x in sl.split(":")))]
         from torch._library.triton import set_wrap_triton_enabled
         with set_wrap_triton_enabled(not args.untraced):
             decode_rows = bench_decode(hbm, [int(r) for r in args.rows.split(",")], ctxs,

@@ -38,6 +38,7 @@ from kvcompile.ops.span_attention import (decode_blocks, decode_kernel, decode_s
 
 # the modules whose launchers call launch_reduce (patched out for split-only timings)
 SPLIT_MODULES = (decode_blocks, decode_kernel, decode_transposed)
+ATTN_CONTEXTS = (256, 2048, 8192, 32768, 131072)
 
 
 @triton.jit
@@ -45,54 +46,58 @@ def _empty(x_ptr):
     pass
 
 
-def attention_rows(hbm, impl=None):
+def attention_rows(hbm, impl=None, geoms=((8, 128, 32),), contexts=ATTN_CONTEXTS,
+                   pps_list=(None, 1, 4)):
     rows = []
     x = torch.zeros(1, device="cuda")
     floor = graph_ms([lambda: _empty[(256,)](x)] * 40)
     print(f"empty triton kernel in a graph: {floor * 1e3:.2f} us a launch", flush=True)
     rows.append(dict(probe="empty_kernel", us=floor * 1e3))
     real_reduce = decode_split.launch_reduce
-    for kn, vn in [("q8_0", "q4_0"), ("bf16", "bf16")]:
-        for n_ctx in [256, 2048, 8192, 32768, 131072]:
-            kp, vp, tables, kv_bytes = make_pools(kn, vn, n_ctx, 8, 128, 4)
-            q = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16)
-            q_pos = torch.tensor([n_ctx - 1], device="cuda", dtype=torch.int32)
-            out = torch.empty_like(q)
-            quant = kn != "bf16"
-            launch = decode_blocks.decode_launcher(impl, k_quantized=quant,
-                                                   v_quantized=quant, rows_per_kv_head=4)
-            kt, vt = F.kv_type(kn).ggml_id, F.kv_type(vn).ggml_id
-            res = {}
-            for pps in (None, 1, 4):
-                cfg = {} if pps is None else dict(programs_per_sm=pps)
-                full = graph_ms([lambda t=t: launch(q, kp, vp, t, q_pos, kt, vt, 256, 0.088,
-                                                    out=out, **cfg) for t in tables] * 5)
-                saved = []
+    for (n_kv, d, n_q), (kn, vn), n_ctx in [(g, p, c) for g in geoms
+                                            for p in [("q8_0", "q4_0"), ("bf16", "bf16")]
+                                            for c in contexts]:
+        kp, vp, tables, kv_bytes = make_pools(kn, vn, n_ctx, n_kv, d, 4)
+        q = torch.randn(1, n_q, d, device="cuda", dtype=torch.bfloat16)
+        q_pos = torch.tensor([n_ctx - 1], device="cuda", dtype=torch.int32)
+        out = torch.empty_like(q)
+        quant = kn != "bf16"
+        launch = decode_blocks.decode_launcher(impl, k_quantized=quant,
+                                               v_quantized=quant,
+                                               rows_per_kv_head=n_q // n_kv)
+        kt, vt = F.kv_type(kn).ggml_id, F.kv_type(vn).ggml_id
+        res = {}
+        for pps in pps_list:
+            cfg = {} if pps is None else dict(programs_per_sm=pps)
+            full = graph_ms([lambda t=t: launch(q, kp, vp, t, q_pos, kt, vt, 256, 0.088,
+                                                out=out, **cfg) for t in tables] * 5)
+            saved = []
 
-                def no_reduce(sh, bufs, *a):
-                    saved.append(bufs)
-                    return sh.out
+            def no_reduce(sh, bufs, *a):
+                saved.append(bufs)
+                return sh.out
+            for mod in SPLIT_MODULES:
+                mod.launch_reduce = no_reduce
+            try:
+                split = graph_ms([lambda t=t: launch(q, kp, vp, t, q_pos, kt, vt, 256,
+                                                     0.088, out=out, **cfg)
+                                  for t in tables] * 5)
+            finally:
                 for mod in SPLIT_MODULES:
-                    mod.launch_reduce = no_reduce
-                try:
-                    split = graph_ms([lambda t=t: launch(q, kp, vp, t, q_pos, kt, vt, 256,
-                                                         0.088, out=out, **cfg)
-                                      for t in tables] * 5)
-                finally:
-                    for mod in SPLIT_MODULES:
-                        mod.launch_reduce = real_reduce
-                res[pps] = (full, split)
-                ideal = kv_bytes / (hbm * 1e9) * 1e3
-                row = dict(probe="attention", kv=f"{kn}/{vn}", context=n_ctx,
-                           programs_per_sm=pps, full_us=full * 1e3, split_us=split * 1e3,
-                           reduce_us=(full - split) * 1e3, ideal_us=ideal * 1e3,
-                           frac_of_hbm=ideal / full)
-                rows.append(row)
-                print(f"{kn}/{vn} ctx {n_ctx:>6} pps {pps}: full {full*1e3:7.2f} us, split "
-                      f"{split*1e3:7.2f}, reduce {(full-split)*1e3:6.2f}, ideal {ideal*1e3:7.2f}"
-                      f" ({ideal/full:.2f} of HBM)", flush=True)
-            del kp, vp
-            torch.cuda.empty_cache()
+                    mod.launch_reduce = real_reduce
+            res[pps] = (full, split)
+            ideal = kv_bytes / (hbm * 1e9) * 1e3
+            row = dict(probe="attention", kv=f"{kn}/{vn}", n_kv_heads=n_kv,
+                       head_dim=d, context=n_ctx,
+                       programs_per_sm=pps, full_us=full * 1e3, split_us=split * 1e3,
+                       reduce_us=(full - split) * 1e3, ideal_us=ideal * 1e3,
+                       frac_of_hbm=ideal / full)
+            rows.append(row)
+            print(f"{kn}/{vn} {n_kv}x{d} ctx {n_ctx:>6} pps {pps}: full {full*1e3:7.2f} us, split "
+                  f"{split*1e3:7.2f}, reduce {(full-split)*1e3:6.2f}, ideal {ideal*1e3:7.2f}"
+                  f" ({ideal/full:.2f} of HBM)", flush=True)
+        del kp, vp
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -242,7 +247,12 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--only", choices=["attention", "gemv", "sweep"])
     ap.add_argument("--untraced", action="store_true",
-                    help="--only sweep: launch as inside the ops (wrap_triton off: PDL)")
+                    help="attention and sweep: launch as inside the ops (wrap_triton off: PDL)")
+    ap.add_argument("--both-geometries", action="store_true",
+                    help="attention: 4 KV heads x 256 as well as 8 x 128")
+    ap.add_argument("--contexts", help="attention: contexts, e.g. 256,32768,262144")
+    ap.add_argument("--defaults-only", action="store_true",
+                    help="attention: launch defaults only (no programs_per_sm 1 and 4)")
     ap.add_argument("--impl", choices=sorted(decode_blocks.DECODE_IMPLS),
                     help="decode implementation timed (default: the op's choice by shape)")
     a = ap.parse_args()
@@ -250,7 +260,13 @@ def main():
     print(f"HBM {hbm:.0f} GB/s", flush=True)
     rows = []
     if a.only in (None, "attention"):
-        rows += attention_rows(hbm, a.impl)
+        from torch._library.triton import set_wrap_triton_enabled
+        geoms = ((8, 128, 32), (4, 256, 24)) if a.both_geometries else ((8, 128, 32),)
+        ctxs = tuple(int(c) for c in a.contexts.split(",")) if a.contexts else ATTN_CONTEXTS
+        pps = (None,) if a.defaults_only else (None, 1, 4)
+        with set_wrap_triton_enabled(not a.untraced):
+            rows += [dict(r, launch="untraced" if a.untraced else "traced")
+                     for r in attention_rows(hbm, a.impl, geoms, ctxs, pps)]
     if a.only == "sweep":
         from torch._library.triton import set_wrap_triton_enabled
         with set_wrap_triton_enabled(not a.untraced):

@@ -9,7 +9,9 @@ elementwise work, half the MMAs, and V enters P @ V as V^T straight from its pos
 page (no transpose). Same chunks, same partials, same reduce as the other decode kernels, so
 placement independence holds the same way.
 
-Quantized K and V only (q8_0 / q4_0 pairs); the codes reach fp16 as in quant_blocks.
+Quantized K and V only (q8_0 / q4_0 pairs); the codes reach fp16 as in quant_blocks. The
+codes are staged by Triton's pipeliner (cp.async, a dot's operands); the K and V scales are
+read one tile ahead by hand (tile_scales) and their page two tiles ahead (page_of).
 """
 from __future__ import annotations
 
@@ -24,23 +26,46 @@ from kvcompile.ops.span_attention.decode_split import (decode_shape, decode_tile
                                                        program_rows_and_chunk, split_launch,
                                                        split_operands, store_partial_stats)
 from kvcompile.ops.span_attention.quant_blocks import (q4_codes_f16, q8_codes_f16,
-                                                       v_blocks_t, value_columns)
+                                                       v_operands_t, v_scales_t,
+                                                       value_columns)
 
 
 @triton.jit
-def qk_blocks_t(qrow, row_ok, vals, scl, phys, row, mask, page_elems, page_halves,
-                code_halves, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr,
-                K_TYPE: tl.constexpr, INTERP: tl.constexpr):
-    """Scores^T [N, R] (fp32, before the softmax scale) of K rows `row` of page `phys`
-    against the query rows `qrow` (pointers, read as fp16): per 32-value block one dot
-    codes [N, 32] x q^T [32, R], times the block's scale (exact up to fp32 accumulation, as
-    quant_blocks.qk_blocks). Codes unmasked: rows past the context have scale 0."""
+def page_of(page_table, n0, end, P: tl.constexpr):
+    """Physical page of logical position n0 (int64), 0 from `end` on (no read past it)."""
+    return tl.load(page_table + n0 // P, mask=n0 < end, other=0).to(tl.int64)
+
+
+@triton.jit
+def tile_scales(phys, n0, end, k_scl, v_scl, h, k_page_halves, k_code_halves, v_page_halves,
+                v_code_halves, P: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """The K scales [N, NB] and V scales [NB, N] (fp16) of tile [n0, n0 + BLOCK_N) of head h
+    on page `phys`, 0 at positions from `end` on."""
+    NB: tl.constexpr = D // 32
+    off = tl.multiple_of(n0 % P, BLOCK_N) + tl.arange(0, BLOCK_N)
+    live = n0 + tl.arange(0, BLOCK_N) < end
+    row = h * P + off
+    b = tl.arange(0, NB)
+    ks = tl.load(k_scl + phys * k_page_halves + k_code_halves + row[:, None] * NB + b[None, :],
+                 mask=live[:, None], other=0.0)
+    return ks, v_scales_t(v_scl, phys, h, off, live, v_page_halves, v_code_halves, D, P)
+
+
+@triton.jit
+def qk_blocks_t(qrow, row_ok, vals, ks, phys, row, page_elems, BLOCK_N: tl.constexpr,
+                BLOCK_R: tl.constexpr, D: tl.constexpr, K_TYPE: tl.constexpr,
+                INTERP: tl.constexpr):
+    """Scores^T [N, R] (fp32, before the softmax scale) of K rows `row` of page `phys`,
+    scales ks [N, NB] (tile_scales), against the query rows `qrow` (pointers, read as
+    fp16): per 32-value block one dot codes [N, 32] x q^T [32, R], times the block's scale
+    (exact up to fp32 accumulation, as quant_blocks.qk_blocks). Codes unmasked: rows past
+    the context have scale 0."""
     NB: tl.constexpr = D // 32
     base = vals + phys * page_elems
-    sbase = scl + phys * page_halves + code_halves + row * NB
+    ks = ks.to(tl.float32)
     s = tl.zeros([BLOCK_N, BLOCK_R], tl.float32)
     for b in tl.static_range(NB):
-        sc = tl.load(sbase + b, mask=mask, other=0.0).to(tl.float32)
+        sc = tl.sum(tl.where(tl.arange(0, NB)[None, :] == b, ks, 0.0), 1)      # column b
         if K_TYPE == 8:
             j = tl.arange(0, 32)
             c = tl.load(base + row[:, None] * D + b * 32 + j[None, :])          # [N, 32]
@@ -93,20 +118,32 @@ def _decode_split_t(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc_a = tl.zeros([DA, BLOCK_R], tl.float32)
     acc_b = tl.zeros([DB, BLOCK_R], tl.float32)
+    # Scales are read a tile ahead and their page two tiles ahead: the pipeliner stages
+    # only the dots' operands (the codes), and an unstaged scale load waited a whole memory
+    # latency every tile (ncu: most stalls were on them).
+    ks, vs = tile_scales(page_of(page_table, start, end, P), start, end, k_scl, v_scl, h,
+                         k_page_halves, k_code_halves, v_page_halves, v_code_halves, P,
+                         BLOCK_N, D)
+    phys_next = page_of(page_table, start + BLOCK_N, end, P)
     for n0 in range(start, end, BLOCK_N):
-        off, pos, live, phys = decode_tile(page_table, n0, end, P, BLOCK_N)
-        s = qk_blocks_t(qrow, row_ok, k_vals, k_scl, phys, h * P + off, live, k_page_elems,
-                        k_page_halves, k_code_halves, BLOCK_N, BLOCK_R, D, K_TYPE, INTERP)
+        off, pos, _, phys = decode_tile(page_table, n0, end, P, BLOCK_N)
+        ks_next, vs_next = tile_scales(phys_next, n0 + BLOCK_N, end, k_scl, v_scl, h,
+                                       k_page_halves, k_code_halves, v_page_halves,
+                                       v_code_halves, P, BLOCK_N, D)
+        phys_next = page_of(page_table, n0 + 2 * BLOCK_N, end, P)
+        s = qk_blocks_t(qrow, row_ok, k_vals, ks, phys, h * P + off, k_page_elems, BLOCK_N,
+                        BLOCK_R, D, K_TYPE, INTERP)
         s = s * QK_SCALE
         s = tl.where(pos[:, None] <= qp[None, :], s, float("-inf"))
         p, alpha, m_new, l_i = online_softmax_t(s, m_i, l_i)
         p16 = p.to(tl.float16)
-        va, vb = v_blocks_t(v_vals, v_scl, phys, h, off, live, v_page_elems, v_page_halves,
-                            v_code_halves, BLOCK_N, D, P, V_TYPE, INTERP)
+        va, vb = v_operands_t(v_vals, phys, h, off, v_page_elems, vs, BLOCK_N, D, P, V_TYPE,
+                              INTERP)
         acc_a = tl.dot(va, p16, acc_a * alpha[None, :])
         if V4:
             acc_b = tl.dot(vb, p16, acc_b * alpha[None, :])
         m_i = m_new
+        ks, vs = ks_next, vs_next
     slot = partial_slot(tl.program_id(0), r, h, n_chunks, n_rows, G)
     ok = (r < n_rows * G) & (start < n_ctx)
     store_partial_stats(m_ptr, l_ptr, m_i, l_i, slot, ok)

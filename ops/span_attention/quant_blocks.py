@@ -65,21 +65,29 @@ def q4_codes_f16(byte, INTERP: tl.constexpr):
 
 
 @triton.jit
-def v_blocks_t(vals, scl, phys, head, off, mask, page_elems, page_halves, code_halves,
-               BLOCK_N: tl.constexpr, D: tl.constexpr, P: tl.constexpr, V_TYPE: tl.constexpr,
-               INTERP: tl.constexpr):
-    """fp16 V^T operands (a, b) of positions `off` of a position-major V page (kv_format),
-    code rows by positions: q8_0: a = [D, N] rows in value order, b unused (= a); q4_0:
-    a = [D/2, N] the low-nibble values (row 16 k + j = value 32 k + j), b the high ones
-    (value 32 k + 16 + j). Each is code * scale, one rounding. Codes are read as runs of
-    contiguous positions, unmasked: positions past the context have their scale masked to 0."""
+def v_scales_t(scl, phys, head, off, mask, page_halves, code_halves, D: tl.constexpr,
+               P: tl.constexpr):
+    """The V scales [NB, N] (fp16) of positions `off` of a position-major V page (kv_format),
+    0 where not `mask`."""
+    NB: tl.constexpr = D // 32
+    b = tl.arange(0, NB)
+    return tl.load(scl + phys * page_halves + code_halves + (head * NB + b[:, None]) * P
+                   + off[None, :], mask=mask[None, :], other=0.0)
+
+
+@triton.jit
+def v_operands_t(vals, phys, head, off, page_elems, s, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                 P: tl.constexpr, V_TYPE: tl.constexpr, INTERP: tl.constexpr):
+    """fp16 V^T operands (a, b) of positions `off` of a position-major V page (kv_format)
+    with scales s [NB, N] (v_scales_t), code rows by positions: q8_0: a = [D, N] rows in
+    value order, b unused (= a); q4_0: a = [D/2, N] the low-nibble values (row 16 k + j =
+    value 32 k + j), b the high ones (value 32 k + 16 + j). Each is code * scale, one
+    rounding. Codes are read as runs of contiguous positions, unmasked: positions past the
+    context have their scale masked to 0."""
     NB: tl.constexpr = D // 32
     W: tl.constexpr = D if V_TYPE == 8 else D // 2
     c = tl.arange(0, W)
-    b = tl.arange(0, NB)
     codes = tl.load(vals + phys * page_elems + (head * W + c[:, None]) * P + off[None, :])
-    s = tl.load(scl + phys * page_halves + code_halves + (head * NB + b[:, None]) * P
-                + off[None, :], mask=mask[None, :], other=0.0)             # [NB, N]
     if V_TYPE == 8:
         sw = tl.reshape(tl.broadcast_to(s[:, None, :], (NB, 32, BLOCK_N)), (D, BLOCK_N))
         va = q8_codes_f16(codes, INTERP) * sw
@@ -90,6 +98,15 @@ def v_blocks_t(vals, scl, phys, head, off, mask, page_elems, page_halves, code_h
         va = lo * sw
         vb = hi * sw
     return va, vb
+
+
+@triton.jit
+def v_blocks_t(vals, scl, phys, head, off, mask, page_elems, page_halves, code_halves,
+               BLOCK_N: tl.constexpr, D: tl.constexpr, P: tl.constexpr, V_TYPE: tl.constexpr,
+               INTERP: tl.constexpr):
+    """v_operands_t with the tile's scales read here."""
+    s = v_scales_t(scl, phys, head, off, mask, page_halves, code_halves, D, P)
+    return v_operands_t(vals, phys, head, off, page_elems, s, BLOCK_N, D, P, V_TYPE, INTERP)
 
 
 @triton.jit

@@ -1,0 +1,100 @@
+"""Probe (device, timing only): the transposed decode if a tile's V codes and scales lay
+together in the page.
+
+Quantized V pages are position-major (a code row holds the page's 256 positions), so a
+64-position tile reads a 64-byte strip of every code row; probe_decode_reads.py measured
+that pattern at 0.88 of HBM for pure reads at 256K against 0.97-1.01 for the same bytes read
+contiguously. Here `--v-order tile` swaps the kernel's V tile reader for one that reads
+each tile's codes [W, 64] and scales [NB, 64] as one contiguous run of the page (the layout
+a tile-major V page would have), everything else unchanged. The pages hold page-major data,
+so the outputs are wrong: this times the access pattern, nothing else. `--v-order page` is
+the shipped kernel. Run each order in its own process (Triton keys a kernel's compiled code
+on its dependencies when it first compiles).
+
+usage: python benchmarks/probe_tile_v.py --v-order page|tile [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attention import GEOMS, ROT, graph_ms, make_pools  # noqa: E402
+from bench_util import hbm_bandwidth  # noqa: E402
+
+from kvcompile.ops import kv_format as F  # noqa: E402
+from kvcompile.ops.span_attention import decode_transposed  # noqa: E402
+from kvcompile.ops.span_attention.quant_blocks import q4_codes_f16, q8_codes_f16  # noqa: E402
+
+
+@triton.jit
+def v_blocks_t_tile_major(vals, scl, phys, head, off, mask, page_elems, page_halves,
+                          code_halves, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                          P: tl.constexpr, V_TYPE: tl.constexpr, INTERP: tl.constexpr):
+    """quant_blocks.v_blocks_t with tile-major addresses: tile (off // BLOCK_N) of head
+    `head` at [W, BLOCK_N] codes and [NB, BLOCK_N] scales, each one contiguous run."""
+    NB: tl.constexpr = D // 32
+    W: tl.constexpr = D if V_TYPE == 8 else D // 2
+    c = tl.arange(0, W)
+    b = tl.arange(0, NB)
+    t0 = (off // BLOCK_N) * BLOCK_N                  # the tile's first position (all equal)
+    j = off % BLOCK_N
+    codes = tl.load(vals + phys * page_elems + head * W * P + t0[None, :] * W
+                    + c[:, None] * BLOCK_N + j[None, :])
+    s = tl.load(scl + phys * page_halves + code_halves + head * NB * P + t0[None, :] * NB
+                + b[:, None] * BLOCK_N + j[None, :], mask=mask[None, :], other=0.0)
+    if V_TYPE == 8:
+        sw = tl.reshape(tl.broadcast_to(s[:, None, :], (NB, 32, BLOCK_N)), (D, BLOCK_N))
+        va = q8_codes_f16(codes, INTERP) * sw
+        vb = va
+    else:
+        sw = tl.reshape(tl.broadcast_to(s[:, None, :], (NB, 16, BLOCK_N)), (W, BLOCK_N))
+        lo, hi = q4_codes_f16(codes, INTERP)
+        va = lo * sw
+        vb = hi * sw
+    return va, vb
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--v-order", choices=("page", "tile"), required=True)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    if a.v_order == "tile":
+        decode_transposed.v_blocks_t = v_blocks_t_tile_major
+    from torch._library.triton import set_wrap_triton_enabled
+    hbm = hbm_bandwidth()["hbm_gbps_measured"]
+    print(f"HBM {hbm:.0f} GB/s, V read by {a.v_order}", flush=True)
+    rows = []
+    kt, vt = F.kv_type("q8_0"), F.kv_type("q4_0")
+    for n_kv, d, n_q in GEOMS:
+        for n_ctx in (32768, 131072, 262144):
+            kp, vp, tables, kv_bytes = make_pools("q8_0", "q4_0", n_ctx, n_kv, d, ROT)
+            q = torch.randn(1, n_q, d, device="cuda", dtype=torch.bfloat16)
+            q_pos = torch.tensor([n_ctx - 1], device="cuda", dtype=torch.int32)
+            out = torch.empty_like(q)
+            with set_wrap_triton_enabled(False):          # as inside the op (PDL)
+                ms = graph_ms([lambda t=t: decode_transposed.span_attention_decode_transposed(
+                    q, kp, vp, t, q_pos, kt.ggml_id, vt.ggml_id, 256, d ** -0.5, out=out)
+                    for t in tables] * 5)
+            frac = kv_bytes / (ms * 1e-3) / 1e9 / hbm
+            rows.append(dict(probe="tile_v", v_order=a.v_order, n_kv_heads=n_kv, head_dim=d,
+                             context=n_ctx, us=ms * 1e3, frac_of_hbm=frac,
+                             kv_types="q8_0/q4_0"))
+            print(f"{n_kv}x{d} ctx {n_ctx:>6}: {ms * 1e3:7.1f} us, {frac:.2f} of HBM",
+                  flush=True)
+            del kp, vp
+            torch.cuda.empty_cache()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(hbm_gbps=hbm, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
