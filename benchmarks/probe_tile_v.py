@@ -4,8 +4,9 @@ together in the page.
 Quantized V pages are position-major (a code row holds the page's 256 positions), so a
 64-position tile reads a 64-byte strip of every code row; probe_decode_reads.py measured
 that pattern at 0.88 of HBM for pure reads at 256K against 0.97-1.01 for the same bytes read
-contiguously. Here `--v-order tile` swaps the kernel's V tile reader for one that reads
-each tile's codes [W, 64] and scales [NB, 64] as one contiguous run of the page (the layout
+contiguously. Here `--v-order tile` swaps the kernel's V readers (quant_blocks.v_scales_t
+and v_operands_t as decode_transposed calls them) for ones that read each tile's codes
+[W, 64] and scales [NB, 64] as one contiguous run of the page (the layout
 a tile-major V page would have), everything else unchanged. The pages hold page-major data,
 so the outputs are wrong: this times the access pattern, nothing else. `--v-order page` is
 the shipped kernel. Run each order in its own process (Triton keys a kernel's compiled code
@@ -34,21 +35,30 @@ from kvcompile.ops.span_attention.quant_blocks import q4_codes_f16, q8_codes_f16
 
 
 @triton.jit
-def v_blocks_t_tile_major(vals, scl, phys, head, off, mask, page_elems, page_halves,
-                          code_halves, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                          P: tl.constexpr, V_TYPE: tl.constexpr, INTERP: tl.constexpr):
-    """quant_blocks.v_blocks_t with tile-major addresses: tile (off // BLOCK_N) of head
-    `head` at [W, BLOCK_N] codes and [NB, BLOCK_N] scales, each one contiguous run."""
+def v_scales_t_tile_major(scl, phys, head, off, mask, page_halves, code_halves,
+                          D: tl.constexpr, P: tl.constexpr):
+    """quant_blocks.v_scales_t with tile-major addresses: the tile's [NB, N] scales as one
+    contiguous run."""
+    NB: tl.constexpr = D // 32
+    N: tl.constexpr = off.shape[0]
+    b = tl.arange(0, NB)
+    t0 = (off // N) * N                              # the tile's first position (all equal)
+    return tl.load(scl + phys * page_halves + code_halves + head * NB * P + t0[None, :] * NB
+                   + b[:, None] * N + (off % N)[None, :], mask=mask[None, :], other=0.0)
+
+
+@triton.jit
+def v_operands_t_tile_major(vals, phys, head, off, page_elems, s, BLOCK_N: tl.constexpr,
+                            D: tl.constexpr, P: tl.constexpr, V_TYPE: tl.constexpr,
+                            INTERP: tl.constexpr):
+    """quant_blocks.v_operands_t with tile-major addresses: the tile's [W, N] codes as one
+    contiguous run."""
     NB: tl.constexpr = D // 32
     W: tl.constexpr = D if V_TYPE == 8 else D // 2
     c = tl.arange(0, W)
-    b = tl.arange(0, NB)
-    t0 = (off // BLOCK_N) * BLOCK_N                  # the tile's first position (all equal)
-    j = off % BLOCK_N
+    t0 = (off // BLOCK_N) * BLOCK_N
     codes = tl.load(vals + phys * page_elems + head * W * P + t0[None, :] * W
-                    + c[:, None] * BLOCK_N + j[None, :])
-    s = tl.load(scl + phys * page_halves + code_halves + head * NB * P + t0[None, :] * NB
-                + b[:, None] * BLOCK_N + j[None, :], mask=mask[None, :], other=0.0)
+                    + c[:, None] * BLOCK_N + (off % BLOCK_N)[None, :])
     if V_TYPE == 8:
         sw = tl.reshape(tl.broadcast_to(s[:, None, :], (NB, 32, BLOCK_N)), (D, BLOCK_N))
         va = q8_codes_f16(codes, INTERP) * sw
@@ -67,7 +77,8 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.v_order == "tile":
-        decode_transposed.v_blocks_t = v_blocks_t_tile_major
+        decode_transposed.v_scales_t = v_scales_t_tile_major
+        decode_transposed.v_operands_t = v_operands_t_tile_major
     from torch._library.triton import set_wrap_triton_enabled
     hbm = hbm_bandwidth()["hbm_gbps_measured"]
     print(f"HBM {hbm:.0f} GB/s, V read by {a.v_order}", flush=True)
