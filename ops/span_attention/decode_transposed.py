@@ -164,13 +164,14 @@ def transposed_takes(k_quantized: bool, v_quantized: bool, rows_per_kv_head: int
 
 
 def transposed_config(head_dim: int) -> dict:
-    """Launch defaults from a sweep at 32K-256K (H200, 1 query row, q8_0/q4_0, 2026-11-30,
-    bench_attention.py; docs/performance.md): 64 positions x 2 warps, 8 programs an SM for
-    D <= 128 (the best at 32K and 128K, within 0.3% of it at 256K; 128 registers a thread in
-    the offline sm_90 count), 6 for D = 256 (the best at 128K and 256K; 168 registers; at
-    32K 4 warps x 4 programs an SM was 10% faster)."""
-    return dict(block_n=64, num_warps=2, num_stages=3,
-                programs_per_sm=8 if head_dim <= 128 else 6)
+    """Launch defaults from sweeps at 32K-256K (H200, 1 query row, q8_0/q4_0, 2026-11-30,
+    bench_attention.py; docs/performance.md): 64 positions and 3 stages; 2 warps x 8
+    programs an SM for D <= 128 (128 registers a thread in the offline sm_90 count), 4 warps
+    x 4 programs an SM for D = 256 (128 registers; with 2 warps it takes 168, 6 programs an
+    SM: 4 warps measured 12% faster at 32K and 4% at 128K once the scales were read ahead)."""
+    if head_dim <= 128:
+        return dict(block_n=64, num_warps=2, num_stages=3, programs_per_sm=8)
+    return dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4)
 
 
 def span_attention_decode_transposed(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
