@@ -1,9 +1,9 @@
 """Probe (device): where a decode attention call's fixed time goes, and whether a Triton
 GEMV beats cuBLAS on the 8B decode shapes. Prints tables; --json writes the rows.
 
-- attention: split + reduce vs split only vs reduce only, 8 KV heads x 128, contexts 256
-  .. 128K, q8_0/q4_0 and bf16, graph replays over 4 disjoint KV copies; an empty Triton
-  kernel gives the per-launch floor of a graph.
+- attention: split + reduce vs split only vs reduce only, 8 KV heads x 128 (and 4 x 256 with
+  --both-geometries), contexts 256 .. 128K (--contexts), q8_0/q4_0 and bf16, graph replays
+  over 4 disjoint KV copies; an empty Triton kernel gives the per-launch floor of a graph.
 - gemv: y = x @ W^T, x [M, K] bf16 (M = 1, 4, 8), W [N, K] bf16, 4 rotated weight copies:
   cuBLAS against candidate kernels of ops/gemv's design (the same loops without masks, bias
   and the exact rounding), a config sweep that chose ops/gemv's launch defaults.
@@ -41,6 +41,28 @@ SPLIT_MODULES = (decode_blocks, decode_kernel, decode_transposed)
 ATTN_CONTEXTS = (256, 2048, 8192, 32768, 131072)
 
 
+class DecodeCase:
+    """One decode shape over resident pages (4 disjoint rotated copies, bench_attention's
+    make_pools), one query row at the last position, and the decode launcher for it."""
+
+    def __init__(self, kn, vn, n_ctx, n_kv, d, n_q, impl=None):
+        self.kp, self.vp, self.tables, self.kv_bytes = make_pools(kn, vn, n_ctx, n_kv, d, 4)
+        self.q = torch.randn(1, n_q, d, device="cuda", dtype=torch.bfloat16)
+        self.q_pos = torch.tensor([n_ctx - 1], device="cuda", dtype=torch.int32)
+        self.out = torch.empty_like(self.q)
+        quant = kn != "bf16"
+        self.launch = decode_blocks.decode_launcher(impl, k_quantized=quant, v_quantized=quant,
+                                                    rows_per_kv_head=n_q // n_kv)
+        self.types = (F.kv_type(kn).ggml_id, F.kv_type(vn).ggml_id)
+        self.scale = d ** -0.5
+
+    def ms(self, **cfg) -> float:
+        """ms a call (launch options `cfg`), graph replays over the rotated copies."""
+        return graph_ms([lambda t=t: self.launch(self.q, self.kp, self.vp, t, self.q_pos,
+                                                 *self.types, 256, self.scale, out=self.out,
+                                                 **cfg) for t in self.tables] * 5)
+
+
 @triton.jit
 def _empty(x_ptr):
     pass
@@ -57,36 +79,21 @@ def attention_rows(hbm, impl=None, geoms=((8, 128, 32),), contexts=ATTN_CONTEXTS
     for (n_kv, d, n_q), (kn, vn), n_ctx in [(g, p, c) for g in geoms
                                             for p in [("q8_0", "q4_0"), ("bf16", "bf16")]
                                             for c in contexts]:
-        kp, vp, tables, kv_bytes = make_pools(kn, vn, n_ctx, n_kv, d, 4)
-        q = torch.randn(1, n_q, d, device="cuda", dtype=torch.bfloat16)
-        q_pos = torch.tensor([n_ctx - 1], device="cuda", dtype=torch.int32)
-        out = torch.empty_like(q)
-        quant = kn != "bf16"
-        launch = decode_blocks.decode_launcher(impl, k_quantized=quant,
-                                               v_quantized=quant,
-                                               rows_per_kv_head=n_q // n_kv)
-        kt, vt = F.kv_type(kn).ggml_id, F.kv_type(vn).ggml_id
-        res = {}
+        case = DecodeCase(kn, vn, n_ctx, n_kv, d, n_q, impl)
         for pps in pps_list:
             cfg = {} if pps is None else dict(programs_per_sm=pps)
-            full = graph_ms([lambda t=t: launch(q, kp, vp, t, q_pos, kt, vt, 256, 0.088,
-                                                out=out, **cfg) for t in tables] * 5)
-            saved = []
+            full = case.ms(**cfg)
 
             def no_reduce(sh, bufs, *a):
-                saved.append(bufs)
                 return sh.out
             for mod in SPLIT_MODULES:
                 mod.launch_reduce = no_reduce
             try:
-                split = graph_ms([lambda t=t: launch(q, kp, vp, t, q_pos, kt, vt, 256,
-                                                     0.088, out=out, **cfg)
-                                  for t in tables] * 5)
+                split = case.ms(**cfg)
             finally:
                 for mod in SPLIT_MODULES:
                     mod.launch_reduce = real_reduce
-            res[pps] = (full, split)
-            ideal = kv_bytes / (hbm * 1e9) * 1e3
+            ideal = case.kv_bytes / (hbm * 1e9) * 1e3
             row = dict(probe="attention", kv=f"{kn}/{vn}", n_kv_heads=n_kv,
                        head_dim=d, context=n_ctx,
                        programs_per_sm=pps, full_us=full * 1e3, split_us=split * 1e3,
@@ -96,7 +103,7 @@ def attention_rows(hbm, impl=None, geoms=((8, 128, 32),), contexts=ATTN_CONTEXTS
             print(f"{kn}/{vn} {n_kv}x{d} ctx {n_ctx:>6} pps {pps}: full {full*1e3:7.2f} us, split "
                   f"{split*1e3:7.2f}, reduce {(full-split)*1e3:6.2f}, ideal {ideal*1e3:7.2f}"
                   f" ({ideal/full:.2f} of HBM)", flush=True)
-        del kp, vp
+        del case
         torch.cuda.empty_cache()
     return rows
 
@@ -159,22 +166,12 @@ def sweep_rows(hbm, impl=None):
         vn = "q4_0" if kn == "q8_0" else "bf16"
         n_kv, n_q = (8, 32) if d == 128 else (4, 24)
         for n_ctx in [8192, 32768, 131072, 262144]:
-            kp, vp, tables, kv_bytes = make_pools(kn, vn, n_ctx, n_kv, d, 4)
-            q = torch.randn(1, n_q, d, device="cuda", dtype=torch.bfloat16)
-            q_pos = torch.tensor([n_ctx - 1], device="cuda", dtype=torch.int32)
-            out = torch.empty_like(q)
-            quant = kn != "bf16"
-            launch = decode_blocks.decode_launcher(impl, k_quantized=quant,
-                                                   v_quantized=quant,
-                                                   rows_per_kv_head=n_q // n_kv)
-            kt, vt = F.kv_type(kn).ggml_id, F.kv_type(vn).ggml_id
-            ideal = kv_bytes / (hbm * 1e9) * 1e6
+            case = DecodeCase(kn, vn, n_ctx, n_kv, d, n_q, impl)
+            ideal = case.kv_bytes / (hbm * 1e9) * 1e6
             line = []
             for cfg in cfgs:
                 try:
-                    us = 1e3 * graph_ms([lambda t=t: launch(q, kp, vp, t, q_pos, kt, vt, 256,
-                                                            d ** -0.5, out=out, **cfg)
-                                         for t in tables] * 5)
+                    us = 1e3 * case.ms(**cfg)
                 except Exception as e:  # config does not compile / fit
                     print(f"  {cfg}: {type(e).__name__} {str(e)[:80]}", flush=True)
                     continue
@@ -182,7 +179,7 @@ def sweep_rows(hbm, impl=None):
                                  config=cfg, us=us, frac_of_hbm=ideal / us))
                 line.append(f"{ideal / us:.2f}")
             print(f"{kn}/{vn} D{d} ctx {n_ctx:>6}: " + " ".join(line), flush=True)
-            del kp, vp
+            del case
             torch.cuda.empty_cache()
     for key, cfgs in SWEEP.items():
         print(f"configs {key}: " + "; ".join(str(c) for c in cfgs))

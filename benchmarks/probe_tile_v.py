@@ -31,7 +31,7 @@ from bench_util import hbm_bandwidth  # noqa: E402
 
 from kvcompile.ops import kv_format as F  # noqa: E402
 from kvcompile.ops.span_attention import decode_transposed  # noqa: E402
-from kvcompile.ops.span_attention.quant_blocks import q4_codes_f16, q8_codes_f16  # noqa: E402
+from kvcompile.ops.span_attention.quant_blocks import scaled_v_codes_t  # noqa: E402
 
 
 @triton.jit
@@ -53,22 +53,12 @@ def v_operands_t_tile_major(vals, phys, head, off, page_elems, s, BLOCK_N: tl.co
                             INTERP: tl.constexpr):
     """quant_blocks.v_operands_t with tile-major addresses: the tile's [W, N] codes as one
     contiguous run."""
-    NB: tl.constexpr = D // 32
     W: tl.constexpr = D if V_TYPE == 8 else D // 2
     c = tl.arange(0, W)
     t0 = (off // BLOCK_N) * BLOCK_N
     codes = tl.load(vals + phys * page_elems + head * W * P + t0[None, :] * W
                     + c[:, None] * BLOCK_N + (off % BLOCK_N)[None, :])
-    if V_TYPE == 8:
-        sw = tl.reshape(tl.broadcast_to(s[:, None, :], (NB, 32, BLOCK_N)), (D, BLOCK_N))
-        va = q8_codes_f16(codes, INTERP) * sw
-        vb = va
-    else:
-        sw = tl.reshape(tl.broadcast_to(s[:, None, :], (NB, 16, BLOCK_N)), (W, BLOCK_N))
-        lo, hi = q4_codes_f16(codes, INTERP)
-        va = lo * sw
-        vb = hi * sw
-    return va, vb
+    return scaled_v_codes_t(codes, s, BLOCK_N, D, V_TYPE, INTERP)
 
 
 def main() -> None:

@@ -84,10 +84,19 @@ def v_operands_t(vals, phys, head, off, page_elems, s, BLOCK_N: tl.constexpr, D:
     value 32 k + j), b the high ones (value 32 k + 16 + j). Each is code * scale, one
     rounding. Codes are read as runs of contiguous positions, unmasked: positions past the
     context have their scale masked to 0."""
-    NB: tl.constexpr = D // 32
     W: tl.constexpr = D if V_TYPE == 8 else D // 2
     c = tl.arange(0, W)
     codes = tl.load(vals + phys * page_elems + (head * W + c[:, None]) * P + off[None, :])
+    return scaled_v_codes_t(codes, s, BLOCK_N, D, V_TYPE, INTERP)
+
+
+@triton.jit
+def scaled_v_codes_t(codes, s, BLOCK_N: tl.constexpr, D: tl.constexpr, V_TYPE: tl.constexpr,
+                     INTERP: tl.constexpr):
+    """V code bytes [W, N] (rows as in v_operands_t) times their scales s [NB, N]: the fp16
+    operands (a, b) of v_operands_t."""
+    NB: tl.constexpr = D // 32
+    W: tl.constexpr = D if V_TYPE == 8 else D // 2
     if V_TYPE == 8:
         sw = tl.reshape(tl.broadcast_to(s[:, None, :], (NB, 32, BLOCK_N)), (D, BLOCK_N))
         va = q8_codes_f16(codes, INTERP) * sw
