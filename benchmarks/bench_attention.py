@@ -210,10 +210,13 @@ def main() -> None:
     ap.add_argument("--untraced", action="store_true",
                     help="decode: launch as inside the op (wrap_triton off: PDL)")
     ap.add_argument("--configs-from", help="decode: time a slice of one implementation's "
-                                            "config list, e.g. transposed:8: (the newer ones)")
+                                            "config list, e.g. transposed:8: (from the stage "
+                                            "and one-warp configs on)")
     ap.add_argument("--defaults-only", action="store_true",
                     help="decode: time each implementation's launch defaults only (no sweep)")
     args = ap.parse_args()
+    if args.defaults_only and args.configs_from:
+        ap.error("--defaults-only and --configs-from pick different configs: give one")
     KV_PAIRS[:] = [tuple(p.split("/")) for p in args.pairs.split(",")]
     torch.manual_seed(0)
     t0 = time.time()

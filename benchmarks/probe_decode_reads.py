@@ -1,7 +1,7 @@
 """Probe (device): how fast can the bytes the quantized decode reads be read, with no math?
 
-A kernel with the transposed decode's grid, chunks and tiles (64 positions, 2 warps, 8
-programs an SM at D 128, 6 at D 256) loads exactly the bytes it loads for q8_0 K / q4_0 V
+A kernel with the transposed decode's grid, chunks, tiles and warps (its launch defaults,
+decode_transposed.transposed_config) loads exactly the bytes it loads for q8_0 K / q4_0 V
 pages (K codes and scales, V codes and scales, page by page through the page table) and
 only adds them up. Two V orders: "page" reads V where the kernel reads it (a 64-byte strip
 of every code row of the page: V is position-major, a row is 256 positions), "tile" reads
@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import graph_ms, make_pools  # noqa: E402
 from bench_util import hbm_bandwidth  # noqa: E402
 
-from kvcompile.ops import kv_format as F  # noqa: E402
 from kvcompile.ops.span_attention.decode_split import decode_chunking  # noqa: E402
+from kvcompile.ops.span_attention.decode_transposed import transposed_config  # noqa: E402
 from kvcompile.ops.span_attention.launch import num_sms  # noqa: E402
 
 
@@ -77,26 +77,28 @@ def main() -> None:
     hbm = hbm_bandwidth()["hbm_gbps_measured"]
     print(f"HBM {hbm:.0f} GB/s", flush=True)
     rows = []
-    kt, vt = F.kv_type("q8_0"), F.kv_type("q4_0")
-    for n_kv, d, pps in ((8, 128, 8), (4, 256, 6)):
+    for n_kv, d in ((8, 128), (4, 256)):
+        cfg = transposed_config(d)
         for n_ctx in (32768, 262144):
             kp, vp, tables, kv_bytes = make_pools("q8_0", "q4_0", n_ctx, n_kv, d, 4)
             k32, v32 = kp.view(torch.int32), vp.view(torch.int32)
             k_codes = n_kv * 256 * d // 4
             v_codes = n_kv * 256 * d // 2 // 4
-            chunk_len, n_chunks = decode_chunking(tables[0].shape[0], 256, n_kv, 64,
-                                                  num_sms(kp.device), pps)
+            chunk_len, n_chunks = decode_chunking(tables[0].shape[0], 256, n_kv,
+                                                  cfg["block_n"], num_sms(kp.device),
+                                                  cfg["programs_per_sm"])
             out = torch.empty(n_chunks * n_kv, dtype=torch.int32, device="cuda")
             for tile_v in (0, 1):
                 ms = graph_ms([lambda t=t: _reads[(n_chunks, n_kv)](
                     k32, v32, t, out, chunk_len, n_ctx, kp.shape[1] // 4, k_codes,
-                    vp.shape[1] // 4, v_codes, D=d, P=256, BN=64, TILE_V=tile_v,
-                    num_warps=2, num_stages=3) for t in tables] * 5)
+                    vp.shape[1] // 4, v_codes, D=d, P=256, BN=cfg["block_n"], TILE_V=tile_v,
+                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                    for t in tables] * 5)
                 frac = kv_bytes / (ms * 1e-3) / 1e9 / hbm
                 rows.append(dict(probe="decode_reads", n_kv_heads=n_kv, head_dim=d,
                                  context=n_ctx, v_order="tile" if tile_v else "page",
                                  us=ms * 1e3, frac_of_hbm=frac, kv_bytes=kv_bytes,
-                                 kv_types=f"{kt.name}/{vt.name}"))
+                                 kv_types="q8_0/q4_0", launch=cfg))
                 print(f"{n_kv}x{d} ctx {n_ctx:>6} V by {'tile' if tile_v else 'page'}: "
                       f"{ms * 1e3:7.1f} us, {frac:.2f} of HBM", flush=True)
             del kp, vp, k32, v32

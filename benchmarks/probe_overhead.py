@@ -25,6 +25,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
+from torch._library.triton import set_wrap_triton_enabled
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import graph_ms, make_pools  # noqa: E402
@@ -257,7 +258,6 @@ def main():
     print(f"HBM {hbm:.0f} GB/s", flush=True)
     rows = []
     if a.only in (None, "attention"):
-        from torch._library.triton import set_wrap_triton_enabled
         geoms = ((8, 128, 32), (4, 256, 24)) if a.both_geometries else ((8, 128, 32),)
         ctxs = tuple(int(c) for c in a.contexts.split(",")) if a.contexts else ATTN_CONTEXTS
         pps = (None,) if a.defaults_only else (None, 1, 4)
@@ -265,7 +265,6 @@ def main():
             rows += [dict(r, launch="untraced" if a.untraced else "traced")
                      for r in attention_rows(hbm, a.impl, geoms, ctxs, pps)]
     if a.only == "sweep":
-        from torch._library.triton import set_wrap_triton_enabled
         with set_wrap_triton_enabled(not a.untraced):
             rows += [dict(r, launch="untraced" if a.untraced else "traced")
                      for r in sweep_rows(hbm, a.impl)]

@@ -7,8 +7,8 @@ that pattern at 0.88 of HBM for pure reads at 256K against 0.97-1.01 for the sam
 contiguously. Here `--v-order tile` swaps the kernel's V readers (quant_blocks.v_scales_t
 and v_operands_t as decode_transposed calls them) for ones that read each tile's codes
 [W, 64] and scales [NB, 64] as one contiguous run of the page (the layout
-a tile-major V page would have), everything else unchanged. The pages hold page-major data,
-so the outputs are wrong: this times the access pattern, nothing else. `--v-order page` is
+a tile-major V page would have), everything else unchanged. The pages hold position-major
+data, so the outputs are wrong: this times the access pattern, nothing else. `--v-order page` is
 the shipped kernel. Run each order in its own process (Triton keys a kernel's compiled code
 on its dependencies when it first compiles).
 
@@ -48,7 +48,7 @@ def v_scales_t_tile_major(scl, phys, head, off, mask, page_halves, code_halves,
 
 
 @triton.jit
-def v_operands_t_tile_major(vals, phys, head, off, page_elems, s, BLOCK_N: tl.constexpr,
+def v_operands_t_tile_major(vals, phys, head, off, page_elems, scales, BLOCK_N: tl.constexpr,
                             D: tl.constexpr, P: tl.constexpr, V_TYPE: tl.constexpr,
                             INTERP: tl.constexpr):
     """quant_blocks.v_operands_t with tile-major addresses: the tile's [W, N] codes as one
@@ -58,7 +58,7 @@ def v_operands_t_tile_major(vals, phys, head, off, page_elems, s, BLOCK_N: tl.co
     t0 = (off // BLOCK_N) * BLOCK_N
     codes = tl.load(vals + phys * page_elems + head * W * P + t0[None, :] * W
                     + c[:, None] * BLOCK_N + (off % BLOCK_N)[None, :])
-    return scaled_v_codes_t(codes, s, BLOCK_N, D, V_TYPE, INTERP)
+    return scaled_v_codes_t(codes, scales, BLOCK_N, D, V_TYPE, INTERP)
 
 
 def main() -> None:
@@ -66,7 +66,8 @@ def main() -> None:
     ap.add_argument("--v-order", choices=("page", "tile"), required=True)
     ap.add_argument("--json")
     a = ap.parse_args()
-    if a.v_order == "tile":
+    if a.v_order == "tile":     # the names the kernel calls (a stale name would patch nothing)
+        assert all(hasattr(decode_transposed, n) for n in ("v_scales_t", "v_operands_t"))
         decode_transposed.v_scales_t = v_scales_t_tile_major
         decode_transposed.v_operands_t = v_operands_t_tile_major
     from torch._library.triton import set_wrap_triton_enabled

@@ -1,7 +1,8 @@
 """Launch the transposed decode a few times over resident q8_0 / q4_0 pages (for a profiler
 such as Nsight Compute to attach to: `ncu -k regex:_decode_split_t -c 1 python ...`).
 
-usage: python benchmarks/profile_decode_kernel.py [--kv-heads 8 --head-dim 128] [--context N]
+usage: python benchmarks/profile_decode_kernel.py [--kv-heads 8] [--head-dim 128] [--group 4]
+       [--context 262144] [--calls 3]
 """
 from __future__ import annotations
 

@@ -79,6 +79,10 @@ INTERP += [
      torch.bfloat16, ("resident", "ring_wrap"), {}),
     ("prefill-P256-ctx300", "prefill", "bf16", "bf16", 300, 40, 64, 1, 2, 256, torch.bfloat16,
      ("resident", "ring_wrap"), dict(block_m=32, block_n=64)),
+    # four tiles a chunk over two pages, the context ending inside a tile: the transposed
+    # decode's scales read a tile ahead and their page two tiles ahead reach real pages
+    ("decode-Kq8_0-Vq4_0-ctx77-P32-4tiles-a-chunk", "decode", "q8_0", "q4_0", 77, 1, 64, 2, 4,
+     32, torch.bfloat16, ALL3, dict(SMALL, chunk_len=64)),
     # rows at scattered positions in any order, and a page table longer than the context
     ("decode-scattered-rows-long-table", "decode", "q4_0", "f16", 90, 5, 64, 2, 2, 16,
      torch.float16, ALL3, dict(SMALL, chunk_len=32), dict(scattered_rows=True, table_pad=5)),

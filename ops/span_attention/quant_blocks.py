@@ -76,33 +76,33 @@ def v_scales_t(scl, phys, head, off, mask, page_halves, code_halves, D: tl.const
 
 
 @triton.jit
-def v_operands_t(vals, phys, head, off, page_elems, s, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                 P: tl.constexpr, V_TYPE: tl.constexpr, INTERP: tl.constexpr):
+def v_operands_t(vals, phys, head, off, page_elems, scales, BLOCK_N: tl.constexpr,
+                 D: tl.constexpr, P: tl.constexpr, V_TYPE: tl.constexpr, INTERP: tl.constexpr):
     """fp16 V^T operands (a, b) of positions `off` of a position-major V page (kv_format)
-    with scales s [NB, N] (v_scales_t), code rows by positions: q8_0: a = [D, N] rows in
+    with their scales [NB, N] (v_scales_t), code rows by positions: q8_0: a = [D, N] rows in
     value order, b unused (= a); q4_0: a = [D/2, N] the low-nibble values (row 16 k + j =
     value 32 k + j), b the high ones (value 32 k + 16 + j). Each is code * scale, one
-    rounding. Codes are read as runs of contiguous positions, unmasked: positions past the
-    context have their scale masked to 0."""
+    rounding. Codes are read as runs of contiguous positions, unmasked: `scales` must be 0
+    at positions past the context (v_scales_t's mask)."""
     W: tl.constexpr = D if V_TYPE == 8 else D // 2
     c = tl.arange(0, W)
     codes = tl.load(vals + phys * page_elems + (head * W + c[:, None]) * P + off[None, :])
-    return scaled_v_codes_t(codes, s, BLOCK_N, D, V_TYPE, INTERP)
+    return scaled_v_codes_t(codes, scales, BLOCK_N, D, V_TYPE, INTERP)
 
 
 @triton.jit
-def scaled_v_codes_t(codes, s, BLOCK_N: tl.constexpr, D: tl.constexpr, V_TYPE: tl.constexpr,
-                     INTERP: tl.constexpr):
-    """V code bytes [W, N] (rows as in v_operands_t) times their scales s [NB, N]: the fp16
+def scaled_v_codes_t(codes, scales, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                     V_TYPE: tl.constexpr, INTERP: tl.constexpr):
+    """V code bytes [W, N] (rows as in v_operands_t) times their scales [NB, N]: the fp16
     operands (a, b) of v_operands_t."""
     NB: tl.constexpr = D // 32
     W: tl.constexpr = D if V_TYPE == 8 else D // 2
     if V_TYPE == 8:
-        sw = tl.reshape(tl.broadcast_to(s[:, None, :], (NB, 32, BLOCK_N)), (D, BLOCK_N))
+        sw = tl.reshape(tl.broadcast_to(scales[:, None, :], (NB, 32, BLOCK_N)), (D, BLOCK_N))
         va = q8_codes_f16(codes, INTERP) * sw
         vb = va
     else:
-        sw = tl.reshape(tl.broadcast_to(s[:, None, :], (NB, 16, BLOCK_N)), (W, BLOCK_N))
+        sw = tl.reshape(tl.broadcast_to(scales[:, None, :], (NB, 16, BLOCK_N)), (W, BLOCK_N))
         lo, hi = q4_codes_f16(codes, INTERP)
         va = lo * sw
         vb = hi * sw
