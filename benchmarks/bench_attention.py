@@ -79,6 +79,28 @@ def make_pools(k_name, v_name, n_ctx, n_kv, d, copies, page=256):
     return kp, vp, tables, kv_bytes
 
 
+class DecodeCase:
+    """One decode shape over resident pages (ROT disjoint copies, make_pools), one query row
+    at the last position, and the decode launcher for it (the op's choice, or `impl`)."""
+
+    def __init__(self, kn, vn, n_ctx, n_kv, d, n_q, impl=None):
+        self.kp, self.vp, self.tables, self.kv_bytes = make_pools(kn, vn, n_ctx, n_kv, d, ROT)
+        self.q = torch.randn(1, n_q, d, device="cuda", dtype=torch.bfloat16)
+        self.q_pos = torch.tensor([n_ctx - 1], device="cuda", dtype=torch.int32)
+        self.out = torch.empty_like(self.q)
+        quant = kn != "bf16"
+        self.launch = decode_launcher(impl, k_quantized=quant, v_quantized=quant,
+                                     rows_per_kv_head=n_q // n_kv)
+        self.types = (F.kv_type(kn).ggml_id, F.kv_type(vn).ggml_id)
+        self.scale = d ** -0.5
+
+    def ms(self, **cfg) -> float:
+        """ms a call (launch options `cfg`), graph replays over the rotated copies."""
+        return graph_ms([lambda t=t: self.launch(self.q, self.kp, self.vp, t, self.q_pos,
+                                                 *self.types, 256, self.scale, out=self.out,
+                                                 **cfg) for t in self.tables] * 5)
+
+
 def bench_decode(hbm, rows_list, contexts, configs, impls=("legacy", "blocks")):
     out = []
     for n_kv, d, n_q in GEOMS:

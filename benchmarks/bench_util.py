@@ -1,9 +1,10 @@
 """Small helpers the device benchmarks share: a timestamped log line, a device sync for
-timing, freeing device memory between systems, a timed prefill + greedy decode, event timing
-and the HBM bandwidth."""
+timing, freeing device memory between systems, a timed prefill + greedy decode, event timing,
+the HBM bandwidth and the probes' JSON."""
 from __future__ import annotations
 
 import gc
+import json
 import sys
 import time
 
@@ -79,3 +80,10 @@ def hbm_bandwidth() -> dict:
     del x, y
     torch.cuda.empty_cache()
     return {"copy_gbps": copy, "read_gbps": read, "hbm_gbps_measured": max(copy, read)}
+
+
+def write_rows(path: str | None, hbm_gbps: float, rows: list) -> None:
+    """A probe's rows and the HBM bandwidth measured beside them, as JSON at `path` (if any)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(dict(hbm_gbps=hbm_gbps, rows=rows), f, indent=1)

@@ -13,7 +13,6 @@ usage: python benchmarks/probe_decode_reads.py [--json PATH]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -23,7 +22,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import graph_ms, make_pools  # noqa: E402
-from bench_util import hbm_bandwidth  # noqa: E402
+from bench_util import hbm_bandwidth, write_rows  # noqa: E402
 
 from kvcompile.ops.span_attention.decode_split import decode_chunking  # noqa: E402
 from kvcompile.ops.span_attention.decode_transposed import transposed_config  # noqa: E402
@@ -103,9 +102,7 @@ def main() -> None:
                       f"{ms * 1e3:7.1f} us, {frac:.2f} of HBM", flush=True)
             del kp, vp, k32, v32
             torch.cuda.empty_cache()
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(hbm_gbps=hbm, rows=rows), f, indent=1)
+    write_rows(a.json, hbm, rows)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ Rows of the 2026-11-30 runs: benchmarks/results/probe_overhead.json, decode_swee
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -28,11 +27,10 @@ import triton.language as tl
 from torch._library.triton import set_wrap_triton_enabled
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import graph_ms, make_pools  # noqa: E402
-from bench_util import hbm_bandwidth  # noqa: E402
+from bench_attention import DecodeCase, graph_ms  # noqa: E402
+from bench_util import hbm_bandwidth, write_rows  # noqa: E402
 
 import kvcompile.ops  # noqa: F401,E402
-from kvcompile.ops import kv_format as F  # noqa: E402
 from kvcompile.ops.span_attention import (decode_blocks, decode_kernel, decode_split,  # noqa: E402
                                           decode_transposed)
 
@@ -40,28 +38,6 @@ from kvcompile.ops.span_attention import (decode_blocks, decode_kernel, decode_s
 # the modules whose launchers call launch_reduce (patched out for split-only timings)
 SPLIT_MODULES = (decode_blocks, decode_kernel, decode_transposed)
 ATTN_CONTEXTS = (256, 2048, 8192, 32768, 131072)
-
-
-class DecodeCase:
-    """One decode shape over resident pages (4 disjoint rotated copies, bench_attention's
-    make_pools), one query row at the last position, and the decode launcher for it."""
-
-    def __init__(self, kn, vn, n_ctx, n_kv, d, n_q, impl=None):
-        self.kp, self.vp, self.tables, self.kv_bytes = make_pools(kn, vn, n_ctx, n_kv, d, 4)
-        self.q = torch.randn(1, n_q, d, device="cuda", dtype=torch.bfloat16)
-        self.q_pos = torch.tensor([n_ctx - 1], device="cuda", dtype=torch.int32)
-        self.out = torch.empty_like(self.q)
-        quant = kn != "bf16"
-        self.launch = decode_blocks.decode_launcher(impl, k_quantized=quant, v_quantized=quant,
-                                                    rows_per_kv_head=n_q // n_kv)
-        self.types = (F.kv_type(kn).ggml_id, F.kv_type(vn).ggml_id)
-        self.scale = d ** -0.5
-
-    def ms(self, **cfg) -> float:
-        """ms a call (launch options `cfg`), graph replays over the rotated copies."""
-        return graph_ms([lambda t=t: self.launch(self.q, self.kp, self.vp, t, self.q_pos,
-                                                 *self.types, 256, self.scale, out=self.out,
-                                                 **cfg) for t in self.tables] * 5)
 
 
 @triton.jit
@@ -270,9 +246,7 @@ def main():
                      for r in sweep_rows(hbm, a.impl)]
     if a.only in (None, "gemv"):
         rows += gemv_rows(hbm)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(hbm_gbps=hbm, rows=rows), f, indent=1)
+    write_rows(a.json, hbm, rows)
 
 
 if __name__ == "__main__":

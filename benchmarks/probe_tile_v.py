@@ -17,19 +17,18 @@ usage: python benchmarks/probe_tile_v.py --v-order page|tile [--json PATH]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 import triton
 import triton.language as tl
+from torch._library.triton import set_wrap_triton_enabled
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import GEOMS, ROT, graph_ms, make_pools  # noqa: E402
-from bench_util import hbm_bandwidth  # noqa: E402
+from bench_attention import GEOMS, DecodeCase  # noqa: E402
+from bench_util import hbm_bandwidth, write_rows  # noqa: E402
 
-from kvcompile.ops import kv_format as F  # noqa: E402
 from kvcompile.ops.span_attention import decode_transposed  # noqa: E402
 from kvcompile.ops.span_attention.quant_blocks import scaled_v_codes_t  # noqa: E402
 
@@ -70,32 +69,23 @@ def main() -> None:
         assert all(hasattr(decode_transposed, n) for n in ("v_scales_t", "v_operands_t"))
         decode_transposed.v_scales_t = v_scales_t_tile_major
         decode_transposed.v_operands_t = v_operands_t_tile_major
-    from torch._library.triton import set_wrap_triton_enabled
     hbm = hbm_bandwidth()["hbm_gbps_measured"]
     print(f"HBM {hbm:.0f} GB/s, V read by {a.v_order}", flush=True)
     rows = []
-    kt, vt = F.kv_type("q8_0"), F.kv_type("q4_0")
     for n_kv, d, n_q in GEOMS:
         for n_ctx in (32768, 131072, 262144):
-            kp, vp, tables, kv_bytes = make_pools("q8_0", "q4_0", n_ctx, n_kv, d, ROT)
-            q = torch.randn(1, n_q, d, device="cuda", dtype=torch.bfloat16)
-            q_pos = torch.tensor([n_ctx - 1], device="cuda", dtype=torch.int32)
-            out = torch.empty_like(q)
+            case = DecodeCase("q8_0", "q4_0", n_ctx, n_kv, d, n_q, "transposed")
             with set_wrap_triton_enabled(False):          # as inside the op (PDL)
-                ms = graph_ms([lambda t=t: decode_transposed.span_attention_decode_transposed(
-                    q, kp, vp, t, q_pos, kt.ggml_id, vt.ggml_id, 256, d ** -0.5, out=out)
-                    for t in tables] * 5)
-            frac = kv_bytes / (ms * 1e-3) / 1e9 / hbm
+                ms = case.ms()
+            frac = case.kv_bytes / (ms * 1e-3) / 1e9 / hbm
             rows.append(dict(probe="tile_v", v_order=a.v_order, n_kv_heads=n_kv, head_dim=d,
                              context=n_ctx, us=ms * 1e3, frac_of_hbm=frac,
                              kv_types="q8_0/q4_0"))
             print(f"{n_kv}x{d} ctx {n_ctx:>6}: {ms * 1e3:7.1f} us, {frac:.2f} of HBM",
                   flush=True)
-            del kp, vp
+            del case
             torch.cuda.empty_cache()
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(hbm_gbps=hbm, rows=rows), f, indent=1)
+    write_rows(a.json, hbm, rows)
 
 
 if __name__ == "__main__":

@@ -145,15 +145,15 @@ if DECODE_IMPL not in (*DECODE_IMPLS, "auto"):
     raise ValueError(f"KVCOMPILE_DECODE_IMPL={DECODE_IMPL!r}; use auto or one of "
                      f"{sorted(DECODE_IMPLS)}")
 # auto: transposed for quantized K and V up to 8 query rows a KV head (there the blocks
-# kernel's 16-row tile is at least half padding; from 9 to 16 both kernels do about the same
-# work a tile and the choice is unmeasured, so blocks keeps it), blocks for other quantized
-# pages up to 32 query rows a KV head, legacy otherwise. Measured on the H200, 1 row,
-# q8_0/q4_0, launch defaults (2026-11-30 07:33 UTC, benchmarks/results/attention.json):
-# transposed 0.48 / 0.66 / 0.71 of HBM at 32K / 128K / 256K with 8 KV heads x 128 against
-# blocks 0.38 / 0.55 / 0.59; 0.38 / 0.57 / 0.64 with 4 x 256 against 0.32 / 0.43 / 0.46
-# (the sweeps: decode_sweep_untraced.json, 07:14 and 07:29 UTC). Earlier (position-major V
-# pages, attention_decode.json, 2026-11-29 20:26 UTC): 1 row blocks 0.25-0.56 vs legacy
-# 0.14-0.17; 8 rows x 4 heads (32 a KV head): blocks 0.22-0.38 vs 0.11-0.13; 8 rows x 6
+# kernel's 16-row tile is at least half padding), blocks for other quantized pages up to 32
+# query rows a KV head, legacy otherwise. Measured on the H200, q8_0/q4_0, launch defaults,
+# 1 row (2026-11-30 09:05 UTC, benchmarks/results/attention.json): transposed 0.49 / 0.71 /
+# 0.77 of HBM at 32K / 128K / 256K with 8 KV heads x 128 against blocks 0.38 / 0.55 / 0.59;
+# 0.46 / 0.66 / 0.71 with 4 x 256 against 0.32 / 0.43 / 0.46. At 12 and 16 query rows a KV
+# head blocks was faster (0.31 / 0.42 against 0.26 / 0.36; 0.35 / 0.54 against 0.31 / 0.41 at
+# 32K / 128K), at 8 transposed (0.45 / 0.63 against 0.37 / 0.55): decode_probes.json
+# "rows_2_and_4". Earlier (position-major V pages, attention_decode.json, 2026-11-29 20:26
+# UTC): 8 rows x 4 heads (32 a KV head): blocks 0.22-0.38 vs legacy 0.11-0.13; 8 rows x 6
 # heads (48): blocks 0.09-0.10 vs 0.12-0.15.
 TRANSPOSED_AUTO_ROWS_PER_KV_HEAD = 8
 BLOCKS_MAX_ROWS_PER_KV_HEAD = 32
