@@ -234,11 +234,15 @@ def main() -> None:
     ap.add_argument("--configs-from", help="decode: time a slice of one implementation's "
                                             "config list, e.g. transposed:8: (from the stage "
                                             "and one-warp configs on)")
+    ap.add_argument("--configs", help="decode: JSON {impl: [launch options, ...]} timed "
+                                       "instead of the lists below, e.g. "
+                                       "'{\"transposed\": [{}, {\"num_stages\": 4}]}'")
     ap.add_argument("--defaults-only", action="store_true",
                     help="decode: time each implementation's launch defaults only (no sweep)")
     args = ap.parse_args()
-    if args.defaults_only and args.configs_from:
-        ap.error("--defaults-only and --configs-from pick different configs: give one")
+    if sum(map(bool, (args.defaults_only, args.configs_from, args.configs))) > 1:
+        ap.error("--defaults-only, --configs-from and --configs pick different configs: "
+                 "give one")
     KV_PAIRS[:] = [tuple(p.split("/")) for p in args.pairs.split(",")]
     torch.manual_seed(0)
     t0 = time.time()
@@ -286,6 +290,8 @@ def main() -> None:
                for s, p in ((4, 8), (5, 8), (4, 6), (4, 5))]
             + [dict(block_n=32, num_warps=1, num_stages=s, programs_per_sm=16, maxnreg=128)
                for s in (3, 5)]}
+        if args.configs:
+            dcfg = dict(dcfg, **json.loads(args.configs))
         if args.defaults_only:
             dcfg = {impl: [{}] for impl in dcfg}
         elif args.configs_from:       # a slice of the list, e.g. "transposed:8:" (Python slice)

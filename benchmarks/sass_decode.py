@@ -37,7 +37,8 @@ PTR = {0: "*fp32", 1: "*fp16", 30: "*bf16", 8: "*i8", 2: "*u8"}
 TRANSPOSED_PAIRS = {f"{k}/{v}" for k in ("q8_0", "q4_0") for v in ("q8_0", "q4_0")}
 
 
-def compile_split(impl, k_type, v_type, head_dim, group, block_m, block_n, warps, stages):
+def compile_split(impl, k_type, v_type, head_dim, group, block_m, block_n, warps, stages,
+                  pages=8, maxnreg=None):
     sig = {a: "i32" for a in ARGS}
     sig.update(q_ptr="*bf16" if k_type == v_type == 30 else "*fp16", k_scl="*fp16",
                v_scl="*fp16", page_table="*i32", q_pos_ptr="*i32", m_ptr="*fp32",
@@ -52,13 +53,16 @@ def compile_split(impl, k_type, v_type, head_dim, group, block_m, block_n, warps
         for k in ("BLOCK_M", "QK_F16", "K_SPLIT"):
             del ce[k]
         ce["BLOCK_R"] = max(2, triton.next_power_of_2(group))
-    sig.update({k: "constexpr" for k in ce})
     fn = {"legacy": _decode_split, "blocks": _decode_split_blocks,
           "transposed": _decode_split_t}[impl]
+    if "PAGES" in fn.arg_names:   # page-table entries a chunk touches (256K: 8)
+        ce["PAGES"] = pages
+    sig.update({k: "constexpr" for k in ce})
     src = ASTSource(fn=fn, signature=sig, constexprs=ce,
                     attrs={(i,): [["tt.divisibility", 16]] for i in ALIGNED})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, num_stages=stages))
+                          options=dict(num_warps=warps, num_stages=stages,
+                                       **({"maxnreg": maxnreg} if maxnreg else {})))
 
 
 def cuobjdump(kernel, flag):
@@ -91,6 +95,7 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, default=64)
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--maxnreg", type=int, help="register cap a thread")
     ap.add_argument("--impls", help="comma-separated, default legacy,blocks(,transposed for "
                                      "q8_0 / q4_0 pairs); transposed: its query rows are one "
                                      "row's group (--rows-m applies to the others)")
@@ -98,7 +103,8 @@ def main() -> None:
     kt, vt = (F.kv_type(n).ggml_id for n in a.pair.split("/"))
     impls = ("legacy", "blocks") + (("transposed",) if a.pair in TRANSPOSED_PAIRS else ())
     for impl in a.impls.split(",") if a.impls else impls:
-        k = compile_split(impl, kt, vt, a.head_dim, a.group, a.rows_m, a.block_n, a.warps, a.stages)
+        k = compile_split(impl, kt, vt, a.head_dim, a.group, a.rows_m, a.block_n, a.warps, a.stages,
+                          maxnreg=a.maxnreg)
         loop = longest_loop(cuobjdump(k, "-sass"))
         res = re.findall(r"REG:(\d+) STACK:(\d+)", cuobjdump(k, "-res-usage"))[0]
         print(f"{impl:6s} loop {sum(loop.values())} instructions/warp, registers {res[0]}, "
