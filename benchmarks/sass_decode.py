@@ -38,7 +38,7 @@ TRANSPOSED_PAIRS = {f"{k}/{v}" for k in ("q8_0", "q4_0") for v in ("q8_0", "q4_0
 
 
 def compile_split(impl, k_type, v_type, head_dim, group, block_m, block_n, warps, stages,
-                  pages=8, maxnreg=None):
+                  maxnreg=None):
     sig = {a: "i32" for a in ARGS}
     sig.update(q_ptr="*bf16" if k_type == v_type == 30 else "*fp16", k_scl="*fp16",
                v_scl="*fp16", page_table="*i32", q_pos_ptr="*i32", m_ptr="*fp32",
@@ -55,8 +55,6 @@ def compile_split(impl, k_type, v_type, head_dim, group, block_m, block_n, warps
         ce["BLOCK_R"] = max(2, triton.next_power_of_2(group))
     fn = {"legacy": _decode_split, "blocks": _decode_split_blocks,
           "transposed": _decode_split_t}[impl]
-    if "PAGES" in fn.arg_names:   # page-table entries a chunk touches (256K: 8)
-        ce["PAGES"] = pages
     sig.update({k: "constexpr" for k in ce})
     src = ASTSource(fn=fn, signature=sig, constexprs=ce,
                     attrs={(i,): [["tt.divisibility", 16]] for i in ALIGNED})
