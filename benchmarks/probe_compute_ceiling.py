@@ -28,7 +28,7 @@ PAGE = 256
 def l2_case(n_ctx: int, n_kv: int, d: int, n_q: int, impl: str, l2_pages: int) -> DecodeCase:
     """A DecodeCase whose page tables cycle over `l2_pages` pages of one small pool."""
     case = DecodeCase("q8_0", "q4_0", l2_pages * PAGE, n_kv, d, n_q, impl)
-    n_pages = n_ctx // PAGE
+    n_pages = -(-n_ctx // PAGE)
     cycle = torch.arange(n_pages, device="cuda") % l2_pages
     case.tables = [t[cycle].contiguous() for t in case.tables[:1]]
     case.q_pos = torch.tensor([n_ctx - 1], device="cuda", dtype=torch.int32)

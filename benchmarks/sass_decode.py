@@ -7,7 +7,8 @@ Integer arguments get Triton's divisible-by-16 hint as on a real launch (without
 load is scalar).
 
 usage: python benchmarks/sass_decode.py [--pair q8_0/q4_0] [--head-dim 256] [--group 6]
-       [--rows-m 16] [--block-n 64] [--warps 4] [--stages 2] [--impls legacy,blocks,transposed]
+       [--rows-m 16] [--block-n 64] [--warps 4] [--stages 2] [--maxnreg 96]
+       [--impls legacy,blocks,transposed]
 """
 from __future__ import annotations
 
@@ -53,9 +54,9 @@ def compile_split(impl, k_type, v_type, head_dim, group, block_m, block_n, warps
         for k in ("BLOCK_M", "QK_F16", "K_SPLIT"):
             del ce[k]
         ce["BLOCK_R"] = max(2, triton.next_power_of_2(group))
+    sig.update({k: "constexpr" for k in ce})
     fn = {"legacy": _decode_split, "blocks": _decode_split_blocks,
           "transposed": _decode_split_t}[impl]
-    sig.update({k: "constexpr" for k in ce})
     src = ASTSource(fn=fn, signature=sig, constexprs=ce,
                     attrs={(i,): [["tt.divisibility", 16]] for i in ALIGNED})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
