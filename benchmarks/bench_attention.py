@@ -32,7 +32,7 @@ import torch.nn.functional as Fn
 import kvcompile.ops  # noqa: F401
 from kvcompile.ops import kv_format as F
 from kvcompile.ops.kv_write.op import physical_slots
-from kvcompile.ops.span_attention.decode_blocks import decode_launcher
+from kvcompile.ops.span_attention.decode_blocks import DECODE_IMPLS, decode_launcher
 from kvcompile.ops.span_attention.decode_transposed import transposed_takes
 from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
 
@@ -234,8 +234,8 @@ def main() -> None:
     ap.add_argument("--configs-from", help="decode: time a slice of one implementation's "
                                             "config list, e.g. transposed:8: (from the stage "
                                             "and one-warp configs on)")
-    ap.add_argument("--configs", help="decode: JSON {impl: [launch options, ...]} timed "
-                                       "instead of the lists below, e.g. "
+    ap.add_argument("--configs", help="decode: JSON {impl: [launch options, ...]} that "
+                                       "replaces the named implementations' lists below, e.g. "
                                        "'{\"transposed\": [{}, {\"num_stages\": 4}]}'")
     ap.add_argument("--defaults-only", action="store_true",
                     help="decode: time each implementation's launch defaults only (no sweep)")
@@ -243,6 +243,15 @@ def main() -> None:
     if sum(map(bool, (args.defaults_only, args.configs_from, args.configs))) > 1:
         ap.error("--defaults-only, --configs-from and --configs pick different configs: "
                  "give one")
+    if (args.configs_from or args.configs) and args.out == ap.get_default("out"):
+        ap.error("a config sweep keeps each case's fastest config: give --out so it does not "
+                 "replace the published results/attention.json")
+    given = json.loads(args.configs) if args.configs else {}
+    if not (isinstance(given, dict) and all(
+            k in DECODE_IMPLS and isinstance(v, list) and all(isinstance(c, dict) for c in v)
+            for k, v in given.items())):
+        ap.error(f"--configs takes {{impl: [options, ...]}} for impl in "
+                 f"{sorted(DECODE_IMPLS)}, got {args.configs}")
     KV_PAIRS[:] = [tuple(p.split("/")) for p in args.pairs.split(",")]
     torch.manual_seed(0)
     t0 = time.time()
@@ -290,8 +299,7 @@ def main() -> None:
                for s, p in ((4, 8), (5, 8), (4, 6), (4, 5))]
             + [dict(block_n=32, num_warps=1, num_stages=s, programs_per_sm=16, maxnreg=128)
                for s in (3, 5)]}
-        if args.configs:
-            dcfg = dict(dcfg, **json.loads(args.configs))
+        dcfg.update(given)
         if args.defaults_only:
             dcfg = {impl: [{}] for impl in dcfg}
         elif args.configs_from:       # a slice of the list, e.g. "transposed:8:" (Python slice)

@@ -147,7 +147,7 @@ if DECODE_IMPL not in (*DECODE_IMPLS, "auto"):
 # auto: transposed for quantized K and V up to 8 query rows a KV head (there the blocks
 # kernel's 16-row tile is at least half padding), blocks for other quantized pages up to 32
 # query rows a KV head, legacy otherwise. Measured on the H200, q8_0/q4_0, launch defaults,
-# 1 row (2026-11-30 10:35 UTC, benchmarks/results/attention.json): transposed 0.49 / 0.69 /
+# 1 row (2026-11-30 10:16 UTC, benchmarks/results/attention.json): transposed 0.49 / 0.69 /
 # 0.75 of HBM at 32K / 128K / 256K with 8 KV heads x 128 against blocks 0.38 / 0.54 / 0.58;
 # 0.46 / 0.65 / 0.70 with 4 x 256 against 0.32 / 0.43 / 0.46. At 12 and 16 query rows a KV
 # head blocks was faster (0.31 / 0.42 against 0.26 / 0.36; 0.35 / 0.54 against 0.31 / 0.41 at
