@@ -25,6 +25,7 @@ from kvcompile.ops.span_attention.decode_split import (decode_shape, decode_tile
                                                        launch_reduce, partial_slot,
                                                        program_rows_and_chunk, split_launch,
                                                        split_operands, store_partial_stats)
+from kvcompile.ops.span_attention.paged_tile import online_softmax_along
 from kvcompile.ops.span_attention.quant_blocks import (q4_codes_f16, q8_codes_f16,
                                                        v_operands_t, v_scales_t,
                                                        value_columns)
@@ -87,16 +88,6 @@ def qk_blocks_t(qrow, row_ok, vals, ks, phys, row, page_elems, BLOCK_N: tl.const
 
 
 @triton.jit
-def online_softmax_t(s, m_i, l_i):
-    """online_softmax over scores^T s [N, R] (positions down the columns)."""
-    m_new = tl.maximum(m_i, tl.max(s, 0))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[None, :])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 0)
-
-
-@triton.jit
 def _decode_split_t(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
                     m_ptr, l_ptr, acc_ptr, stride_qt, stride_qh, n_rows, n_chunks,
                     chunk_len, table_len, k_page_elems, k_page_halves, k_code_halves,
@@ -135,7 +126,7 @@ def _decode_split_t(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
                         BLOCK_R, D, K_TYPE, INTERP)
         s = s * QK_SCALE
         s = tl.where(pos[:, None] <= qp[None, :], s, float("-inf"))
-        p, alpha, m_new, l_i = online_softmax_t(s, m_i, l_i)
+        p, alpha, m_new, l_i = online_softmax_along(s, m_i, l_i, 0)   # scores^T
         p16 = p.to(tl.float16)
         va, vb = v_operands_t(v_vals, phys, h, off, v_page_elems, vs, BLOCK_N, D, P, V_TYPE,
                               INTERP)

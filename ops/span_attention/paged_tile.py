@@ -22,15 +22,21 @@ KV_BF16 = 30
 
 
 @triton.jit
-def online_softmax(s, m_i, l_i):
-    """One tile of the streaming softmax over scores s [M, N] (log2 domain, -inf masked):
-    (p = exp2(s - m_new), alpha rescaling the old accumulator, m_new, l_new). Rows with
-    nothing visible yet keep m = -inf and contribute p = 0."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+def online_softmax_along(s, m_i, l_i, AXIS: tl.constexpr):
+    """One tile of the streaming softmax over scores s (log2 domain, -inf masked), positions
+    along AXIS: (p = exp2(s - m_new), alpha rescaling the old accumulator, m_new, l_new).
+    Query rows with nothing visible yet keep m = -inf and contribute p = 0."""
+    m_new = tl.maximum(m_i, tl.max(s, AXIS))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+    p = tl.exp2(s - tl.expand_dims(m_use, AXIS))
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, AXIS)
+
+
+@triton.jit
+def online_softmax(s, m_i, l_i):
+    """online_softmax_along for scores s [M, N]: query rows down, positions across."""
+    return online_softmax_along(s, m_i, l_i, 1)
 
 
 @triton.jit

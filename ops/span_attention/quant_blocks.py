@@ -110,23 +110,14 @@ def scaled_v_codes_t(codes, scales, BLOCK_N: tl.constexpr, D: tl.constexpr,
 
 
 @triton.jit
-def v_blocks_t(vals, scl, phys, head, off, mask, page_elems, page_halves, code_halves,
-               BLOCK_N: tl.constexpr, D: tl.constexpr, P: tl.constexpr, V_TYPE: tl.constexpr,
-               INTERP: tl.constexpr):
-    """v_operands_t with the tile's scales read here."""
-    s = v_scales_t(scl, phys, head, off, mask, page_halves, code_halves, D, P)
-    return v_operands_t(vals, phys, head, off, page_elems, s, BLOCK_N, D, P, V_TYPE, INTERP)
-
-
-@triton.jit
 def v_blocks(vals, scl, phys, head, off, mask, page_elems, page_halves, code_halves,
              BLOCK_N: tl.constexpr, D: tl.constexpr, P: tl.constexpr, V_TYPE: tl.constexpr,
              INTERP: tl.constexpr):
-    """v_blocks_t transposed: the P @ V operands [N, D] (q8_0) or [N, D/2] (q4_0 halves);
-    the contraction runs along the codes' contiguous positions, so the tensor-core operand
-    needs no byte shuffles."""
-    va, vb = v_blocks_t(vals, scl, phys, head, off, mask, page_elems, page_halves,
-                        code_halves, BLOCK_N, D, P, V_TYPE, INTERP)
+    """The P @ V operands [N, D] (q8_0) or [N, D/2] (q4_0 halves) of v_operands_t, with the
+    tile's scales read here; the contraction runs along the codes' contiguous positions, so
+    the tensor-core operand needs no byte shuffles."""
+    s = v_scales_t(scl, phys, head, off, mask, page_halves, code_halves, D, P)
+    va, vb = v_operands_t(vals, phys, head, off, page_elems, s, BLOCK_N, D, P, V_TYPE, INTERP)
     return tl.trans(va), tl.trans(vb)
 
 
