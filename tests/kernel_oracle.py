@@ -112,14 +112,19 @@ def run_interpreted(jobs: list[dict], timeout: int = 600) -> list[dict]:
 
 
 def build(k_name, v_name, n_ctx, n_rows, head_dim, n_kv, group, page_size, q_dtype, gen,
-          plan_names=("resident",), device="cpu", scattered_rows=False, table_pad=0):
+          plan_names=("resident",), device="cpu", scattered_rows=False, table_pad=0,
+          q_outliers=0):
     """Fresh logical KV + queries for the last n_rows positions (or, scattered_rows, for
     random distinct positions in random order, the last one included), written under each
-    plan; table_pad extra page-table entries past the plan."""
+    plan; table_pad extra page-table entries past the plan; q_outliers channels of the
+    queries x 40 (the outlier dims of real models' queries)."""
     n_pages = math.ceil(n_ctx / page_size)
     k = torch.randn(n_ctx, n_kv, head_dim, generator=gen)
     v = torch.randn(n_ctx, n_kv, head_dim, generator=gen)
-    q = (torch.randn(n_rows, n_kv * group, head_dim, generator=gen) * 1.5).to(q_dtype)
+    q = torch.randn(n_rows, n_kv * group, head_dim, generator=gen) * 1.5
+    if q_outliers:
+        q[..., torch.randperm(head_dim, generator=gen)[:q_outliers]] *= 40
+    q = q.to(q_dtype)
     q_pos = torch.arange(n_ctx - n_rows, n_ctx, dtype=torch.int32)
     if scattered_rows:
         pick = torch.randperm(n_ctx - 1, generator=gen)[:n_rows - 1]

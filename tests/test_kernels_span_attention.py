@@ -83,6 +83,12 @@ INTERP += [
     # decode's scales read a tile ahead and their page two tiles ahead reach real pages
     ("decode-Kq8_0-Vq4_0-ctx77-P32-4tiles-a-chunk", "decode", "q8_0", "q4_0", 77, 1, 64, 2, 4,
      32, torch.bfloat16, ALL3, dict(SMALL, chunk_len=64)),
+    # queries with outlier channels (x40 on 4 dims, as real models' queries have): Q.K must
+    # stay exact where one block's values span a wide range
+    ("decode-Kq8_0-Vq4_0-D256-q-outliers", "decode", "q8_0", "q4_0", 100, 1, 256, 1, 6, 32,
+     torch.bfloat16, ("resident",), dict(SMALL, chunk_len=64), dict(q_outliers=4)),
+    ("prefill-Kq4_0-Vq8_0-D128-q-outliers", "prefill", "q4_0", "q8_0", 60, 5, 128, 1, 4, 32,
+     torch.float16, ("resident",), dict(SMALL, block_m=16), dict(q_outliers=4)),
     # rows at scattered positions in any order, and a page table longer than the context
     ("decode-scattered-rows-long-table", "decode", "q4_0", "f16", 90, 5, 64, 2, 2, 16,
      torch.float16, ALL3, dict(SMALL, chunk_len=32), dict(scattered_rows=True, table_pad=5)),
@@ -256,6 +262,33 @@ def test_gpu_exact_long_context(k_name, v_name, q_dtype, kernel, n_ctx):
     ref = dense_reference(q, kp, vp, table, q_pos, k_name, v_name, 256, d ** -0.5)
     err = rel_err(out, ref)
     print(f"ctx {n_ctx} rows {rows} D{d}: max relative error vs fp64 {err:.2e}")
+    assert err <= TOL
+
+
+GPU_OUTLIERS = [(kn, vn, qd, kernel, d) for kn, vn, qd in (("q8_0", "q4_0", torch.bfloat16),
+                                                            ("q4_0", "q8_0", torch.float16),
+                                                            ("bf16", "bf16", torch.bfloat16))
+                for kernel in DECODES + ("prefill",) for d in (128, 256)
+                if takes(kernel, kn, vn, 6)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("k_name,v_name,q_dtype,kernel,d", GPU_OUTLIERS,
+                         ids=[f"K{k}-V{v}-q{str(q)[6:]}-{ker}-D{d}"
+                              for k, v, q, ker, d in GPU_OUTLIERS])
+def test_gpu_exact_with_query_outliers(k_name, v_name, q_dtype, kernel, d):
+    """Queries with outlier channels (x40 on 4 dims): sharp softmax, blocks of Q spanning a
+    wide range; the error against fp64 stays within the tolerance."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    rows = 1 if kernel.startswith("decode") else 64
+    q, q_pos, placed = build(k_name, v_name, 32845, rows, d, 2, 6 if d == 256 else 4, 256,
+                             q_dtype, gen, ("ring_wrap",), "cuda", q_outliers=4)
+    table, kp, vp = placed["ring_wrap"]
+    out = run_gpu(kernel, args_of(k_name, v_name, q, q_pos, table, kp, vp, 256))
+    ref = dense_reference(q, kp, vp, table, q_pos, k_name, v_name, 256, d ** -0.5)
+    err = rel_err(out, ref)
+    print(f"D{d} rows {rows} outlier queries: max relative error vs fp64 {err:.2e}")
     assert err <= TOL
 
 
