@@ -77,7 +77,7 @@ def main() -> None:
     print(f"HBM {hbm:.0f} GB/s", flush=True)
     rows = []
     for n_kv, d in ((8, 128), (4, 256)):
-        cfg = transposed_config(d)
+        cfg = transposed_config(d, tma=False)    # its pointer reads
         for n_ctx in (32768, 262144):
             kp, vp, tables, kv_bytes = make_pools("q8_0", "q4_0", n_ctx, n_kv, d, 4)
             k32, v32 = kp.view(torch.int32), vp.view(torch.int32)

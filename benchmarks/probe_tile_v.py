@@ -5,12 +5,12 @@ Quantized V pages are position-major (a code row holds the page's 256 positions)
 64-position tile reads a 64-byte strip of every code row; probe_decode_reads.py measured
 that pattern at 0.88 of HBM for pure reads at 256K against 0.97-1.01 for the same bytes read
 contiguously. Here `--v-order tile` swaps the kernel's V readers (quant_blocks.v_scales_t
-and v_operands_t as decode_transposed calls them) for ones that read each tile's codes
-[W, 64] and scales [NB, 64] as one contiguous run of the page (the layout
-a tile-major V page would have), everything else unchanged. The pages hold position-major
-data, so the outputs are wrong: this times the access pattern, nothing else. `--v-order page` is
-the shipped kernel. Run each order in its own process (Triton keys a kernel's compiled code
-on its dependencies when it first compiles).
+and tma_codes.v_code_tile as decode_transposed calls them; codes read by pointers, not TMA)
+for ones that read each tile's codes [W, 64] and scales [NB, 64] as one contiguous run of
+the page (the layout a tile-major V page would have), everything else unchanged. The pages
+hold position-major data, so the outputs are wrong: this times the access pattern, nothing
+else. `--v-order page` is the shipped kernel with pointer reads. Run each order in its own
+process (Triton keys a kernel's compiled code on its dependencies when it first compiles).
 
 usage: python benchmarks/probe_tile_v.py --v-order page|tile [--json PATH]
 """
@@ -30,7 +30,6 @@ from bench_attention import GEOMS, DecodeCase  # noqa: E402
 from bench_util import hbm_bandwidth, write_rows  # noqa: E402
 
 from kvcompile.ops.span_attention import decode_transposed  # noqa: E402
-from kvcompile.ops.span_attention.quant_blocks import scaled_v_codes_t  # noqa: E402
 
 
 @triton.jit
@@ -47,17 +46,14 @@ def v_scales_t_tile_major(scl, phys, head, off, mask, page_halves, code_halves,
 
 
 @triton.jit
-def v_operands_t_tile_major(vals, phys, head, off, page_elems, scales, BLOCK_N: tl.constexpr,
-                            D: tl.constexpr, P: tl.constexpr, V_TYPE: tl.constexpr,
-                            INTERP: tl.constexpr):
-    """quant_blocks.v_operands_t with tile-major addresses: the tile's [W, N] codes as one
-    contiguous run."""
-    W: tl.constexpr = D if V_TYPE == 8 else D // 2
+def v_code_tile_tile_major(v_codes, phys, h, n0, off, page_elems, P: tl.constexpr,
+                           BLOCK_N: tl.constexpr, W: tl.constexpr, TMA: tl.constexpr):
+    """tma_codes.v_code_tile (pointer reads) with tile-major addresses: the tile's [W, N]
+    codes as one contiguous run."""
     c = tl.arange(0, W)
     t0 = (off // BLOCK_N) * BLOCK_N
-    codes = tl.load(vals + phys * page_elems + head * W * P + t0[None, :] * W
-                    + c[:, None] * BLOCK_N + (off % BLOCK_N)[None, :])
-    return scaled_v_codes_t(codes, scales, BLOCK_N, D, V_TYPE, INTERP)
+    return tl.load(v_codes + phys * page_elems + h * W * P + t0[None, :] * W
+                   + c[:, None] * BLOCK_N + (off % BLOCK_N)[None, :])
 
 
 def main() -> None:
@@ -66,9 +62,9 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.v_order == "tile":     # the names the kernel calls (a stale name would patch nothing)
-        assert all(hasattr(decode_transposed, n) for n in ("v_scales_t", "v_operands_t"))
+        assert all(hasattr(decode_transposed, n) for n in ("v_scales_t", "v_code_tile"))
         decode_transposed.v_scales_t = v_scales_t_tile_major
-        decode_transposed.v_operands_t = v_operands_t_tile_major
+        decode_transposed.v_code_tile = v_code_tile_tile_major
     hbm = hbm_bandwidth()["hbm_gbps_measured"]
     print(f"HBM {hbm:.0f} GB/s, V read by {a.v_order}", flush=True)
     rows = []
@@ -76,7 +72,7 @@ def main() -> None:
         for n_ctx in (32768, 131072, 262144):
             case = DecodeCase("q8_0", "q4_0", n_ctx, n_kv, d, n_q, "transposed")
             with set_wrap_triton_enabled(False):          # as inside the op (PDL)
-                ms = case.ms()
+                ms = case.ms(tma=False)                   # pointer reads, as patched
             frac = case.kv_bytes / (ms * 1e-3) / 1e9 / hbm
             rows.append(dict(probe="tile_v", v_order=a.v_order, n_kv_heads=n_kv, head_dim=d,
                              context=n_ctx, us=ms * 1e3, frac_of_hbm=frac,

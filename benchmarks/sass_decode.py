@@ -54,9 +54,12 @@ def compile_split(impl, k_type, v_type, head_dim, group, block_m, block_n, warps
         for k in ("BLOCK_M", "QK_F16", "K_SPLIT"):
             del ce[k]
         ce["BLOCK_R"] = max(2, triton.next_power_of_2(group))
+        ce["TMA"] = False                         # its codes by pointers (cp.async)
     sig.update({k: "constexpr" for k in ce})
     fn = {"legacy": _decode_split, "blocks": _decode_split_blocks,
           "transposed": _decode_split_t}[impl]
+    if impl == "transposed":                      # its pools are code tiles (tma_codes)
+        sig = {{"k_vals": "k_codes", "v_vals": "v_codes"}.get(k, k): v for k, v in sig.items()}
     src = ASTSource(fn=fn, signature=sig, constexprs=ce,
                     attrs={(i,): [["tt.divisibility", 16]] for i in ALIGNED})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),

@@ -83,9 +83,13 @@ CASES = {
                             {"m_ptr", "l_ptr", "acc_ptr"}),
     "decode_split_legacy": (_decode_split, dict(SPLIT_TENSORS, k_vals=I8), SPLIT_CONST,
                             {"m_ptr", "l_ptr", "acc_ptr"}),
-    "decode_split_transposed": (_decode_split_t, SPLIT_TENSORS,
+    # traced launches read the codes by pointers (TMA=False: tma_codes)
+    "decode_split_transposed": (_decode_split_t,
+                                {{"k_vals": "k_codes", "v_vals": "v_codes"}.get(k, k): v
+                                 for k, v in SPLIT_TENSORS.items()},
                                 {k: v for k, v in SPLIT_CONST.items()
-                                 if k not in ("BLOCK_M", "QK_F16", "K_SPLIT")} | dict(BLOCK_R=4),
+                                 if k not in ("BLOCK_M", "QK_F16", "K_SPLIT")}
+                                | dict(BLOCK_R=4, TMA=False),
                                 {"m_ptr", "l_ptr", "acc_ptr"}),
     "decode_split_blocks_bf16": (_decode_split_blocks,
                                  dict(SPLIT_TENSORS, k_vals=BF16, v_vals=BF16, k_scl=BF16,

@@ -111,6 +111,10 @@ INTERP = [_with_impl(c, "legacy", "") if c[1] == "decode" else c for c in INTERP
 INTERP += [_with_impl(c, "blocks", "-blocks") for c in DECODE_CASES]
 INTERP += [_with_impl(c, "transposed", "-transposed") for c in DECODE_CASES
            if transposed_takes(c[2] in QUANT, c[3] in QUANT, c[5] * c[8])]
+# the transposed kernel again with its codes read through TMA descriptors (tma_codes; the
+# interpreter reads descriptors like the GPU's untraced launches)
+INTERP += [(c[0] + "-tma", *c[1:OPTS], dict(c[OPTS], tma=True), *c[OPTS + 1:])
+           for c in INTERP if c[0].endswith("-transposed")]
 INTERP_IDS = [c[0] for c in INTERP]
 # cases also run with q as a head slice of a wider tensor (the model splits q off one
 # [T, Hq + Hk, D] rope output): placement "strided_q" must equal "resident" bitwise
@@ -171,24 +175,36 @@ def test_interpreted_kernel_exact_and_placement_independent(interp_runs, case):
 
 def run_gpu(kernel, a, out_dtype=torch.float32):
     """kernel: "decode" (the op's default implementation), "decode-legacy",
-    "decode-blocks", "decode-transposed" or "prefill"."""
+    "decode-blocks", "decode-transposed" (launched as a benchmark does: traced, codes by
+    pointers), "decode-transposed-tma" (untraced, as inside the op: codes by TMA) or
+    "prefill"."""
+    from torch._library.triton import set_wrap_triton_enabled
+
     from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
-    if kernel.startswith("decode"):
-        fn = op_launcher(a["q"], a["k_pool"], a["k_type"], a["v_type"], a["page_size"],
-                         kernel.partition("-")[2] or None)
-    else:
-        fn = span_attention_prefill
     out = torch.empty(a["q"].shape, dtype=out_dtype, device="cuda")
+    if not kernel.startswith("decode"):
+        return span_attention_prefill(**a, out=out)
+    fn = op_launcher(a["q"], a["k_pool"], a["k_type"], a["v_type"], a["page_size"],
+                     impl_of(kernel))
+    if kernel.endswith("-tma"):
+        with set_wrap_triton_enabled(False):
+            return fn(**a, out=out, tma=True)
     return fn(**a, out=out)
 
 
-DECODES = ("decode-legacy", "decode-blocks", "decode-transposed")
+def impl_of(kernel: str) -> str | None:
+    """The decode implementation a test kernel name runs ("decode-transposed-tma":
+    transposed)."""
+    return kernel.partition("-")[2].removesuffix("-tma") or None
+
+
+DECODES = ("decode-legacy", "decode-blocks", "decode-transposed", "decode-transposed-tma")
 
 
 def takes(kernel, k_name, v_name, rows_per_kv_head) -> bool:
     """Whether `kernel` takes this shape (the transposed decode: quantized K and V, at most
     16 query rows a KV head; the others everything)."""
-    return kernel != "decode-transposed" or transposed_takes(
+    return not kernel.startswith("decode-transposed") or transposed_takes(
         k_name in QUANT, v_name in QUANT, rows_per_kv_head)
 
 
@@ -235,8 +251,7 @@ def op_would_pick(kernel, q, k_pool, k_name, v_name) -> bool:
     from kvcompile.ops.span_attention.decode_blocks import decode_launcher
     if not kernel.startswith("decode-"):
         return False
-    return op_launcher(q, k_pool, k_name, v_name, 256) is decode_launcher(
-        kernel.partition("-")[2])
+    return op_launcher(q, k_pool, k_name, v_name, 256) is decode_launcher(impl_of(kernel))
 
 
 GPU_EXACT = [(kn, vn, qd, kernel, n_ctx)

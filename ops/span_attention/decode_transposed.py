@@ -10,8 +10,10 @@ page (no transpose). Same chunks, same partials, same reduce as the other decode
 placement independence holds the same way.
 
 Quantized K and V only (q8_0 / q4_0 pairs); the codes reach fp16 as in quant_blocks. The
-codes are staged by Triton's pipeliner (cp.async, a dot's operands); the K and V scales are
-read one tile ahead by hand (tile_scales) and their page two tiles ahead (page_of).
+codes are staged in shared memory by Triton's pipeliner: by TMA in untraced launches on
+Hopper (inside the op, as the models' steps run), else by cp.async (tma_codes: the same
+bytes, the same bits); the K and V scales are read one tile ahead by hand (tile_scales) and
+their page two tiles ahead (page_of).
 """
 from __future__ import annotations
 
@@ -27,8 +29,10 @@ from kvcompile.ops.span_attention.decode_split import (decode_shape, decode_tile
                                                        split_operands, store_partial_stats)
 from kvcompile.ops.span_attention.paged_tile import online_softmax_along
 from kvcompile.ops.span_attention.quant_blocks import (q4_codes_f16, q8_codes_f16,
-                                                       v_operands_t, v_scales_t,
+                                                       scaled_v_codes_t, v_scales_t,
                                                        value_columns)
+from kvcompile.ops.span_attention.tma_codes import (code_descriptors, k_code_block,
+                                                     tma_possible, v_code_tile)
 
 
 @triton.jit
@@ -53,29 +57,32 @@ def tile_scales(phys, n0, end, k_scl, v_scl, h, k_page_halves, k_code_halves, v_
 
 
 @triton.jit
-def qk_blocks_t(qrow, row_ok, vals, ks, phys, row, page_elems, BLOCK_N: tl.constexpr,
-                BLOCK_R: tl.constexpr, D: tl.constexpr, K_TYPE: tl.constexpr,
-                INTERP: tl.constexpr):
-    """Scores^T [N, R] (fp32, before the softmax scale) of K rows `row` of page `phys`,
-    scales ks [N, NB] (tile_scales), against the query rows `qrow` (pointers, read as
-    fp16): per 32-value block one dot codes [N, 32] x q^T [32, R], times the block's scale
-    (exact up to fp32 accumulation, as quant_blocks.qk_blocks). Codes unmasked: rows past
-    the context have scale 0."""
+def qk_blocks_t(qrow, row_ok, k_codes, ks, phys, h, n0, off, page_elems, P: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr,
+                K_TYPE: tl.constexpr, TMA: tl.constexpr, INTERP: tl.constexpr):
+    """Scores^T [N, R] (fp32, before the softmax scale) of positions `off` (tile [n0,
+    n0 + BLOCK_N)) of head h on page `phys`, scales ks [N, NB] (tile_scales), against the
+    query rows `qrow` (pointers, read as fp16): per 32-value block one dot codes [N, 32] x
+    q^T [32, R], times the block's scale (exact up to fp32 accumulation, as
+    quant_blocks.qk_blocks). Codes (tma_codes.k_code_block) unmasked: rows past the context
+    have scale 0."""
     NB: tl.constexpr = D // 32
-    base = vals + phys * page_elems
+    KROW: tl.constexpr = D if K_TYPE == 8 else D // 2
     ks = ks.to(tl.float32)
     s = tl.zeros([BLOCK_N, BLOCK_R], tl.float32)
     for b in tl.static_range(NB):
         sc = tl.sum(tl.where(tl.arange(0, NB)[None, :] == b, ks, 0.0), 1)      # column b
         if K_TYPE == 8:
             j = tl.arange(0, 32)
-            c = tl.load(base + row[:, None] * D + b * 32 + j[None, :])          # [N, 32]
+            c = k_code_block(k_codes, phys, h, n0, off, b, page_elems, P, BLOCK_N, KROW, 32,
+                             TMA)                                                # [N, 32]
             qb = tl.load(qrow[None, :] + b * 32 + j[:, None], mask=row_ok[None, :],
                          other=0.0).to(tl.float16)                               # [32, R]
             part = tl.dot(q8_codes_f16(c, INTERP), qb)
         else:
             j = tl.arange(0, 16)
-            byte = tl.load(base + row[:, None] * (D // 2) + b * 16 + j[None, :])
+            byte = k_code_block(k_codes, phys, h, n0, off, b, page_elems, P, BLOCK_N, KROW, 16,
+                                TMA)
             qa = tl.load(qrow[None, :] + b * 32 + j[:, None], mask=row_ok[None, :],
                          other=0.0).to(tl.float16)
             qb = tl.load(qrow[None, :] + b * 32 + 16 + j[:, None], mask=row_ok[None, :],
@@ -88,18 +95,19 @@ def qk_blocks_t(qrow, row_ok, vals, ks, phys, row, page_elems, BLOCK_N: tl.const
 
 
 @triton.jit
-def _decode_split_t(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
+def _decode_split_t(q_ptr, k_codes, k_scl, v_codes, v_scl, page_table, q_pos_ptr,
                     m_ptr, l_ptr, acc_ptr, stride_qt, stride_qh, n_rows, n_chunks,
                     chunk_len, table_len, k_page_elems, k_page_halves, k_code_halves,
                     v_page_elems, v_page_halves, v_code_halves, QK_SCALE: tl.constexpr,
                     G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                    K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, INTERP: tl.constexpr,
-                    PDL: tl.constexpr):
+                    K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, TMA: tl.constexpr,
+                    INTERP: tl.constexpr, PDL: tl.constexpr):
     wait_for_producers(PDL)
     V4: tl.constexpr = V_TYPE == 2
     DA: tl.constexpr = D // 2 if V4 else D        # accumulator heights (q4_0: two halves)
     DB: tl.constexpr = D // 2 if V4 else 16
+    W: tl.constexpr = D // 2 if V4 else D         # V code rows a head
     h = tl.program_id(1)
     r = tl.arange(0, BLOCK_R)
     t, row_ok, qp, n_ctx, start, end = program_rows_and_chunk(q_pos_ptr, r, n_rows,
@@ -122,14 +130,15 @@ def _decode_split_t(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
                                        k_page_halves, k_code_halves, v_page_halves,
                                        v_code_halves, P, BLOCK_N, D)
         phys_next = page_of(page_table, n0 + 2 * BLOCK_N, end, P)
-        s = qk_blocks_t(qrow, row_ok, k_vals, ks, phys, h * P + off, k_page_elems, BLOCK_N,
-                        BLOCK_R, D, K_TYPE, INTERP)
+        s = qk_blocks_t(qrow, row_ok, k_codes, ks, phys, h, n0, off, k_page_elems, P,
+                        BLOCK_N, BLOCK_R, D, K_TYPE, TMA, INTERP)
         s = s * QK_SCALE
         s = tl.where(pos[:, None] <= qp[None, :], s, float("-inf"))
         p, alpha, m_new, l_i = online_softmax_along(s, m_i, l_i, 0)   # scores^T
         p16 = p.to(tl.float16)
-        va, vb = v_operands_t(v_vals, phys, h, off, v_page_elems, vs, BLOCK_N, D, P, V_TYPE,
-                              INTERP)
+        va, vb = scaled_v_codes_t(v_code_tile(v_codes, phys, h, n0, off, v_page_elems, P,
+                                              BLOCK_N, W, TMA),
+                                  vs, BLOCK_N, D, V_TYPE, INTERP)
         acc_a = tl.dot(va, p16, acc_a * alpha[None, :])
         if V4:
             acc_b = tl.dot(vb, p16, acc_b * alpha[None, :])
@@ -154,41 +163,52 @@ def transposed_takes(k_quantized: bool, v_quantized: bool, rows_per_kv_head: int
     return k_quantized and v_quantized and rows_per_kv_head <= TRANSPOSED_MAX_ROWS
 
 
-def transposed_config(head_dim: int) -> dict:
+def transposed_config(head_dim: int, tma: bool) -> dict:
     """Launch defaults from sweeps at 32K-256K (H200, 1 query row, q8_0/q4_0, 2026-11-30,
-    bench_attention.py; docs/performance.md): 64 positions and 3 stages; 2 warps x 8
-    programs an SM for D <= 128 (128 registers a thread in the offline sm_90 count), 4 warps
-    x 4 programs an SM for D = 256 (128 registers; with 2 warps it takes 168, 6 programs an
-    SM: once the scales were read ahead, 4 warps measured 12% faster at 32K, about 5% at 128K
-    and equal at 256K)."""
+    bench_attention.py; docs/performance.md): 64 positions; 2 warps x 8 programs an SM for
+    D <= 128, 4 warps x 4 programs an SM for D = 256 (128 registers a thread either way in
+    the offline sm_90 count). Codes read by TMA: 2 stages (at D 256, 3 took 163 registers,
+    3 programs an SM); by pointers (cp.async): 3 stages."""
+    stages = 2 if tma else 3
     if head_dim <= 128:
-        return dict(block_n=64, num_warps=2, num_stages=3, programs_per_sm=8)
-    return dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4)
+        return dict(block_n=64, num_warps=2, num_stages=stages, programs_per_sm=8)
+    return dict(block_n=64, num_warps=4, num_stages=stages, programs_per_sm=4)
 
 
 def span_attention_decode_transposed(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
                                      page_size, scale, out=None, chunk_len=None,
                                      block_n=None, num_warps=None, num_stages=None,
                                      programs_per_sm=None, maxnreg=None, workspace=None,
-                                     out_rot=None):
+                                     out_rot=None, tma=None):
     """Same contract as decode_kernel.span_attention_decode, for quantized K and V and at
-    most TRANSPOSED_MAX_ROWS query rows a KV head."""
+    most TRANSPOSED_MAX_ROWS query rows a KV head. `tma`: read the codes by TMA (default:
+    wherever tma_codes.tma_possible; True where it is not is an error, but for the
+    interpreter, which reads descriptors too), False: by pointers; the same bits either way."""
     sh = decode_shape(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, out)
     kg, vg, head_dim = sh.kg, sh.vg, sh.head_dim
     assert transposed_takes(kg.quantized, vg.quantized, sh.mrows), \
         f"the transposed decode takes q8_0 / q4_0 K and V and at most {TRANSPOSED_MAX_ROWS} " \
         f"query rows a KV head (here {sh.mrows}): use blocks"
+    possible = tma_possible(k_pool, v_pool)
+    assert possible or interpreting() or not tma, "TMA needs a Hopper GPU, 16-byte aligned " \
+        "pools and pages and an untraced launch (tma_codes); pass tma=None or False"
+    tma = possible if tma is None else bool(tma)
     block_r = max(2, triton.next_power_of_2(sh.mrows))
-    go = split_launch(sh, transposed_config(head_dim), page_size, q.device, chunk_len, block_n,
-                      num_warps, num_stages, programs_per_sm, maxnreg)
+    go = split_launch(sh, transposed_config(head_dim, tma), page_size, q.device, chunk_len,
+                      block_n, num_warps, num_stages, programs_per_sm, maxnreg)
     bufs, _, (kv, ks, kpe, kph, kch), (vv, vs, vpe, vph, vch) = split_operands(
         sh, q, k_pool, v_pool, workspace, go.n_chunks, raw_codes=True)
+    v_rows = head_dim if vg.kv_type == 8 else head_dim // 2
+    if tma:
+        kv, vv = code_descriptors(k_pool, v_pool, kg.n_heads, head_dim, page_size,
+                                  head_dim if kg.kv_type == 8 else head_dim // 2, v_rows,
+                                  go.block_n)
     launchable(_decode_split_t)[(go.n_chunks, sh.n_kv)](
         q, kv, ks, vv, vs, page_table, q_pos, *bufs,
         q.stride(0), q.stride(1), sh.n_rows, go.n_chunks, go.chunk_len, sh.table_len,
         kpe, kph, kch, vpe, vph, vch,
         QK_SCALE=scale * LOG2E, G=sh.group, D=head_dim, P=page_size, BLOCK_R=block_r,
-        BLOCK_N=go.block_n, K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, INTERP=interpreting(),
-        num_warps=go.num_warps, num_stages=go.num_stages, **pdl_launch(q.device),
-        **register_cap(go.maxnreg))
+        BLOCK_N=go.block_n, K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, TMA=tma,
+        INTERP=interpreting(), num_warps=go.num_warps, num_stages=go.num_stages,
+        **pdl_launch(q.device), **register_cap(go.maxnreg))
     return launch_reduce(sh, bufs, q_pos, go.n_chunks, go.chunk_len, page_size, out_rot)
