@@ -7,8 +7,9 @@
   and bf16 K / V. gbps = KV bytes of the context / time. Pages are scattered (random page
   table) and four disjoint copies of the KV rotate so that L2 cannot serve repeats.
   Timed as CUDA-graph replays (how decode runs in a phase program). --untraced launches
-  as inside the op (wrap_triton off: PDL between the split and the reduce, ops/pdl.py), as
-  the models' decode steps run; rows say which (`launch`).
+  as inside the op (wrap_triton off: PDL between the split and the reduce, ops/pdl.py, and
+  the transposed decode's codes by TMA, span_attention/tma_codes.py), as the models' decode
+  steps run; rows say which (`launch`, `codes`).
 - prefill: 16K query rows over 16K keys, causal, beside F.scaled_dot_product_attention on
   the same shapes (bf16; K/V expanded to the query heads for SDPA).
 - kv_write: 16K rows quantized into pages.
@@ -34,6 +35,7 @@ from kvcompile.ops import kv_format as F
 from kvcompile.ops.kv_write.op import physical_slots
 from kvcompile.ops.span_attention.decode_blocks import DECODE_IMPLS, decode_launcher
 from kvcompile.ops.span_attention.decode_transposed import transposed_takes
+from kvcompile.ops.span_attention.tma_codes import tma_possible
 from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
@@ -136,10 +138,13 @@ def bench_decode(hbm, rows_list, contexts, configs, impls=("legacy", "blocks")):
                         continue
                     ms, cfg = best
                     gbps = kv_bytes / (ms * 1e-3) / 1e9
+                    codes = ("tma" if cfg.get("tma") is not False and tma_possible(kp, vp)
+                             else "pointers") if impl == "transposed" else "pointers"
                     out.append(dict(kernel="decode", impl=impl, kv_type=f"{kn}/{vn}", context=n_ctx,
                                     q_rows=rows, n_kv_heads=n_kv, head_dim=d, n_q_heads=n_q,
                                     ms=ms, gbps=gbps, hbm_gbps_measured=hbm,
-                                    frac_of_hbm=gbps / hbm, kv_bytes=kv_bytes, config=cfg))
+                                    frac_of_hbm=gbps / hbm, kv_bytes=kv_bytes, config=cfg,
+                                    codes=codes))
                     print(fmt(out[-1]), flush=True)
                 del kp, vp
                 torch.cuda.empty_cache()
@@ -289,10 +294,11 @@ def main() -> None:
             # transposed (positions on the MMA's 16-row side): fewer registers a warp (offline
             # sm_90 counts: 128-168 for 2 warps x 64 positions, 168 for 1 warp x 32), so
             # more programs resident
-            "transposed": [{}] + [dict(block_n=b, num_warps=w, num_stages=3, programs_per_sm=p)
+            # (stages: the launch default, 2 with TMA code reads and 3 with pointer reads)
+            "transposed": [{}] + [dict(block_n=b, num_warps=w, programs_per_sm=p)
                                   for b, w, p in ((64, 2, 8), (64, 2, 6), (32, 1, 12),
                                                   (32, 1, 8), (32, 2, 8), (64, 4, 4),
-                                                  (128, 4, 4))]
+                                                  (128, 4, 4), (64, 2, 4), (128, 4, 2))]
             # deeper prefetch (more tiles in flight a program), and one-warp programs held
             # to 128 registers (no spills at D 128 offline: 16 an SM, no cross-warp softmax)
             + [dict(block_n=64, num_warps=2, num_stages=s, programs_per_sm=p)

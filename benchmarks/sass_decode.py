@@ -8,7 +8,7 @@ load is scalar).
 
 usage: python benchmarks/sass_decode.py [--pair q8_0/q4_0] [--head-dim 256] [--group 6]
        [--rows-m 16] [--block-n 64] [--warps 4] [--stages 2] [--maxnreg 96]
-       [--impls legacy,blocks,transposed]
+       [--impls legacy,blocks,transposed] [--tma]
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from kvcompile.ops import kv_format as F
 from kvcompile.ops.span_attention.decode_blocks import _decode_split_blocks
 from kvcompile.ops.span_attention.decode_kernel import _decode_split
 from kvcompile.ops.span_attention.decode_transposed import _decode_split_t
+from kvcompile.ops.span_attention.tma_codes import code_bytes
 
 ARGS = ("q_ptr k_vals k_scl v_vals v_scl page_table q_pos_ptr m_ptr l_ptr acc_ptr stride_qt "
         "stride_qh n_rows n_chunks chunk_len table_len k_page_elems k_page_halves "
@@ -39,7 +40,9 @@ TRANSPOSED_PAIRS = {f"{k}/{v}" for k in ("q8_0", "q4_0") for v in ("q8_0", "q4_0
 
 
 def compile_split(impl, k_type, v_type, head_dim, group, block_m, block_n, warps, stages,
-                  maxnreg=None):
+                  maxnreg=None, tma=False):
+    """The split kernel `impl` compiled for sm_90; tma (transposed only): its codes through
+    TMA descriptors (tma_codes) rather than pointers."""
     sig = {a: "i32" for a in ARGS}
     sig.update(q_ptr="*bf16" if k_type == v_type == 30 else "*fp16", k_scl="*fp16",
                v_scl="*fp16", page_table="*i32", q_pos_ptr="*i32", m_ptr="*fp32",
@@ -54,14 +57,22 @@ def compile_split(impl, k_type, v_type, head_dim, group, block_m, block_n, warps
         for k in ("BLOCK_M", "QK_F16", "K_SPLIT"):
             del ce[k]
         ce["BLOCK_R"] = max(2, triton.next_power_of_2(group))
-        ce["TMA"] = False                         # its codes by pointers (cp.async)
+        ce["TMA"] = tma
     sig.update({k: "constexpr" for k in ce})
     fn = {"legacy": _decode_split, "blocks": _decode_split_blocks,
           "transposed": _decode_split_t}[impl]
+    aligned = ALIGNED
     if impl == "transposed":                      # its pools are code tiles (tma_codes)
         sig = {{"k_vals": "k_codes", "v_vals": "v_codes"}.get(k, k): v for k, v in sig.items()}
+        if tma:
+            k_row, v_rows = code_bytes(k_type, head_dim), code_bytes(v_type, head_dim)
+            sig["k_codes"] = f"tensordesc<u8[1, {block_n}, {k_row * 32 // head_dim}]>"
+            sig["v_codes"] = f"tensordesc<u8[1, {v_rows}, {block_n}]>"
+            aligned = ALIGNED - {ARGS.index("k_vals"), ARGS.index("v_vals")}
+    elif tma:
+        raise SystemExit("--tma: only the transposed kernel reads its codes by TMA")
     src = ASTSource(fn=fn, signature=sig, constexprs=ce,
-                    attrs={(i,): [["tt.divisibility", 16]] for i in ALIGNED})
+                    attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=warps, num_stages=stages,
                                        **({"maxnreg": maxnreg} if maxnreg else {})))
@@ -98,6 +109,9 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--maxnreg", type=int, help="register cap a thread")
+    ap.add_argument("--tma", action="store_true",
+                    help="transposed: codes through TMA descriptors, as untraced launches on "
+                         "Hopper read them (default: pointers, as traced launches)")
     ap.add_argument("--impls", help="comma-separated, default legacy,blocks(,transposed for "
                                      "q8_0 / q4_0 pairs); transposed: its query rows are one "
                                      "row's group (--rows-m applies to the others)")
@@ -106,7 +120,7 @@ def main() -> None:
     impls = ("legacy", "blocks") + (("transposed",) if a.pair in TRANSPOSED_PAIRS else ())
     for impl in a.impls.split(",") if a.impls else impls:
         k = compile_split(impl, kt, vt, a.head_dim, a.group, a.rows_m, a.block_n, a.warps, a.stages,
-                          maxnreg=a.maxnreg)
+                          maxnreg=a.maxnreg, tma=a.tma and impl == "transposed")
         loop = longest_loop(cuobjdump(k, "-sass"))
         res = re.findall(r"REG:(\d+) STACK:(\d+)", cuobjdump(k, "-res-usage"))[0]
         print(f"{impl:6s} loop {sum(loop.values())} instructions/warp, registers {res[0]}, "

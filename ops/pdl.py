@@ -46,13 +46,17 @@ def _capability(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
+def untraced_on_hopper(device: torch.device) -> bool:
+    """Whether a launch now is untraced, not interpreted, on a Hopper-or-later GPU: where
+    PDL and TMA (span_attention.tma_codes) can go."""
+    return (device.type == "cuda" and not interpreting() and not traced()
+            and _capability(device.index if device.index is not None
+                            else torch.cuda.current_device()) >= 9)
+
+
 def launch(device: torch.device) -> dict:
     """Keywords for a launch of a kernel with a `PDL` constexpr: PDL on (with the launch
     attribute) on a Hopper-or-later GPU in an eager or captured launch, off elsewhere
     (CPU, the Triton interpreter, KVCOMPILE_PDL=0, and traced launches: ops/launching)."""
-    on = (ENABLED and device.type == "cuda"
-          and not interpreting()
-          and not traced()
-          and _capability(device.index if device.index is not None
-                          else torch.cuda.current_device()) >= 9)
+    on = ENABLED and untraced_on_hopper(device)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}

@@ -23,6 +23,7 @@ from kvcompile.ops.span_attention.decode_transposed import transposed_takes
 
 TOL = 1e-3
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9  # TMA
 
 
 # ---- interpreter cases: (id, kernel, k, v, n_ctx, rows, head_dim, n_kv, group, P, q dtype,
@@ -204,6 +205,8 @@ DECODES = ("decode-legacy", "decode-blocks", "decode-transposed", "decode-transp
 def takes(kernel, k_name, v_name, rows_per_kv_head) -> bool:
     """Whether `kernel` takes this shape (the transposed decode: quantized K and V, at most
     16 query rows a KV head; the others everything)."""
+    if kernel.endswith("-tma") and not HOPPER:
+        return False
     return not kernel.startswith("decode-transposed") or transposed_takes(
         k_name in QUANT, v_name in QUANT, rows_per_kv_head)
 
@@ -267,17 +270,24 @@ GPU_EXACT = [(kn, vn, qd, kernel, n_ctx)
                          ids=[f"K{k}-V{v}-q{str(q)[6:]}-{ker}-ctx{n}"
                               for k, v, q, ker, n in GPU_EXACT])
 def test_gpu_exact_long_context(k_name, v_name, q_dtype, kernel, n_ctx):
-    gen = torch.Generator().manual_seed(fresh_seed())
     rows = min(n_ctx, 8 if kernel.startswith("decode") else 200)
     d = 128 if "q4_0" in (k_name, v_name) else 256
-    q, q_pos, placed = build(k_name, v_name, n_ctx, rows, d, 4, 2, 256, q_dtype, gen,
-                             ("ring_wrap",), "cuda")
+    err = gpu_error_vs_fp64(k_name, v_name, q_dtype, kernel, n_ctx, rows, d, 4, 2)
+    print(f"ctx {n_ctx} rows {rows} D{d}: max relative error vs fp64 {err:.2e}")
+    assert err <= TOL
+
+
+def gpu_error_vs_fp64(k_name, v_name, q_dtype, kernel, n_ctx, rows, d, n_kv, group,
+                      **build_opts) -> float:
+    """Max relative error of `kernel` against the fp64 reference: fresh KV and queries for
+    the last `rows` positions, pages placed in the ring with a wrap."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    q, q_pos, placed = build(k_name, v_name, n_ctx, rows, d, n_kv, group, 256, q_dtype, gen,
+                             ("ring_wrap",), "cuda", **build_opts)
     table, kp, vp = placed["ring_wrap"]
     out = run_gpu(kernel, args_of(k_name, v_name, q, q_pos, table, kp, vp, 256))
     ref = dense_reference(q, kp, vp, table, q_pos, k_name, v_name, 256, d ** -0.5)
-    err = rel_err(out, ref)
-    print(f"ctx {n_ctx} rows {rows} D{d}: max relative error vs fp64 {err:.2e}")
-    assert err <= TOL
+    return rel_err(out, ref)
 
 
 GPU_OUTLIERS = [(kn, vn, qd, kernel, d) for kn, vn, qd in (("q8_0", "q4_0", torch.bfloat16),
@@ -295,16 +305,39 @@ GPU_OUTLIERS = [(kn, vn, qd, kernel, d) for kn, vn, qd in (("q8_0", "q4_0", torc
 def test_gpu_exact_with_query_outliers(k_name, v_name, q_dtype, kernel, d):
     """Queries with outlier channels (x40 on 4 dims): sharp softmax, blocks of Q spanning a
     wide range; the error against fp64 stays within the tolerance."""
-    gen = torch.Generator().manual_seed(fresh_seed())
     rows = 1 if kernel.startswith("decode") else 64
-    q, q_pos, placed = build(k_name, v_name, 32845, rows, d, 2, 6 if d == 256 else 4, 256,
-                             q_dtype, gen, ("ring_wrap",), "cuda", q_outliers=4)
-    table, kp, vp = placed["ring_wrap"]
-    out = run_gpu(kernel, args_of(k_name, v_name, q, q_pos, table, kp, vp, 256))
-    ref = dense_reference(q, kp, vp, table, q_pos, k_name, v_name, 256, d ** -0.5)
-    err = rel_err(out, ref)
+    err = gpu_error_vs_fp64(k_name, v_name, q_dtype, kernel, 32845, rows, d, 2,
+                            6 if d == 256 else 4, q_outliers=4)
     print(f"D{d} rows {rows} outlier queries: max relative error vs fp64 {err:.2e}")
     assert err <= TOL
+
+
+TMA_TILES = [(kn, vn, d, bn) for kn, vn, d in (("q8_0", "q4_0", 128), ("q4_0", "q8_0", 256),
+                                                 ("q4_0", "q4_0", 64), ("q8_0", "q8_0", 256))
+             for bn in (16, 32, 64, 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (TMA)")
+@pytest.mark.parametrize("k_name,v_name,d,block_n", TMA_TILES,
+                         ids=[f"K{k}-V{v}-D{d}-bn{b}" for k, v, d, b in TMA_TILES])
+def test_gpu_transposed_tma_equals_pointer_reads(k_name, v_name, d, block_n):
+    """The transposed decode's codes by TMA (untraced) and by pointers (traced): the same
+    bits, for every tile width, placed in the ring with a wrap, the context ending mid-tile."""
+    from torch._library.triton import set_wrap_triton_enabled
+
+    from kvcompile.ops.span_attention.decode_transposed import span_attention_decode_transposed
+    gen = torch.Generator().manual_seed(fresh_seed())
+    q, q_pos, placed = build(k_name, v_name, 5000 + 7 * block_n, 2, d, 2, 3, 256, torch.float16,
+                             gen, ("ring_wrap",), "cuda")
+    a = args_of(k_name, v_name, q, q_pos, *placed["ring_wrap"], 256)
+    outs = []
+    for tma, traced in ((True, False), (False, True)):
+        out = torch.empty(q.shape, dtype=torch.float32, device="cuda")
+        with set_wrap_triton_enabled(traced):
+            span_attention_decode_transposed(**a, out=out, block_n=block_n, tma=tma)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 GPU_ROT = [(kn, vn, kernel, d, n_ctx) for kn, vn in (("q8_0", "q4_0"), ("bf16", "bf16"))

@@ -11,7 +11,7 @@ placement independence holds the same way.
 
 Quantized K and V only (q8_0 / q4_0 pairs); the codes reach fp16 as in quant_blocks. The
 codes are staged in shared memory by Triton's pipeliner: by TMA in untraced launches on
-Hopper (inside the op, as the models' steps run), else by cp.async (tma_codes: the same
+Hopper (inside the op, unless inductor traces it), else by cp.async (tma_codes: the same
 bytes, the same bits); the K and V scales are read one tile ahead by hand (tile_scales) and
 their page two tiles ahead (page_of).
 """
@@ -198,11 +198,9 @@ def span_attention_decode_transposed(q, k_pool, v_pool, page_table, q_pos, k_typ
                       block_n, num_warps, num_stages, programs_per_sm, maxnreg)
     bufs, _, (kv, ks, kpe, kph, kch), (vv, vs, vpe, vph, vch) = split_operands(
         sh, q, k_pool, v_pool, workspace, go.n_chunks, raw_codes=True)
-    v_rows = head_dim if vg.kv_type == 8 else head_dim // 2
     if tma:
-        kv, vv = code_descriptors(k_pool, v_pool, kg.n_heads, head_dim, page_size,
-                                  head_dim if kg.kv_type == 8 else head_dim // 2, v_rows,
-                                  go.block_n)
+        kv, vv = code_descriptors(k_pool, v_pool, kg.kv_type, vg.kv_type, kg.n_heads, head_dim,
+                                  page_size, go.block_n)
     launchable(_decode_split_t)[(go.n_chunks, sh.n_kv)](
         q, kv, ks, vv, vs, page_table, q_pos, *bufs,
         q.stride(0), q.stride(1), sh.n_rows, go.n_chunks, go.chunk_len, sh.table_len,

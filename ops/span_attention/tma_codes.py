@@ -4,16 +4,19 @@ Why: the transposed decode's loop was bound by its own memory requests, not by H
 L2 for more (prefetch) made it slower, fewer instructions did not make it faster. One TMA
 copy moves a whole tile (a K block column, all V rows) into shared memory without the
 load/store unit or per-thread addresses; at 8 x 128 and 128K the decode went from 0.71 to
-0.80 of HBM (docs/performance.md, "TMA").
+0.81 of HBM (docs/performance.md, "TMA for the code tiles").
 
 A pool is [pages, page_bytes] uint8 with the codes first (kv_format). The descriptors see
 only the codes: K as [pages, heads * P, row bytes] (a position's codes one row), V, which is
 position-major, as [pages, heads * W, P] (a value row across the page's positions).
 
 TMA needs a Hopper-or-later GPU, 16-byte aligned pools and pages, and an untraced launch
-(torch's wrap_triton cannot trace host-side descriptors outside dynamo): inside the op, as
-the models' steps run. Traced and interpreted launches read the same bytes through pointers
-(cp.async), in the same order, so results are bitwise equal either way.
+(torch's wrap_triton cannot trace host-side descriptors outside dynamo): inside the op when
+it runs eagerly, in a captured CUDA graph or in a graph-lowered step (the default lowering).
+A step lowered by inductor traces the op's body, and traced and interpreted launches read the
+same bytes through pointers (cp.async), in the same order: bitwise equal results, slower.
+Each untraced launch builds two descriptors on the host (a few microseconds of CPU, not
+measured); captured graphs replay them for free.
 """
 from __future__ import annotations
 
@@ -21,29 +24,33 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompile.ops.launching import interpreting, traced
-from kvcompile.ops.pdl import _capability
+from kvcompile.ops.pdl import untraced_on_hopper
+
+Q8_0, Q4_0 = 8, 2          # ggml type ids (kv_format)
 
 
 def tma_possible(k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
     """Whether these pools can be read by TMA in a launch now (see the module docstring)."""
-    dev = k_pool.device
-    return (dev.type == "cuda" and not interpreting() and not traced()
-            and _capability(dev.index if dev.index is not None
-                            else torch.cuda.current_device()) >= 9
-            and all(p.data_ptr() % 16 == 0 and p.stride(0) % 16 == 0
-                    for p in (k_pool, v_pool)))
+    return untraced_on_hopper(k_pool.device) and all(
+        p.data_ptr() % 16 == 0 and p.stride(0) % 16 == 0 for p in (k_pool, v_pool))
 
 
-def code_descriptors(k_pool, v_pool, n_heads: int, head_dim: int, page_size: int,
-                     k_row: int, v_rows: int, block_n: int):
-    """TMA descriptors of the K codes (blocks: one 32-value block column of block_n
-    positions) and the V codes (blocks: all v_rows value rows of block_n positions); k_row
-    is a position's K code bytes (D for q8_0, D / 2 for q4_0), v_rows V's code rows a head."""
+def code_bytes(kv_type: int, head_dim: int) -> int:
+    """A position's code bytes of one head (K's row, V's code rows a head): D for q8_0,
+    D / 2 for q4_0."""
+    assert kv_type in (Q8_0, Q4_0), f"TMA code tiles are q8_0 / q4_0, not type {kv_type}"
+    return head_dim if kv_type == Q8_0 else head_dim // 2
+
+
+def code_descriptors(k_pool, v_pool, k_type: int, v_type: int, n_heads: int, head_dim: int,
+                     page_size: int, block_n: int):
+    """TMA descriptors of the K codes (blocks: one 32-value block's bytes, 32 for q8_0 and
+    16 for q4_0, of block_n positions) and the V codes (blocks: all of a head's code rows
+    over block_n positions)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
-    k_block = 32 if k_row == head_dim else 16
+    k_row, v_rows = code_bytes(k_type, head_dim), code_bytes(v_type, head_dim)
     kd = TensorDescriptor(k_pool, [k_pool.shape[0], n_heads * page_size, k_row],
-                          [k_pool.stride(0), k_row, 1], [1, block_n, k_block])
+                          [k_pool.stride(0), k_row, 1], [1, block_n, k_row * 32 // head_dim])
     vd = TensorDescriptor(v_pool, [v_pool.shape[0], n_heads * v_rows, page_size],
                           [v_pool.stride(0), page_size, 1], [1, v_rows, block_n])
     return kd, vd
@@ -54,7 +61,8 @@ def k_code_block(k_codes, phys, h, n0, off, b, page_elems, P: tl.constexpr,
                  BLOCK_N: tl.constexpr, KROW: tl.constexpr, WB: tl.constexpr,
                  TMA: tl.constexpr):
     """Code bytes [BLOCK_N, WB] of value block b (WB bytes: 32 for q8_0, 16 for q4_0) of
-    positions `off` (tile [n0, n0 + BLOCK_N) of its page) of head h on page `phys`."""
+    head h at page offsets `off` on page `phys`: the tile of logical positions [n0,
+    n0 + BLOCK_N), which lies inside one page."""
     if TMA:
         blk = k_codes.load([phys.to(tl.int32), h * P + n0 % P, b * WB])
         return tl.reshape(blk, (BLOCK_N, WB))
@@ -67,8 +75,9 @@ def k_code_block(k_codes, phys, h, n0, off, b, page_elems, P: tl.constexpr,
 @triton.jit
 def v_code_tile(v_codes, phys, h, n0, off, page_elems, P: tl.constexpr,
                 BLOCK_N: tl.constexpr, W: tl.constexpr, TMA: tl.constexpr):
-    """Code bytes [W, BLOCK_N] of a position-major V page: the W code rows of head h at
-    positions `off` (tile [n0, n0 + BLOCK_N)), unmasked (their scales mask the tail)."""
+    """Code bytes [W, BLOCK_N] of a position-major V page: the W code rows of head h at page
+    offsets `off` (the tile of logical positions [n0, n0 + BLOCK_N)), unmasked (their
+    scales mask the tail)."""
     if TMA:
         return tl.reshape(v_codes.load([phys.to(tl.int32), h * W, n0 % P]), (W, BLOCK_N))
     else:
