@@ -312,9 +312,11 @@ def test_gpu_exact_with_query_outliers(k_name, v_name, q_dtype, kernel, d):
     assert err <= TOL
 
 
+# tile widths with the warps the H200 sweeps ran them with (32 x 2, 128 x 4) and the default
 TMA_TILES = [(kn, vn, d, bn) for kn, vn, d in (("q8_0", "q4_0", 128), ("q4_0", "q8_0", 256),
                                                  ("q4_0", "q4_0", 64), ("q8_0", "q8_0", 256))
-             for bn in (16, 32, 64, 128)]
+             for bn in (32, 64, 128)]
+TILE_WARPS = {32: 2, 64: None, 128: 4}
 
 
 @pytest.mark.gpu
@@ -323,7 +325,8 @@ TMA_TILES = [(kn, vn, d, bn) for kn, vn, d in (("q8_0", "q4_0", 128), ("q4_0", "
                          ids=[f"K{k}-V{v}-D{d}-bn{b}" for k, v, d, b in TMA_TILES])
 def test_gpu_transposed_tma_equals_pointer_reads(k_name, v_name, d, block_n):
     """The transposed decode's codes by TMA (untraced) and by pointers (traced): the same
-    bits, for every tile width, placed in the ring with a wrap, the context ending mid-tile."""
+    bits, for 32-128 positions a tile, placed in the ring with a wrap, the context ending
+    mid-tile (the interpreter covers 16)."""
     from torch._library.triton import set_wrap_triton_enabled
 
     from kvcompile.ops.span_attention.decode_transposed import span_attention_decode_transposed
@@ -335,7 +338,8 @@ def test_gpu_transposed_tma_equals_pointer_reads(k_name, v_name, d, block_n):
     for tma, traced in ((True, False), (False, True)):
         out = torch.empty(q.shape, dtype=torch.float32, device="cuda")
         with set_wrap_triton_enabled(traced):
-            span_attention_decode_transposed(**a, out=out, block_n=block_n, tma=tma)
+            span_attention_decode_transposed(**a, out=out, block_n=block_n,
+                                             num_warps=TILE_WARPS[block_n], tma=tma)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
 
