@@ -154,9 +154,9 @@ if DECODE_IMPL not in (*DECODE_IMPLS, "auto"):
 # decode_probes.json "rows_2_and_4"): at 12 and 16 blocks was faster (0.31 / 0.42 against
 # 0.26 / 0.36; 0.35 / 0.54 against 0.31 / 0.41 at 32K / 128K), at 8 transposed (0.45 / 0.63
 # against 0.37 / 0.55); TMA made the transposed kernel 10-15% faster at 1 row, so 12 may now
-# favour it (not re-measured). Earlier (position-major V pages, attention_decode.json, 2026-11-29 20:26
-# UTC): 8 rows x 4 heads (32 a KV head): blocks 0.22-0.38 vs legacy 0.11-0.13; 8 rows x 6
-# heads (48): blocks 0.09-0.10 vs 0.12-0.15.
+# favour it (not re-measured). Earlier (position-major V pages, attention_decode.json,
+# 2026-11-29 20:26 UTC): 8 rows x 4 heads (32 a KV head): blocks 0.22-0.38 vs legacy
+# 0.11-0.13; 8 rows x 6 heads (48): blocks 0.09-0.10 vs 0.12-0.15.
 TRANSPOSED_AUTO_ROWS_PER_KV_HEAD = 8
 BLOCKS_MAX_ROWS_PER_KV_HEAD = 32
 

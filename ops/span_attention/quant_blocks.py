@@ -85,9 +85,16 @@ def v_operands_t(vals, phys, head, off, page_elems, scales, BLOCK_N: tl.constexp
     rounding. Codes are read as runs of contiguous positions, unmasked: `scales` must be 0
     at positions past the context (v_scales_t's mask)."""
     W: tl.constexpr = D if V_TYPE == 8 else D // 2
+    return scaled_v_codes_t(v_code_rows(vals, phys, head, off, page_elems, P, W), scales,
+                            BLOCK_N, D, V_TYPE, INTERP)
+
+
+@triton.jit
+def v_code_rows(vals, phys, head, off, page_elems, P: tl.constexpr, W: tl.constexpr):
+    """Code bytes [W, N] of a position-major V page: the W code rows of `head` at page
+    offsets `off`, unmasked (their scales mask the tail)."""
     c = tl.arange(0, W)
-    codes = tl.load(vals + phys * page_elems + (head * W + c[:, None]) * P + off[None, :])
-    return scaled_v_codes_t(codes, scales, BLOCK_N, D, V_TYPE, INTERP)
+    return tl.load(vals + phys * page_elems + (head * W + c[:, None]) * P + off[None, :])
 
 
 @triton.jit

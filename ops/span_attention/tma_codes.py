@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kvcompile.ops.pdl import untraced_on_hopper
+from kvcompile.ops.span_attention.quant_blocks import v_code_rows
 
 Q8_0, Q4_0 = 8, 2          # ggml type ids (kv_format)
 
@@ -75,11 +76,9 @@ def k_code_block(k_codes, phys, h, n0, off, b, page_elems, P: tl.constexpr,
 @triton.jit
 def v_code_tile(v_codes, phys, h, n0, off, page_elems, P: tl.constexpr,
                 BLOCK_N: tl.constexpr, W: tl.constexpr, TMA: tl.constexpr):
-    """Code bytes [W, BLOCK_N] of a position-major V page: the W code rows of head h at page
-    offsets `off` (the tile of logical positions [n0, n0 + BLOCK_N)), unmasked (their
-    scales mask the tail)."""
+    """quant_blocks.v_code_rows of the tile of logical positions [n0, n0 + BLOCK_N) (page
+    offsets `off`), by TMA or by pointers."""
     if TMA:
         return tl.reshape(v_codes.load([phys.to(tl.int32), h * W, n0 % P]), (W, BLOCK_N))
     else:
-        c = tl.arange(0, W)
-        return tl.load(v_codes + phys * page_elems + (h * W + c[:, None]) * P + off[None, :])
+        return v_code_rows(v_codes, phys, h, off, page_elems, P, W)
