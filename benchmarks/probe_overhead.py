@@ -7,6 +7,8 @@ GEMV beats cuBLAS on the 8B decode shapes. Prints tables; --json writes the rows
 - gemv: y = x @ W^T, x [M, K] bf16 (M = 1, 4, 8), W [N, K] bf16, 4 rotated weight copies:
   cuBLAS against candidate kernels of ops/gemv's design (the same loops without masks, bias
   and the exact rounding), a config sweep that chose ops/gemv's launch defaults.
+- reduce (--only reduce): the full call with the reduce's other tiles (value columns a
+  program, warps; decode_split.launch_reduce's probe options), q8_0/q4_0, in one process.
 - sweep (--only sweep): decode launch configs by context (1 row, full call). With
   --untraced the launches run as inside the op (wrap_triton off: with PDL between the
   split and the reduce, ops/pdl.py).
@@ -18,6 +20,7 @@ Rows of the 2026-11-30 runs: benchmarks/results/probe_overhead.json, decode_swee
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -80,6 +83,42 @@ def attention_rows(hbm, impl=None, geoms=((8, 128, 32),), contexts=ATTN_CONTEXTS
             print(f"{kn}/{vn} {n_kv}x{d} ctx {n_ctx:>6} pps {pps}: full {full*1e3:7.2f} us, split "
                   f"{split*1e3:7.2f}, reduce {(full-split)*1e3:6.2f}, ideal {ideal*1e3:7.2f}"
                   f" ({ideal/full:.2f} of HBM)", flush=True)
+        del case
+        torch.cuda.empty_cache()
+    return rows
+
+
+REDUCE_VARIANTS = [{}, dict(block_d=16), dict(block_d=64), dict(block_d=128),
+                   dict(block_d=32, num_warps=4), dict(block_d=32, num_warps=2),
+                   dict(block_d=16, num_warps=1), dict(block_d=64, num_warps=1),
+                   dict(block_d=64, num_warps=2), dict(block_d=128, num_warps=4), {}]
+
+
+def reduce_rows(hbm, impl=None, geoms=((8, 128, 32),), contexts=(32768, 131072)):
+    """The full decode call (q8_0/q4_0) with each of REDUCE_VARIANTS' reduce launches ({}:
+    the defaults, timed first and last)."""
+    rows = []
+    real_reduce = decode_split.launch_reduce
+    for (n_kv, d, n_q), n_ctx in [(g, c) for g in geoms for c in contexts]:
+        case = DecodeCase("q8_0", "q4_0", n_ctx, n_kv, d, n_q, impl)
+        ideal = case.kv_bytes / (hbm * 1e9) * 1e3
+        ref = None
+        for variant in REDUCE_VARIANTS:
+            for mod in SPLIT_MODULES:
+                mod.launch_reduce = functools.partial(real_reduce, **variant)
+            try:
+                ms = case.ms()
+                out = case.out.float().clone()    # the last replayed call's: the last copy
+            finally:
+                for mod in SPLIT_MODULES:
+                    mod.launch_reduce = real_reduce
+            ref = out if ref is None else ref
+            diff = (out - ref).abs().max().item()     # against the defaults' output
+            rows.append(dict(probe="reduce", n_kv_heads=n_kv, head_dim=d, context=n_ctx,
+                             reduce=variant, us=ms * 1e3, frac_of_hbm=ideal / ms,
+                             max_abs_diff_vs_default=diff))
+            print(f"q8_0/q4_0 {n_kv}x{d} ctx {n_ctx:>6} reduce {variant}: {ms*1e3:7.2f} us "
+                  f"({ideal/ms:.3f} of HBM), |out - default| {diff:.1e}", flush=True)
         del case
         torch.cuda.empty_cache()
     return rows
@@ -219,7 +258,7 @@ def gemv_rows(hbm):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
-    ap.add_argument("--only", choices=["attention", "gemv", "sweep"])
+    ap.add_argument("--only", choices=["attention", "gemv", "sweep", "reduce"])
     ap.add_argument("--untraced", action="store_true",
                     help="attention and sweep: launch as inside the ops (wrap_triton off: PDL)")
     ap.add_argument("--both-geometries", action="store_true",
@@ -240,6 +279,12 @@ def main():
         with set_wrap_triton_enabled(not a.untraced):
             rows += [dict(r, launch="untraced" if a.untraced else "traced")
                      for r in attention_rows(hbm, a.impl, geoms, ctxs, pps)]
+    if a.only == "reduce":
+        geoms = ((8, 128, 32), (4, 256, 24)) if a.both_geometries else ((8, 128, 32),)
+        ctxs = tuple(int(c) for c in a.contexts.split(",")) if a.contexts else (32768, 131072)
+        with set_wrap_triton_enabled(not a.untraced):
+            rows += [dict(r, launch="untraced" if a.untraced else "traced")
+                     for r in reduce_rows(hbm, a.impl, geoms, ctxs)]
     if a.only == "sweep":
         with set_wrap_triton_enabled(not a.untraced):
             rows += [dict(r, launch="untraced" if a.untraced else "traced")

@@ -231,6 +231,7 @@ def _decode_reduce(m_ptr, l_ptr, acc_ptr, q_pos_ptr, rot_ptr, out_ptr, stride_ot
 REDUCE_TILE_FLOATS = 8192
 REDUCE_ROT_TILE_FLOATS = 16384
 REDUCE_BLOCK_D = 32
+REDUCE_ONE_WARP_FLOATS = 4096
 
 
 def reduce_block(n_chunks: int, columns: int = REDUCE_BLOCK_D,
@@ -240,11 +241,23 @@ def reduce_block(n_chunks: int, columns: int = REDUCE_BLOCK_D,
     return max(16, min(triton.next_power_of_2(n_chunks), tile_floats // columns))
 
 
+def reduce_warps(tile_floats: int, rot: bool, block_d: int) -> int:
+    """Warps of a reduce program: one for a tile of up to REDUCE_ONE_WARP_FLOATS without a
+    rotation (H200, 128 chunks x 32 columns: 0.8-0.9 us a call faster than 4 warps, the same
+    bits; probe_overhead.py --only reduce), else 4, or 8 past REDUCE_TILE_FLOATS or for
+    rotation blocks over 64 wide."""
+    if not rot and tile_floats <= REDUCE_ONE_WARP_FLOATS:
+        return 1
+    return 8 if tile_floats > REDUCE_TILE_FLOATS or block_d > 64 else 4
+
+
 def launch_reduce(sh: DecodeShape, bufs, q_pos, n_chunks: int, chunk_len: int,
-                  page_size: int, out_rot: torch.Tensor | None = None) -> torch.Tensor:
+                  page_size: int, out_rot: torch.Tensor | None = None,
+                  block_d: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Pass 2: one program per (KV head, tile row, 32 value columns) merges the partials
     in chunk order; with `out_rot` (fp32 diagonal blocks [NB, B, B] of the output's
-    rotation, applied before the one rounding), per block of B columns."""
+    rotation, applied before the one rounding), per block of B columns. `block_d`,
+    `num_warps` (no rotation only): other tiles, for probes (benchmarks/probe_reduce.py)."""
     m_buf, l_buf, acc_buf = bufs
     out = sh.out
     rot = out_rot is not None
@@ -255,8 +268,8 @@ def launch_reduce(sh: DecodeShape, bufs, q_pos, n_chunks: int, chunk_len: int,
             "out_rot must be contiguous fp32 diagonal blocks [NB, B, B], NB * B = D"
         block_c = reduce_block(n_chunks, block_d, REDUCE_ROT_TILE_FLOATS)
     else:
-        block_d = min(REDUCE_BLOCK_D, sh.head_dim)
-        block_c = reduce_block(n_chunks)
+        block_d = min(block_d or REDUCE_BLOCK_D, sh.head_dim)
+        block_c = reduce_block(n_chunks, block_d, max(REDUCE_TILE_FLOATS, 128 * block_d))
     assert sh.head_dim % block_d == 0, "head dims are powers of two (decode tiles)"
     launchable(_decode_reduce)[(sh.n_kv, sh.mrows, sh.head_dim // block_d)](
         m_buf, l_buf, acc_buf, q_pos, out_rot if rot else out, out, out.stride(0),
@@ -264,6 +277,6 @@ def launch_reduce(sh: DecodeShape, bufs, q_pos, n_chunks: int, chunk_len: int,
         G=sh.group, D=sh.head_dim, P=page_size,
         ROWS_P2=max(2, triton.next_power_of_2(sh.n_rows)), BLOCK_C=block_c,
         BLOCK_D=block_d, ONE_STEP=block_c >= n_chunks, ROT=rot,
-        num_warps=8 if block_c * block_d > REDUCE_TILE_FLOATS or block_d > 64 else 4,
+        num_warps=num_warps or reduce_warps(block_c * block_d, rot, block_d),
         **pdl_launch(out.device))
     return out
