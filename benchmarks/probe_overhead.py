@@ -34,6 +34,7 @@ from bench_attention import DecodeCase, graph_ms  # noqa: E402
 from bench_util import hbm_bandwidth, write_rows  # noqa: E402
 
 import kvcompile.ops  # noqa: F401,E402
+from kvcompile.kv_rotation import V_BLOCK, block_rotation, diagonal_blocks  # noqa: E402
 from kvcompile.ops.span_attention import (decode_blocks, decode_kernel, decode_split,  # noqa: E402
                                           decode_transposed)
 
@@ -94,31 +95,40 @@ REDUCE_VARIANTS = [{}, dict(block_d=16), dict(block_d=64), dict(block_d=128),
                    dict(block_d=64, num_warps=2), dict(block_d=128, num_warps=4), {}]
 
 
+# with the output rotation the models' decode applies in the reduce (V_BLOCK-wide blocks)
+REDUCE_ROT_VARIANTS = [{}, dict(num_warps=1), dict(num_warps=2), dict(num_warps=8), {}]
+
+
 def reduce_rows(hbm, impl=None, geoms=((8, 128, 32),), contexts=(32768, 131072)):
     """The full decode call (q8_0/q4_0) with each of REDUCE_VARIANTS' reduce launches ({}:
-    the defaults, timed first and last)."""
+    the defaults, timed first and last), then with the output rotation of the models' V
+    (kv_rotation) and each of REDUCE_ROT_VARIANTS; outputs compared with each group's
+    defaults."""
     rows = []
     real_reduce = decode_split.launch_reduce
     for (n_kv, d, n_q), n_ctx in [(g, c) for g in geoms for c in contexts]:
         case = DecodeCase("q8_0", "q4_0", n_ctx, n_kv, d, n_q, impl)
         ideal = case.kv_bytes / (hbm * 1e9) * 1e3
-        ref = None
-        for variant in REDUCE_VARIANTS:
-            for mod in SPLIT_MODULES:
-                mod.launch_reduce = functools.partial(real_reduce, **variant)
-            try:
-                ms = case.ms()
-                out = case.out.float().clone()    # the last replayed call's: the last copy
-            finally:
+        rot = diagonal_blocks(block_rotation(d, V_BLOCK).float(), V_BLOCK).cuda()
+        for cfg, variants in (({}, REDUCE_VARIANTS), (dict(out_rot=rot), REDUCE_ROT_VARIANTS)):
+            ref = None
+            for variant in variants:
                 for mod in SPLIT_MODULES:
-                    mod.launch_reduce = real_reduce
-            ref = out if ref is None else ref
-            diff = (out - ref).abs().max().item()     # against the defaults' output
-            rows.append(dict(probe="reduce", n_kv_heads=n_kv, head_dim=d, context=n_ctx,
-                             reduce=variant, us=ms * 1e3, frac_of_hbm=ideal / ms,
-                             max_abs_diff_vs_default=diff))
-            print(f"q8_0/q4_0 {n_kv}x{d} ctx {n_ctx:>6} reduce {variant}: {ms*1e3:7.2f} us "
-                  f"({ideal/ms:.3f} of HBM), |out - default| {diff:.1e}", flush=True)
+                    mod.launch_reduce = functools.partial(real_reduce, **variant)
+                try:
+                    ms = case.ms(**cfg)
+                    out = case.out.float().clone()    # the last replayed call's: the last copy
+                finally:
+                    for mod in SPLIT_MODULES:
+                        mod.launch_reduce = real_reduce
+                ref = out if ref is None else ref
+                diff = (out - ref).abs().max().item()
+                rows.append(dict(probe="reduce", n_kv_heads=n_kv, head_dim=d, context=n_ctx,
+                                 reduce=variant, out_rot=bool(cfg), us=ms * 1e3,
+                                 frac_of_hbm=ideal / ms, max_abs_diff_vs_default=diff))
+                print(f"q8_0/q4_0 {n_kv}x{d} ctx {n_ctx:>6} {'rot ' if cfg else ''}reduce "
+                      f"{variant}: {ms*1e3:7.2f} us ({ideal/ms:.3f} of HBM), |out - default| "
+                      f"{diff:.1e}", flush=True)
         del case
         torch.cuda.empty_cache()
     return rows

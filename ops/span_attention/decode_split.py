@@ -224,10 +224,10 @@ def _decode_reduce(m_ptr, l_ptr, acc_ptr, q_pos_ptr, rot_ptr, out_ptr, stride_ot
 
 
 # fp32 partial accumulators one reduce program holds at once ([BLOCK_C, BLOCK_D] tile):
-# 32 value columns a program without a rotation (more programs, shorter chains); with one,
-# a diagonal block of it (the columns it mixes; 8 warps past REDUCE_TILE_FLOATS or for
-# blocks over 64 wide: a dense 256-wide rotation is correct but register-heavy, the cache's
-# V rotation has 64-wide blocks).
+# 32 value columns a program without a rotation (more programs, shorter chains; one warp
+# up to REDUCE_ONE_WARP_FLOATS, reduce_warps); with one, a diagonal block of it (the columns
+# it mixes; 8 warps past REDUCE_TILE_FLOATS or for blocks over 64 wide: a dense 256-wide
+# rotation is correct but register-heavy, the cache's V rotation has 64-wide blocks).
 REDUCE_TILE_FLOATS = 8192
 REDUCE_ROT_TILE_FLOATS = 16384
 REDUCE_BLOCK_D = 32
@@ -256,8 +256,9 @@ def launch_reduce(sh: DecodeShape, bufs, q_pos, n_chunks: int, chunk_len: int,
                   block_d: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Pass 2: one program per (KV head, tile row, 32 value columns) merges the partials
     in chunk order; with `out_rot` (fp32 diagonal blocks [NB, B, B] of the output's
-    rotation, applied before the one rounding), per block of B columns. `block_d`,
-    `num_warps` (no rotation only): other tiles, for probes (benchmarks/probe_reduce.py)."""
+    rotation, applied before the one rounding), per block of B columns. `block_d` (no
+    rotation only), `num_warps`: other launches, for probes (probe_overhead.py --only
+    reduce)."""
     m_buf, l_buf, acc_buf = bufs
     out = sh.out
     rot = out_rot is not None
@@ -269,6 +270,7 @@ def launch_reduce(sh: DecodeShape, bufs, q_pos, n_chunks: int, chunk_len: int,
         block_c = reduce_block(n_chunks, block_d, REDUCE_ROT_TILE_FLOATS)
     else:
         block_d = min(block_d or REDUCE_BLOCK_D, sh.head_dim)
+        # a probe's wider tiles still merge up to 128 chunks in one step
         block_c = reduce_block(n_chunks, block_d, max(REDUCE_TILE_FLOATS, 128 * block_d))
     assert sh.head_dim % block_d == 0, "head dims are powers of two (decode tiles)"
     launchable(_decode_reduce)[(sh.n_kv, sh.mrows, sh.head_dim // block_d)](
