@@ -224,10 +224,9 @@ def _decode_reduce(m_ptr, l_ptr, acc_ptr, q_pos_ptr, rot_ptr, out_ptr, stride_ot
 
 
 # fp32 partial accumulators one reduce program holds at once ([BLOCK_C, BLOCK_D] tile):
-# 32 value columns a program without a rotation (more programs, shorter chains; one warp
-# up to REDUCE_ONE_WARP_FLOATS, reduce_warps); with one, a diagonal block of it (the columns
-# it mixes; 8 warps past REDUCE_TILE_FLOATS or for blocks over 64 wide: a dense 256-wide
-# rotation is correct but register-heavy, the cache's V rotation has 64-wide blocks).
+# 32 value columns a program without a rotation (more programs, shorter chains); with one,
+# a diagonal block of it (the columns it mixes; a dense 256-wide rotation is correct but
+# register-heavy, the cache's V rotation has 64-wide blocks). Warps: reduce_warps.
 REDUCE_TILE_FLOATS = 8192
 REDUCE_ROT_TILE_FLOATS = 16384
 REDUCE_BLOCK_D = 32
@@ -242,13 +241,16 @@ def reduce_block(n_chunks: int, columns: int = REDUCE_BLOCK_D,
 
 
 def reduce_warps(tile_floats: int, rot: bool, block_d: int) -> int:
-    """Warps of a reduce program: one for a tile of up to REDUCE_ONE_WARP_FLOATS without a
-    rotation (H200, 128 chunks x 32 columns: 0.8-0.9 us a call faster than 4 warps, the same
-    bits; probe_overhead.py --only reduce), else 4, or 8 past REDUCE_TILE_FLOATS or for
-    rotation blocks over 64 wide."""
+    """Warps of a reduce program. Measured on the H200 at 128 chunks (probe_overhead.py
+    --only reduce, 2026-11-30): without a rotation one warp up to REDUCE_ONE_WARP_FLOATS
+    (0.8-0.9 us a call faster than 4 warps, the same bits); with one (64-wide blocks) 2 warps
+    up to REDUCE_TILE_FLOATS (0.5-0.8 us faster than 4, 1 warp and 8 slower); 4 or 8 past
+    those, 8 for rotation blocks over 64 wide."""
     if not rot and tile_floats <= REDUCE_ONE_WARP_FLOATS:
         return 1
-    return 8 if tile_floats > REDUCE_TILE_FLOATS or block_d > 64 else 4
+    if tile_floats > REDUCE_TILE_FLOATS or block_d > 64:
+        return 8
+    return 2 if rot else 4
 
 
 def launch_reduce(sh: DecodeShape, bufs, q_pos, n_chunks: int, chunk_len: int,
