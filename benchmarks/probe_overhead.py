@@ -99,18 +99,23 @@ REDUCE_VARIANTS = [{}, dict(block_d=16), dict(block_d=64), dict(block_d=128),
 REDUCE_ROT_VARIANTS = [{}, dict(num_warps=1), dict(num_warps=2), dict(num_warps=8), {}]
 
 
-def reduce_rows(hbm, impl=None, geoms=((8, 128, 32),), contexts=(32768, 131072)):
-    """The full decode call (q8_0/q4_0) with each of REDUCE_VARIANTS' reduce launches ({}:
-    the defaults, timed first and last), then with the output rotation of the models' V
-    (kv_rotation) and each of REDUCE_ROT_VARIANTS; outputs compared with each group's
-    defaults."""
+def reduce_rows(hbm, impl=None, geoms=((8, 128, 32),), contexts=(32768, 131072),
+                pairs=(("q8_0", "q4_0"),)):
+    """The full decode call (K / V type `pairs`) with each of REDUCE_VARIANTS' reduce
+    launches ({}: the defaults, timed first and last), then, for quantized V, with the
+    output rotation of the models' V (kv_rotation) and each of REDUCE_ROT_VARIANTS; outputs
+    compared with each group's defaults."""
     rows = []
     real_reduce = decode_split.launch_reduce
-    for (n_kv, d, n_q), n_ctx in [(g, c) for g in geoms for c in contexts]:
-        case = DecodeCase("q8_0", "q4_0", n_ctx, n_kv, d, n_q, impl)
+    for (n_kv, d, n_q), (kn, vn), n_ctx in [(g, p, c) for g in geoms for p in pairs
+                                            for c in contexts]:
+        case = DecodeCase(kn, vn, n_ctx, n_kv, d, n_q, impl)
         ideal = case.kv_bytes / (hbm * 1e9) * 1e3
         rot = diagonal_blocks(block_rotation(d, V_BLOCK).float(), V_BLOCK).cuda()
-        for cfg, variants in (({}, REDUCE_VARIANTS), (dict(out_rot=rot), REDUCE_ROT_VARIANTS)):
+        groups = [({}, REDUCE_VARIANTS)]
+        if kn != "bf16":                 # the models rotate quantized V only (kv_rotation)
+            groups.append((dict(out_rot=rot), REDUCE_ROT_VARIANTS))
+        for cfg, variants in groups:
             ref = None
             for variant in variants:
                 for mod in SPLIT_MODULES:
@@ -123,10 +128,11 @@ def reduce_rows(hbm, impl=None, geoms=((8, 128, 32),), contexts=(32768, 131072))
                         mod.launch_reduce = real_reduce
                 ref = out if ref is None else ref
                 diff = (out - ref).abs().max().item()
-                rows.append(dict(probe="reduce", n_kv_heads=n_kv, head_dim=d, context=n_ctx,
+                rows.append(dict(probe="reduce", kv=f"{kn}/{vn}", n_kv_heads=n_kv, head_dim=d,
+                                 context=n_ctx,
                                  reduce=variant, out_rot=bool(cfg), us=ms * 1e3,
                                  frac_of_hbm=ideal / ms, max_abs_diff_vs_default=diff))
-                print(f"q8_0/q4_0 {n_kv}x{d} ctx {n_ctx:>6} {'rot ' if cfg else ''}reduce "
+                print(f"{kn}/{vn} {n_kv}x{d} ctx {n_ctx:>6} {'rot ' if cfg else ''}reduce "
                       f"{variant}: {ms*1e3:7.2f} us ({ideal/ms:.3f} of HBM), |out - default| "
                       f"{diff:.1e}", flush=True)
         del case
@@ -274,6 +280,7 @@ def main():
     ap.add_argument("--both-geometries", action="store_true",
                     help="attention: 4 KV heads x 256 as well as 8 x 128")
     ap.add_argument("--contexts", help="attention: contexts, e.g. 256,32768,262144")
+    ap.add_argument("--pairs", default="q8_0/q4_0", help="reduce: K/V type pairs")
     ap.add_argument("--defaults-only", action="store_true",
                     help="attention: launch defaults only (no programs_per_sm 1 and 4)")
     ap.add_argument("--impl", choices=sorted(decode_blocks.DECODE_IMPLS),
@@ -294,7 +301,8 @@ def main():
         ctxs = tuple(int(c) for c in a.contexts.split(",")) if a.contexts else (32768, 131072)
         with set_wrap_triton_enabled(not a.untraced):
             rows += [dict(r, launch="untraced" if a.untraced else "traced")
-                     for r in reduce_rows(hbm, a.impl, geoms, ctxs)]
+                     for r in reduce_rows(hbm, a.impl, geoms, ctxs,
+                                          [tuple(p.split("/")) for p in a.pairs.split(",")])]
     if a.only == "sweep":
         with set_wrap_triton_enabled(not a.untraced):
             rows += [dict(r, launch="untraced" if a.untraced else "traced")

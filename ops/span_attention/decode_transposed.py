@@ -209,4 +209,5 @@ def span_attention_decode_transposed(q, k_pool, v_pool, page_table, q_pos, k_typ
         BLOCK_N=go.block_n, K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, TMA=tma,
         INTERP=interpreting(), num_warps=go.num_warps, num_stages=go.num_stages,
         **pdl_launch(q.device), **register_cap(go.maxnreg))
-    return launch_reduce(sh, bufs, q_pos, go.n_chunks, go.chunk_len, page_size, out_rot)
+    return launch_reduce(sh, bufs, q_pos, go.n_chunks, go.chunk_len, page_size, out_rot,
+                         lean=True)
