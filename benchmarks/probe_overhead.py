@@ -20,6 +20,7 @@ Rows of the 2026-11-30 runs: benchmarks/results/probe_overhead.json, decode_swee
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -49,6 +50,18 @@ def _empty(x_ptr):
     pass
 
 
+@contextlib.contextmanager
+def reduce_replaced(fn):
+    """The decode launchers call `fn` in place of decode_split.launch_reduce."""
+    for mod in SPLIT_MODULES:
+        mod.launch_reduce = fn
+    try:
+        yield
+    finally:
+        for mod in SPLIT_MODULES:
+            mod.launch_reduce = decode_split.launch_reduce
+
+
 def attention_rows(hbm, impl=None, geoms=((8, 128, 32),), contexts=ATTN_CONTEXTS,
                    pps_list=(None, 1, 4)):
     rows = []
@@ -56,7 +69,6 @@ def attention_rows(hbm, impl=None, geoms=((8, 128, 32),), contexts=ATTN_CONTEXTS
     floor = graph_ms([lambda: _empty[(256,)](x)] * 40)
     print(f"empty triton kernel in a graph: {floor * 1e3:.2f} us a launch", flush=True)
     rows.append(dict(probe="empty_kernel", us=floor * 1e3))
-    real_reduce = decode_split.launch_reduce
     for (n_kv, d, n_q), (kn, vn), n_ctx in [(g, p, c) for g in geoms
                                             for p in [("q8_0", "q4_0"), ("bf16", "bf16")]
                                             for c in contexts]:
@@ -65,15 +77,8 @@ def attention_rows(hbm, impl=None, geoms=((8, 128, 32),), contexts=ATTN_CONTEXTS
             cfg = {} if pps is None else dict(programs_per_sm=pps)
             full = case.ms(**cfg)
 
-            def no_reduce(sh, bufs, *a):
-                return sh.out
-            for mod in SPLIT_MODULES:
-                mod.launch_reduce = no_reduce
-            try:
+            with reduce_replaced(lambda sh, bufs, *a, **kw: sh.out):     # the split alone
                 split = case.ms(**cfg)
-            finally:
-                for mod in SPLIT_MODULES:
-                    mod.launch_reduce = real_reduce
             ideal = case.kv_bytes / (hbm * 1e9) * 1e3
             row = dict(probe="attention", kv=f"{kn}/{vn}", n_kv_heads=n_kv,
                        head_dim=d, context=n_ctx,
@@ -106,7 +111,6 @@ def reduce_rows(hbm, impl=None, geoms=((8, 128, 32),), contexts=(32768, 131072),
     output rotation of the models' V (kv_rotation) and each of REDUCE_ROT_VARIANTS; outputs
     compared with each group's defaults."""
     rows = []
-    real_reduce = decode_split.launch_reduce
     for (n_kv, d, n_q), (kn, vn), n_ctx in [(g, p, c) for g in geoms for p in pairs
                                             for c in contexts]:
         case = DecodeCase(kn, vn, n_ctx, n_kv, d, n_q, impl)
@@ -118,14 +122,9 @@ def reduce_rows(hbm, impl=None, geoms=((8, 128, 32),), contexts=(32768, 131072),
         for cfg, variants in groups:
             ref = None
             for variant in variants:
-                for mod in SPLIT_MODULES:
-                    mod.launch_reduce = functools.partial(real_reduce, **variant)
-                try:
+                with reduce_replaced(functools.partial(decode_split.launch_reduce, **variant)):
                     ms = case.ms(**cfg)
                     out = case.out.float().clone()    # the last replayed call's: the last copy
-                finally:
-                    for mod in SPLIT_MODULES:
-                        mod.launch_reduce = real_reduce
                 ref = out if ref is None else ref
                 diff = (out - ref).abs().max().item()
                 rows.append(dict(probe="reduce", kv=f"{kn}/{vn}", n_kv_heads=n_kv, head_dim=d,
