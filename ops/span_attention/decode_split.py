@@ -246,9 +246,9 @@ def reduce_warps(tile_floats: int, rot: bool, block_d: int, lean: bool = False) 
     REDUCE_ONE_WARP_FLOATS, 2 with one up to REDUCE_TILE_FLOATS. H200, 2026-11-30,
     probe_overhead.py --only reduce: after the transposed split (128 chunks a head) one warp
     saved 0.8-0.9 us a call (outputs within a rounding of the 4-warp ones: another fp32
-    summation order), 2 warps with the models' rotation 0.3-0.8 us;
-    after the legacy split (bf16, 64 chunks) one warp cost 1.2 us (38.9 against 37.7 at
-    8 x 128, 32K), so the other splits keep 4."""
+    summation order), 2 warps with the models' rotation 0.3-0.8 us; after the legacy split
+    (bf16, 64 chunks) one warp cost 1.2 us (38.9 against 37.7 at 8 x 128, 32K), so the
+    other splits keep 4."""
     if lean and not rot and tile_floats <= REDUCE_ONE_WARP_FLOATS:
         return 1
     if tile_floats > REDUCE_TILE_FLOATS or block_d > 64:
