@@ -7,15 +7,18 @@ GEMV beats cuBLAS on the 8B decode shapes. Prints tables; --json writes the rows
 - gemv: y = x @ W^T, x [M, K] bf16 (M = 1, 4, 8), W [N, K] bf16, 4 rotated weight copies:
   cuBLAS against candidate kernels of ops/gemv's design (the same loops without masks, bias
   and the exact rounding), a config sweep that chose ops/gemv's launch defaults.
-- reduce (--only reduce): the full call with the reduce's other tiles (value columns a
-  program, warps; decode_split.launch_reduce's probe options), q8_0/q4_0, in one process.
+- reduce (--only reduce): the full call with the reduce's other launches (value columns a
+  program, warps; decode_split.launch_reduce's probe options), K/V pairs --pairs
+  (q8_0/q4_0 by default), for quantized V also with the models' output rotation, in one
+  process.
 - sweep (--only sweep): decode launch configs by context (1 row, full call). With
   --untraced the launches run as inside the op (wrap_triton off: with PDL between the
   split and the reduce, ops/pdl.py).
---impl NAME times that decode implementation (attention and sweep; default: the op's choice
+--impl NAME times that decode implementation (attention, reduce, sweep; default: the op's choice
 by shape, which for quantized K and V is now the transposed kernel; the 2026-11-30 runs
 before 07:20 UTC timed blocks, what the op chose then: --impl blocks repeats them).
-Rows of the 2026-11-30 runs: benchmarks/results/probe_overhead.json, decode_sweep.json.
+Rows of the 2026-11-30 runs: benchmarks/results/probe_overhead.json, decode_sweep.json;
+of the reduce and the later attention runs: decode_probes.json.
 """
 from __future__ import annotations
 
@@ -35,7 +38,8 @@ from bench_attention import DecodeCase, graph_ms  # noqa: E402
 from bench_util import hbm_bandwidth, write_rows  # noqa: E402
 
 import kvcompile.ops  # noqa: F401,E402
-from kvcompile.kv_rotation import V_BLOCK, block_rotation, diagonal_blocks  # noqa: E402
+from kvcompile.kv_rotation import V_BLOCK, diagonal_blocks, v_rotation  # noqa: E402
+from kvcompile.ops import kv_format as F  # noqa: E402
 from kvcompile.ops.span_attention import (decode_blocks, decode_kernel, decode_split,  # noqa: E402
                                           decode_transposed)
 
@@ -96,6 +100,7 @@ def attention_rows(hbm, impl=None, geoms=((8, 128, 32),), contexts=ATTN_CONTEXTS
 
 REDUCE_VARIANTS = [{}, dict(block_d=16), dict(block_d=64), dict(block_d=128),
                    dict(block_d=32, num_warps=4), dict(block_d=32, num_warps=2),
+                   dict(block_d=32, num_warps=1),
                    dict(block_d=16, num_warps=1), dict(block_d=64, num_warps=1),
                    dict(block_d=64, num_warps=2), dict(block_d=128, num_warps=4), {}]
 
@@ -115,9 +120,10 @@ def reduce_rows(hbm, impl=None, geoms=((8, 128, 32),), contexts=(32768, 131072),
                                             for c in contexts]:
         case = DecodeCase(kn, vn, n_ctx, n_kv, d, n_q, impl)
         ideal = case.kv_bytes / (hbm * 1e9) * 1e3
-        rot = diagonal_blocks(block_rotation(d, V_BLOCK).float(), V_BLOCK).cuda()
         groups = [({}, REDUCE_VARIANTS)]
-        if kn != "bf16":                 # the models rotate quantized V only (kv_rotation)
+        v_rot = v_rotation(F.kv_type(vn), d)      # the models rotate quantized V only
+        if v_rot is not None:
+            rot = diagonal_blocks(v_rot.float(), V_BLOCK).cuda()
             groups.append((dict(out_rot=rot), REDUCE_ROT_VARIANTS))
         for cfg, variants in groups:
             ref = None
@@ -275,10 +281,11 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--only", choices=["attention", "gemv", "sweep", "reduce"])
     ap.add_argument("--untraced", action="store_true",
-                    help="attention and sweep: launch as inside the ops (wrap_triton off: PDL)")
+                    help="attention, reduce, sweep: launch as inside the ops (wrap_triton "
+                    "off: PDL)")
     ap.add_argument("--both-geometries", action="store_true",
-                    help="attention: 4 KV heads x 256 as well as 8 x 128")
-    ap.add_argument("--contexts", help="attention: contexts, e.g. 256,32768,262144")
+                    help="attention, reduce: 4 KV heads x 256 as well as 8 x 128")
+    ap.add_argument("--contexts", help="attention, reduce: contexts, e.g. 256,32768,262144")
     ap.add_argument("--pairs", default="q8_0/q4_0", help="reduce: K/V type pairs")
     ap.add_argument("--defaults-only", action="store_true",
                     help="attention: launch defaults only (no programs_per_sm 1 and 4)")

@@ -61,7 +61,7 @@ def leave_out(what: str):
         stack.enter_context(patched(kv_write_op, "kv_write_triton", lambda *a, **k: None))
     if what in ("no_reduce", "none_of_2"):
         for mod in (decode_blocks, decode_kernel, decode_transposed):   # their launchers
-            stack.enter_context(patched(mod, "launch_reduce", lambda sh, *a: sh.out))
+            stack.enter_context(patched(mod, "launch_reduce", lambda sh, *a, **kw: sh.out))
     if what.startswith("impl:"):
         stack.enter_context(patched(decode_blocks, "DECODE_IMPL", what[5:]))
     if what == "no_norm":

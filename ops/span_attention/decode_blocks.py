@@ -147,10 +147,10 @@ if DECODE_IMPL not in (*DECODE_IMPLS, "auto"):
 # auto: transposed for quantized K and V up to 8 query rows a KV head (there the blocks
 # kernel's 16-row tile is at least half padding), blocks for other quantized pages up to 32
 # query rows a KV head, legacy otherwise. Measured on the H200, q8_0/q4_0, launch defaults,
-# 1 row, untraced (2026-11-30 12:00 UTC, benchmarks/results/attention.json; the transposed
-# kernel's codes by TMA): transposed 0.55 / 0.81 / 0.89 of HBM at 32K / 128K / 256K with 8 KV
-# heads x 128 against blocks 0.38 / 0.54 / 0.59; 0.50 / 0.73 / 0.81 with 4 x 256 against
-# 0.32 / 0.43 / 0.46. The switch at 8 rows a KV head, re-measured with TMA (2026-11-30
+# 1 row, untraced (2026-11-30 13:25 UTC, f1dec60, benchmarks/results/attention.json; the
+# transposed kernel's codes by TMA): transposed 0.56 / 0.80 / 0.87 of HBM at 32K / 128K /
+# 256K with 8 KV heads x 128 against blocks 0.38 / 0.54 / 0.58; 0.51 / 0.73 / 0.80 with
+# 4 x 256 against 0.32 / 0.43 / 0.46. The switch at 8 rows a KV head, re-measured with TMA (2026-11-30
 # 12:55 UTC, decode_probes.json "rows_2_and_4_tma", 32K / 128K): at 8 (8 x 128, 2 rows)
 # transposed 0.52 / 0.77 against blocks 0.37 / 0.55; at 12 (4 x 256, 2 rows) a tie, 0.32 /
 # 0.42 against 0.31 / 0.43; at 16 (8 x 128, 4 rows) 0.38 / 0.52 against 0.35 / 0.54. So it

@@ -240,33 +240,35 @@ def reduce_block(n_chunks: int, columns: int = REDUCE_BLOCK_D,
     return max(16, min(triton.next_power_of_2(n_chunks), tile_floats // columns))
 
 
-def reduce_warps(tile_floats: int, rot: bool, block_d: int, lean: bool = False) -> int:
-    """Warps of a reduce program: 4, or 8 past REDUCE_TILE_FLOATS or for rotation blocks
-    over 64 wide. `lean` (after the transposed split): 1 without a rotation up to
+def reduce_warps(tile_floats: int, rot: bool, block_d: int, few_warps: bool = False) -> int:
+    """Warps of a reduce program: 4, or 8 for tiles over REDUCE_TILE_FLOATS or over 64
+    columns. `few_warps` (after the transposed split): 1 without a rotation up to
     REDUCE_ONE_WARP_FLOATS, 2 with one up to REDUCE_TILE_FLOATS. H200, 2026-11-30,
     probe_overhead.py --only reduce: after the transposed split (128 chunks a head) one warp
-    saved 0.8-0.9 us a call (outputs within a rounding of the 4-warp ones: another fp32
+    saved 0.4-1.0 us a call (outputs within a rounding of the 4-warp ones: another fp32
     summation order), 2 warps with the models' rotation 0.3-0.8 us; after the legacy split
     (bf16, 64 chunks) one warp cost 1.2 us (38.9 against 37.7 at 8 x 128, 32K), so the
     other splits keep 4."""
-    if lean and not rot and tile_floats <= REDUCE_ONE_WARP_FLOATS:
+    if few_warps and not rot and tile_floats <= REDUCE_ONE_WARP_FLOATS:
         return 1
     if tile_floats > REDUCE_TILE_FLOATS or block_d > 64:
         return 8
-    return 2 if lean and rot else 4
+    return 2 if few_warps and rot else 4
 
 
 def launch_reduce(sh: DecodeShape, bufs, q_pos, n_chunks: int, chunk_len: int,
-                  page_size: int, out_rot: torch.Tensor | None = None, lean: bool = False,
+                  page_size: int, out_rot: torch.Tensor | None = None,
+                  few_warps: bool = False,
                   block_d: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Pass 2: one program per (KV head, tile row, 32 value columns) merges the partials
     in chunk order; with `out_rot` (fp32 diagonal blocks [NB, B, B] of the output's
-    rotation, applied before the one rounding), per block of B columns. `lean`: fewer
-    warps (reduce_warps). `block_d` (no rotation only), `num_warps`: other launches, for
-    probes (probe_overhead.py --only reduce)."""
+    rotation, applied before the one rounding), per block of B columns. `few_warps`: see
+    reduce_warps. `block_d` (no rotation only), `num_warps`: other launches, for probes
+    (probe_overhead.py --only reduce)."""
     m_buf, l_buf, acc_buf = bufs
     out = sh.out
     rot = out_rot is not None
+    assert not (rot and block_d), "with out_rot the reduce's columns are the rotation's blocks"
     if rot:
         nb, block_d = out_rot.shape[0], out_rot.shape[-1]
         assert out_rot.shape == (nb, block_d, block_d) and nb * block_d == sh.head_dim \
@@ -284,6 +286,6 @@ def launch_reduce(sh: DecodeShape, bufs, q_pos, n_chunks: int, chunk_len: int,
         G=sh.group, D=sh.head_dim, P=page_size,
         ROWS_P2=max(2, triton.next_power_of_2(sh.n_rows)), BLOCK_C=block_c,
         BLOCK_D=block_d, ONE_STEP=block_c >= n_chunks, ROT=rot,
-        num_warps=num_warps or reduce_warps(block_c * block_d, rot, block_d, lean),
+        num_warps=num_warps or reduce_warps(block_c * block_d, rot, block_d, few_warps),
         **pdl_launch(out.device))
     return out

@@ -210,4 +210,4 @@ def span_attention_decode_transposed(q, k_pool, v_pool, page_table, q_pos, k_typ
         INTERP=interpreting(), num_warps=go.num_warps, num_stages=go.num_stages,
         **pdl_launch(q.device), **register_cap(go.maxnreg))
     return launch_reduce(sh, bufs, q_pos, go.n_chunks, go.chunk_len, page_size, out_rot,
-                         lean=True)
+                         few_warps=True)
