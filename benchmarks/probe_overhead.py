@@ -106,7 +106,8 @@ REDUCE_VARIANTS = [{}, dict(block_d=16), dict(block_d=64), dict(block_d=128),
 
 
 # with the output rotation the models' decode applies in the reduce (V_BLOCK-wide blocks)
-REDUCE_ROT_VARIANTS = [{}, dict(num_warps=1), dict(num_warps=2), dict(num_warps=8), {}]
+REDUCE_ROT_VARIANTS = [{}, dict(num_warps=1), dict(num_warps=2), dict(num_warps=4),
+                       dict(num_warps=8), {}]
 
 
 def reduce_rows(hbm, impl=None, geoms=((8, 128, 32),), contexts=(32768, 131072),
