@@ -150,11 +150,11 @@ if DECODE_IMPL not in (*DECODE_IMPLS, "auto"):
 # 1 row, untraced (2026-11-30 13:25 UTC, f1dec60, benchmarks/results/attention.json; the
 # transposed kernel's codes by TMA): transposed 0.56 / 0.80 / 0.87 of HBM at 32K / 128K /
 # 256K with 8 KV heads x 128 against blocks 0.38 / 0.54 / 0.58; 0.51 / 0.73 / 0.80 with
-# 4 x 256 against 0.32 / 0.43 / 0.46. The switch at 8 rows a KV head, re-measured with TMA (2026-11-30
-# 12:55 UTC, decode_probes.json "rows_2_and_4_tma", 32K / 128K): at 8 (8 x 128, 2 rows)
-# transposed 0.52 / 0.77 against blocks 0.37 / 0.55; at 12 (4 x 256, 2 rows) a tie, 0.32 /
-# 0.42 against 0.31 / 0.43; at 16 (8 x 128, 4 rows) 0.38 / 0.52 against 0.35 / 0.54. So it
-# stays at 8. Earlier (position-major V pages, attention_decode.json, 2026-11-29 20:26
+# 4 x 256 against 0.32 / 0.43 / 0.46. The switch at 8 rows a KV head, re-measured with TMA
+# (2026-11-30 12:55 UTC, decode_probes.json "rows_2_and_4_tma", 32K / 128K): at 8 (8 x 128,
+# 2 rows) transposed 0.52 / 0.77 against blocks 0.37 / 0.55; at 12 (4 x 256, 2 rows) a tie,
+# 0.32 / 0.42 against 0.31 / 0.43; at 16 (8 x 128, 4 rows) 0.38 / 0.52 against 0.35 / 0.54.
+# So it stays at 8. Earlier (position-major V pages, attention_decode.json, 2026-11-29 20:26
 # UTC): 8 rows x 4 heads (32 a KV head): blocks 0.22-0.38 vs legacy 0.11-0.13; 8 rows x 6
 # heads (48): blocks 0.09-0.10 vs 0.12-0.15.
 TRANSPOSED_AUTO_ROWS_PER_KV_HEAD = 8

@@ -277,8 +277,7 @@ def launch_reduce(sh: DecodeShape, bufs, q_pos, n_chunks: int, chunk_len: int,
         block_c = reduce_block(n_chunks, block_d, REDUCE_ROT_TILE_FLOATS)
     else:
         block_d = min(block_d or REDUCE_BLOCK_D, sh.head_dim)
-        # a probe's wider tiles still merge up to 128 chunks in one step
-        block_c = reduce_block(n_chunks, block_d, max(REDUCE_TILE_FLOATS, 128 * block_d))
+        block_c = reduce_block(n_chunks, block_d)
     assert sh.head_dim % block_d == 0, "head dims are powers of two (decode tiles)"
     launchable(_decode_reduce)[(sh.n_kv, sh.mrows, sh.head_dim // block_d)](
         m_buf, l_buf, acc_buf, q_pos, out_rot if rot else out, out, out.stride(0),
