@@ -41,6 +41,16 @@ def wait_for_producers(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@triton.jit
+def wait_for_producers_hold_next(PDL: tl.constexpr):
+    """wait_for_producers without the early launch of the next kernel: it launches as this
+    one's programs exit (and still waits for its completion). For a kernel whose next one
+    would take SM slots it needs: the decode split, whose reduce's programs, launched at
+    once, sat on a few SMs beside the split's (docs/performance.md)."""
+    if PDL:
+        gdc_wait()
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kvcompile.ops.launching import interpreting, launchable, register_cap
-from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
+from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers_hold_next
 from kvcompile.ops.span_attention.decode_kernel import LOG2E
 from kvcompile.ops.span_attention.decode_split import (decode_shape, decode_tile,
                                                        launch_reduce, partial_slot,
@@ -103,7 +103,7 @@ def _decode_split_t(q_ptr, k_codes, k_scl, v_codes, v_scl, page_table, q_pos_ptr
                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, TMA: tl.constexpr,
                     INTERP: tl.constexpr, PDL: tl.constexpr):
-    wait_for_producers(PDL)
+    wait_for_producers_hold_next(PDL)
     V4: tl.constexpr = V_TYPE == 2
     DA: tl.constexpr = D // 2 if V4 else D        # accumulator heights (q4_0: two halves)
     DB: tl.constexpr = D // 2 if V4 else 16
