@@ -1,21 +1,26 @@
 """Probe (device): a timeline of the transposed decode's calls, stamped inside its kernels.
 
 Copies of the split and reduce kernels (their source with `globaltimer` reads added, built
-into a temporary module) record, per program: entry, the PDL wait's release, the loop's
-start (its first page-table and scale loads issued), the end of its first tile, its end,
-and its SM. They are launched as the op launches the originals (untraced: codes by TMA, PDL
-between kernels) and timed as bench_attention times the op (CUDA-graph replays over 4
-disjoint KV copies). For the call in the middle of the replay the row gives, in us from the
-split's first program: when the split's programs pass their wait, start their loop, finish
-their first tile (medians), finish (first, median, last); when the reduce's programs pass
-their wait and finish; when the next call's split passes its wait.
+into a temporary module) record, per program: entry (just before the PDL wait), the wait's
+release, the loop's start (its first page-table and scale loads issued), the end of its
+first tile, its end, and its SM. The reads are in issue order, not ordered after the loads
+and dots before them: "first tile" is when the first iteration's code was issued (its
+softmax needs the K codes; the V dot may still run). They are launched as the op launches
+the originals (untraced: codes by TMA, PDL between kernels; checked) and captured as
+bench_attention captures the op (20 calls over 4 disjoint KV copies in one CUDA graph; 3
+replays, then 1 timed). For the call in the middle of the replay the row gives, in us from
+the first split program's passing its wait (earlier entries are negative): when the split's
+programs enter and pass their wait, start their loop, finish their first tile (medians),
+finish (first, median, last); when the reduce's programs enter, pass their wait and finish;
+when the next call's split passes its wait.
 
 The stamps cost registers: the stamped split keeps the shipped one's registers at D 128
 (128) but takes 168 at D 256 (3 programs an SM instead of 4: a second wave the shipped
 kernel does not have), so only 8 x 128 timelines stand for the shipped kernel; the rows
 carry both counts. --l2-pages N: page tables cycling over N pages that stay in L2
-(probe_compute_ceiling), the same timeline without HBM traffic. --raw: every program's
-stamps (10 ns units from the split's first entry, then the SM) in the JSON.
+(probe_compute_ceiling; one table, 5 calls a graph; kv_bytes is then the pool's, not what
+a call reads), the same timeline without HBM traffic. --raw: every program's stamps (10 ns
+units from the first split program's passing its wait, then the SM) in the JSON.
 
 usage: python benchmarks/probe_timeline.py [--contexts 32768] [--geoms 8x128,4x256]
        [--pps 4,8,16] [--l2-pages 16] [--raw] [--json PATH]
@@ -37,11 +42,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import DecodeCase  # noqa: E402
 from probe_compute_ceiling import l2_case  # noqa: E402
 
-from kvcompile.ops.launching import interpreting  # noqa: E402
+from kvcompile.ops.launching import interpreting, register_cap  # noqa: E402
 from kvcompile.ops.pdl import launch as pdl_launch  # noqa: E402
 from kvcompile.ops.span_attention import decode_split as DS  # noqa: E402
 from kvcompile.ops.span_attention import decode_transposed as DT  # noqa: E402
-from kvcompile.ops.span_attention.tma_codes import code_descriptors  # noqa: E402
+from kvcompile.ops.span_attention.tma_codes import code_descriptors, tma_possible  # noqa: E402
 
 STAMPS = 6          # entry, wait released, loop start, first tile done, end, SM
 PAGE = 256
@@ -57,9 +62,10 @@ def stamped_source(fn, pid_expr: str, loop: bool) -> str:
     stamps stored at its end. Fails if the kernel no longer has the lines it looks for."""
     src = inspect.getsource(fn).replace(f"def {fn.__name__}(",
                                         f"def {fn.__name__}(stamp_ptr, ", 1)
-    hooks = {"wait_for_producers(PDL)": ("t_in = globaltimer()", None,
-                                         "t_wait = globaltimer()", "t_loop = t_wait",
-                                         "t_first = t_wait")}
+    wait = next(w for w in ("wait_for_producers(PDL)", "wait_for_producers_hold_next(PDL)")
+                if w in src)
+    hooks = {wait: ("t_in = globaltimer()", None, "t_wait = globaltimer()",
+                    "t_loop = t_wait", "t_first = t_wait")}
     if loop:
         hooks["for n0 in range(start, end, BLOCK_N):"] = ("t_loop = globaltimer()",
                                                           "first = 1", None)
@@ -86,7 +92,7 @@ def stamped_kernels():
     source in a file)."""
     head = ("import triton\nimport triton.language as tl\n"
             "from triton.language.extra.cuda import globaltimer, smid\n"
-            "from kvcompile.ops.pdl import wait_for_producers\n"
+            "from kvcompile.ops.pdl import wait_for_producers, wait_for_producers_hold_next\n"
             "from kvcompile.ops.span_attention.decode_transposed import (\n"
             "    page_of, tile_scales, qk_blocks_t, program_rows_and_chunk, decode_tile,\n"
             "    online_softmax_along, scaled_v_codes_t, v_code_tile, partial_slot,\n"
@@ -105,8 +111,11 @@ def stamped_kernels():
 
 def stamped_call(mod, case, table, stamps_split, stamps_reduce, pps=None):
     """decode_transposed.span_attention_decode_transposed's launches (no rotation) with
-    the stamped kernels; returns (split programs, reduce programs, the split's kernel)."""
+    the stamped kernels, untraced as inside the op; returns (split programs, reduce
+    programs, the split's kernel)."""
     q, kp, vp = case.q, case.kp, case.vp
+    pdl = pdl_launch(q.device)
+    assert pdl["PDL"] and tma_possible(kp, vp), "launch untraced on a Hopper GPU"
     sh = DS.decode_shape(q, kp, vp, table, case.q_pos, *case.types, PAGE, case.out)
     go = DS.split_launch(sh, DT.transposed_config(sh.head_dim, True), PAGE, q.device,
                          programs_per_sm=pps)
@@ -120,8 +129,8 @@ def stamped_call(mod, case, table, stamps_split, stamps_reduce, pps=None):
         kpe, kph, kch, vpe, vph, vch, QK_SCALE=case.scale * DT.LOG2E, G=sh.group,
         D=sh.head_dim, P=PAGE, BLOCK_R=max(2, 1 << (sh.mrows - 1).bit_length()),
         BLOCK_N=go.block_n, K_TYPE=sh.kg.kv_type, V_TYPE=sh.vg.kv_type, TMA=True,
-        INTERP=False, num_warps=go.num_warps, num_stages=go.num_stages,
-        **pdl_launch(q.device))
+        INTERP=False, num_warps=go.num_warps, num_stages=go.num_stages, **pdl,
+        **register_cap(go.maxnreg))
     block_d = min(DS.REDUCE_BLOCK_D, sh.head_dim)
     block_c = DS.reduce_block(go.n_chunks, block_d)
     out = sh.out
@@ -131,24 +140,25 @@ def stamped_call(mod, case, table, stamps_split, stamps_reduce, pps=None):
         sh.n_rows, go.n_chunks, go.chunk_len, sh.table_len, G=sh.group, D=sh.head_dim,
         P=PAGE, ROWS_P2=max(2, 1 << (sh.n_rows - 1).bit_length()), BLOCK_C=block_c,
         BLOCK_D=block_d, ONE_STEP=block_c >= go.n_chunks, ROT=False,
-        num_warps=DS.reduce_warps(block_c * block_d, False, block_d, few_warps=True),
-        **pdl_launch(q.device))
+        num_warps=DS.reduce_warps(block_c * block_d, False, block_d, few_warps=True), **pdl)
     return go.n_chunks * sh.n_kv, n_reduce[0] * n_reduce[1] * n_reduce[2], split
 
 
 def summarise(ss, rs, ss_next) -> dict:
-    """One call's phases, us from the split's first entry."""
-    t0 = ss[:, 0].min()
+    """One call's phases, us from the first split program's passing its wait (with PDL
+    programs may enter earlier: negative)."""
+    t0 = ss[:, 1].min()
 
     def us(x):
         return round((x - t0).item() / 1e3, 2)
 
     return dict(
-        split_last_entry=us(ss[:, 0].max()), split_first_wait=us(ss[:, 1].min()),
+        split_first_entry=us(ss[:, 0].min()), split_last_entry=us(ss[:, 0].max()),
         split_last_wait=us(ss[:, 1].max()), split_median_loop_start=us(ss[:, 2].median()),
         split_median_first_tile=us(ss[:, 3].median()), split_first_end=us(ss[:, 4].min()),
         split_median_end=us(ss[:, 4].median()), split_last_end=us(ss[:, 4].max()),
-        reduce_first_entry=us(rs[:, 0].min()), reduce_first_wait=us(rs[:, 1].min()),
+        reduce_first_entry=us(rs[:, 0].min()), reduce_last_entry=us(rs[:, 0].max()),
+        reduce_first_wait=us(rs[:, 1].min()),
         reduce_last_end=us(rs[:, 4].max()), next_split_first_wait=us(ss_next[:, 1].min()))
 
 
@@ -157,15 +167,17 @@ def raw(stamps, t0) -> list:
 
 
 def timeline(mod, case, pps, keep_raw: bool) -> dict:
-    """Capture 20 stamped calls (4 KV copies x 5) in one graph, replay, summarise."""
+    """Capture the case's tables x 5 stamped calls in one graph (untraced launches, as
+    inside the op), replay, summarise."""
     tables = case.tables * 5
     probe = [torch.zeros(1 << 16, STAMPS, dtype=torch.int64, device="cuda") for _ in "sr"]
-    n_split, n_reduce, kernel = stamped_call(mod, case, tables[0], *probe, pps)
+    with set_wrap_triton_enabled(False):
+        n_split, n_reduce, kernel = stamped_call(mod, case, tables[0], *probe, pps)
     st_s = torch.zeros(len(tables), n_split, STAMPS, dtype=torch.int64, device="cuda")
     st_r = torch.zeros(len(tables), n_reduce, STAMPS, dtype=torch.int64, device="cuda")
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph), set_wrap_triton_enabled(False):
         for i, t in enumerate(tables):
             stamped_call(mod, case, t, st_s[i], st_r[i], pps)
     for _ in range(3):
@@ -184,8 +196,8 @@ def timeline(mod, case, pps, keep_raw: bool) -> dict:
                n_split=n_split, n_reduce=n_reduce, split_registers=kernel.n_regs,
                split_shared=kernel.metadata.shared, **summarise(ss[i], rs[i], ss[i + 1]))
     if keep_raw:
-        row["raw_split"], row["raw_reduce"] = raw(ss[i], ss[i][:, 0].min()), \
-            raw(rs[i], ss[i][:, 0].min())
+        row["raw_split"], row["raw_reduce"] = raw(ss[i], ss[i][:, 1].min()), \
+            raw(rs[i], ss[i][:, 1].min())
     return row
 
 

@@ -3,7 +3,9 @@
 A kernel launched with PDL may be scheduled while the kernel before it in the stream is
 still running. It must not read anything an earlier kernel wrote until it passed
 `wait_for_producers` (griddepcontrol.wait: the previous grid has completed and its writes
-are visible); once all its programs passed that point it lets the next kernel launch.
+are visible); once all its programs passed that point it lets the next kernel launch
+(`wait_for_producers_hold_next`: only as its programs exit, for the decode split, whose
+reduce would otherwise take SM slots beside it).
 Reads of data no kernel writes may go before the wait: the GEMV's first weight tile, the
 norm weight, the decode reduce's output rotation (parameters and cache buffers; the ops'
 docstrings say so).
@@ -12,9 +14,10 @@ Why: a captured decode step is ~390 kernels, most of a few microseconds; without
 launch and ramp-up starts only after the previous kernel drained.
 
 Rules that keep it exact: a kernel is launched with PDL if and only if it calls
-`wait_for_producers` before its first dependent read and before any write (`launch`
-returns both switches together); kernels launched without it (torch's, cuBLAS) wait for
-their predecessor as usual, so every chain of waits reaches back to completed work.
+`wait_for_producers` (or `_hold_next`) before its first dependent read and before any
+write (`launch` returns both switches together); kernels launched without it (torch's,
+cuBLAS) wait for their predecessor as usual, so every chain of waits reaches back to
+completed work.
 KVCOMPILE_PDL=0 turns it off (read at import; `ENABLED` may be set by benchmarks).
 """
 from __future__ import annotations
