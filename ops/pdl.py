@@ -47,9 +47,9 @@ def wait_for_producers(PDL: tl.constexpr):
 @triton.jit
 def wait_for_producers_hold_next(PDL: tl.constexpr):
     """wait_for_producers without the early launch of the next kernel: it launches as this
-    one's programs exit (and still waits for its completion). For a kernel whose next one
-    would take SM slots it needs: the decode split, whose reduce's programs, launched at
-    once, sat on a few SMs beside the split's (docs/performance.md)."""
+    one's programs exit (and still waits for its completion). Used by the transposed decode
+    split, whose reduce's programs, launched at once, sat on a few SMs beside the split's;
+    the legacy split was slower with it (measured per kernel: docs/performance.md)."""
     if PDL:
         gdc_wait()
 
