@@ -248,7 +248,8 @@ def reduce_warps(tile_floats: int, rot: bool, block_d: int, few_warps: bool = Fa
     saved 0.4-1.0 us a call (outputs within a rounding of the 4-warp ones: another fp32
     summation order), 2 warps with the models' rotation 0.3-0.8 us; after the legacy split
     (bf16, 64 chunks) one warp cost 1.2 us (38.9 against 37.7 at 8 x 128, 32K), so the
-    other splits keep 4."""
+    other splits keep 4. Measured while the reduce launched early beside the split; the
+    transposed split holds its launch since 24b5773 (ops/pdl.py): not re-measured since."""
     if few_warps and not rot and tile_floats <= REDUCE_ONE_WARP_FLOATS:
         return 1
     if tile_floats > REDUCE_TILE_FLOATS or block_d > 64:
