@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
 import bench_streaming as S  # noqa: E402
-from bench_util import (free_memory, hbm_bandwidth, log, param_bytes,  # noqa: E402
+from bench_util import (add_run_options, free_memory, hbm_bandwidth, log, param_bytes,  # noqa: E402
                         timed_prefill_decode)
 
 from kvcompile.kv_cache import PagedKvCache  # noqa: E402
@@ -114,9 +114,7 @@ def parse_args(argv=None):
     ap.add_argument("--ubatch", type=int, default=4096)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny geometry and contexts (logic check)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--pcie-mib", type=int, default=1024)
-    ap.add_argument("--out", default=None, help=f"default {S.RESULTS}")
+    add_run_options(ap, S.RESULTS, merge=False, tiny_temp=False)
     args = ap.parse_args(argv)
     if args.tiny:
         for name, tiny in (("resident_contexts", "512"), ("streamed_contexts", "1024")):

@@ -49,7 +49,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
 import bench_streaming as S  # noqa: E402
-from bench_util import param_bytes  # noqa: E402
+from bench_util import add_run_options, param_bytes  # noqa: E402
 from kvcompile.gguf.arch_config import config_from_metadata  # noqa: E402
 from kvcompile.gguf.synthetic_presets import add_model_metadata, preset_config  # noqa: E402
 from kvcompile.models.qwen35 import Qwen35Model  # noqa: E402
@@ -234,11 +234,7 @@ def parse_args(argv=None):
     ap.add_argument("--tiny", action="store_true",
                     help="qwen35 tiny geometry, contexts 512,1024 (the logic, on a CPU)")
     ap.add_argument("--quick", action="store_true", help="8K only, at most 8 decode steps")
-    ap.add_argument("--no-sanity", action="store_true")
-    ap.add_argument("--fresh", action="store_true", help="start --out afresh (default: merge)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--pcie-mib", type=int, default=1024)
-    ap.add_argument("--out", default=None, help=f"default {RESULTS} (tiny: a temp file)")
+    add_run_options(ap, RESULTS)
     args = ap.parse_args(argv)
     if args.tiny:
         if args.contexts == CONTEXTS:

@@ -52,7 +52,7 @@ from kvcompile.runtime import forward as run_forward
 from kvcompile.runtime import make_kv_cache, min_arena_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
-from bench_util import free_memory, log, sync, timed_prefill_decode  # noqa: E402
+from bench_util import add_run_options, free_memory, log, sync, timed_prefill_decode  # noqa: E402
 from hf_baseline import build_hf, hf_available, hf_decode, hf_prefill, run_hf  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "streaming.json")
@@ -504,11 +504,7 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="32K only, 8 decode steps")
     ap.add_argument("--hf-offload-prefill", action="store_true",
                     help="time hf-offload's own offloaded prefill even when hf-dynamic runs")
-    ap.add_argument("--no-sanity", action="store_true")
-    ap.add_argument("--fresh", action="store_true", help="start --out afresh (default: merge)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--pcie-mib", type=int, default=1024)
-    ap.add_argument("--out", default=None, help=f"default {RESULTS} (tiny: a temp file)")
+    add_run_options(ap, RESULTS)
     args = ap.parse_args(argv)
     if args.tiny:
         if args.contexts == ap.get_default("contexts"):

@@ -1,6 +1,6 @@
 """Small helpers the device benchmarks share: a timestamped log line, a device sync for
 timing, freeing device memory between systems, a timed prefill + greedy decode, event timing,
-the HBM bandwidth and the probes' JSON."""
+the HBM bandwidth, the probes' JSON and the model benchmarks' common options."""
 from __future__ import annotations
 
 import gc
@@ -9,6 +9,19 @@ import sys
 import time
 
 import torch
+
+
+def add_run_options(ap, results: str, merge: bool = True, tiny_temp: bool = True) -> None:
+    """The options bench_streaming, bench_hybrid and bench_compiled end with: the sanity
+    check and --fresh (`merge`: the script merges rows into --out), the seed, the PCIe
+    probe's size, and --out (default `results`; `tiny_temp`: a temp file under --tiny)."""
+    if merge:
+        ap.add_argument("--no-sanity", action="store_true")
+        ap.add_argument("--fresh", action="store_true", help="start --out afresh (default: merge)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pcie-mib", type=int, default=1024)
+    ap.add_argument("--out", default=None,
+                    help=f"default {results}" + (" (tiny: a temp file)" if tiny_temp else ""))
 
 
 def log(msg: str) -> None:
