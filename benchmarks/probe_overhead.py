@@ -66,6 +66,16 @@ def reduce_replaced(fn):
             mod.launch_reduce = decode_split.launch_reduce
 
 
+def case_fields(kn: str, vn: str, n_kv: int, d: int, n_ctx: int) -> dict:
+    """The fields that name a decode case in a row."""
+    return dict(kv=f"{kn}/{vn}", n_kv_heads=n_kv, head_dim=d, context=n_ctx)
+
+
+def case_label(kn: str, vn: str, n_kv: int, d: int, n_ctx: int) -> str:
+    """How a printed line names a decode case."""
+    return f"{kn}/{vn} {n_kv}x{d} ctx {n_ctx:>6}"
+
+
 def attention_rows(hbm, impl=None, geoms=((8, 128, 32),), contexts=ATTN_CONTEXTS,
                    pps_list=(None, 1, 4)):
     rows = []
@@ -84,15 +94,14 @@ def attention_rows(hbm, impl=None, geoms=((8, 128, 32),), contexts=ATTN_CONTEXTS
             with reduce_replaced(lambda sh, bufs, *a, **kw: sh.out):     # the split alone
                 split = case.ms(**cfg)
             ideal = case.kv_bytes / (hbm * 1e9) * 1e3
-            row = dict(probe="attention", kv=f"{kn}/{vn}", n_kv_heads=n_kv,
-                       head_dim=d, context=n_ctx,
+            row = dict(probe="attention", **case_fields(kn, vn, n_kv, d, n_ctx),
                        programs_per_sm=pps, full_us=full * 1e3, split_us=split * 1e3,
                        reduce_us=(full - split) * 1e3, ideal_us=ideal * 1e3,
                        frac_of_hbm=ideal / full)
             rows.append(row)
-            print(f"{kn}/{vn} {n_kv}x{d} ctx {n_ctx:>6} pps {pps}: full {full*1e3:7.2f} us, split "
-                  f"{split*1e3:7.2f}, reduce {(full-split)*1e3:6.2f}, ideal {ideal*1e3:7.2f}"
-                  f" ({ideal/full:.2f} of HBM)", flush=True)
+            print(f"{case_label(kn, vn, n_kv, d, n_ctx)} pps {pps}: full {full*1e3:7.2f} us, "
+                  f"split {split*1e3:7.2f}, reduce {(full-split)*1e3:6.2f}, ideal "
+                  f"{ideal*1e3:7.2f} ({ideal/full:.2f} of HBM)", flush=True)
         del case
         torch.cuda.empty_cache()
     return rows
@@ -134,11 +143,10 @@ def reduce_rows(hbm, impl=None, geoms=((8, 128, 32),), contexts=(32768, 131072),
                     out = case.out.float().clone()    # the last replayed call's: the last copy
                 ref = out if ref is None else ref
                 diff = (out - ref).abs().max().item()
-                rows.append(dict(probe="reduce", kv=f"{kn}/{vn}", n_kv_heads=n_kv, head_dim=d,
-                                 context=n_ctx,
+                rows.append(dict(probe="reduce", **case_fields(kn, vn, n_kv, d, n_ctx),
                                  reduce=variant, out_rot=bool(cfg), us=ms * 1e3,
                                  frac_of_hbm=ideal / ms, max_abs_diff_vs_default=diff))
-                print(f"{kn}/{vn} {n_kv}x{d} ctx {n_ctx:>6} {'rot ' if cfg else ''}reduce "
+                print(f"{case_label(kn, vn, n_kv, d, n_ctx)} {'rot ' if cfg else ''}reduce "
                       f"{variant}: {ms*1e3:7.2f} us ({ideal/ms:.3f} of HBM), |out - default| "
                       f"{diff:.1e}", flush=True)
         del case

@@ -152,6 +152,13 @@ def position_major(t: KvType, role: str) -> bool:
     return t.quantized and role == "v"
 
 
+def code_cols(t: KvType, head_dim: int) -> int:
+    """Code bytes of one head at one position of a quantized type: D for q8_0, D / 2 for
+    q4_0 (two 4-bit codes a byte)."""
+    assert t.quantized, f"{t.name} has no codes"
+    return head_dim if t.name == "q8_0" else head_dim // 2
+
+
 def split_pages(pages: torch.Tensor, t: KvType, n_kv_heads: int, page_size: int,
                 head_dim: int, *, role: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """uint8 [N, page_bytes] -> typed views (values or codes [N, H, P, *], scales
@@ -163,16 +170,16 @@ def split_pages(pages: torch.Tensor, t: KvType, n_kv_heads: int, page_size: int,
         position_major(t, role)                      # validates role
         vals = pages.view(FLOAT_DTYPES[t.name]).view(n, n_kv_heads, page_size, head_dim)
         return vals, None
-    code_cols = head_dim if t.name == "q8_0" else head_dim // 2
-    code_bytes = n_kv_heads * page_size * code_cols
+    cols = code_cols(t, head_dim)
+    code_bytes = n_kv_heads * page_size * cols
     codes = pages[:, :code_bytes]
     scales = pages[:, code_bytes:].contiguous().view(torch.float16)
     nb = head_dim // QK
     if position_major(t, role):
-        codes = codes.view(n, n_kv_heads, code_cols, page_size).transpose(2, 3)
+        codes = codes.view(n, n_kv_heads, cols, page_size).transpose(2, 3)
         scales = scales.view(n, n_kv_heads, nb, page_size).transpose(2, 3)
     else:
-        codes = codes.view(n, n_kv_heads, page_size, code_cols)
+        codes = codes.view(n, n_kv_heads, page_size, cols)
         scales = scales.view(n, n_kv_heads, page_size, nb)
     if t.name == "q8_0":
         codes = codes.view(torch.int8)

@@ -257,6 +257,11 @@ def op_would_pick(kernel, q, k_pool, k_name, v_name) -> bool:
     return op_launcher(q, k_pool, k_name, v_name, 256) is decode_launcher(impl_of(kernel))
 
 
+def query_case_ids(cases, tag: str) -> list[str]:
+    """Readable ids of (K type, V type, query dtype, kernel, n) cases, n after `tag`."""
+    return [f"K{k}-V{v}-q{str(q)[6:]}-{ker}-{tag}{n}" for k, v, q, ker, n in cases]
+
+
 GPU_EXACT = [(kn, vn, qd, kernel, n_ctx)
              for kn, vn, qd in (("bf16", "bf16", torch.bfloat16), ("q8_0", "q4_0", torch.bfloat16),
                                 ("f16", "f16", torch.float16), ("q4_0", "q8_0", torch.float16))
@@ -267,8 +272,7 @@ GPU_EXACT = [(kn, vn, qd, kernel, n_ctx)
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("k_name,v_name,q_dtype,kernel,n_ctx", GPU_EXACT,
-                         ids=[f"K{k}-V{v}-q{str(q)[6:]}-{ker}-ctx{n}"
-                              for k, v, q, ker, n in GPU_EXACT])
+                         ids=query_case_ids(GPU_EXACT, "ctx"))
 def test_gpu_exact_long_context(k_name, v_name, q_dtype, kernel, n_ctx):
     rows = min(n_ctx, 8 if kernel.startswith("decode") else 200)
     d = 128 if "q4_0" in (k_name, v_name) else 256
@@ -300,8 +304,7 @@ GPU_OUTLIERS = [(kn, vn, qd, kernel, d) for kn, vn, qd in (("q8_0", "q4_0", torc
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("k_name,v_name,q_dtype,kernel,d", GPU_OUTLIERS,
-                         ids=[f"K{k}-V{v}-q{str(q)[6:]}-{ker}-D{d}"
-                              for k, v, q, ker, d in GPU_OUTLIERS])
+                         ids=query_case_ids(GPU_OUTLIERS, "D"))
 def test_gpu_exact_with_query_outliers(k_name, v_name, q_dtype, kernel, d):
     """Queries with outlier channels (x40 on 4 dims): sharp softmax, blocks of Q spanning a
     wide range; the error against fp64 stays within the tolerance."""

@@ -24,10 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcompile.ops import kv_format as F
 from kvcompile.ops.pdl import untraced_on_hopper
 from kvcompile.ops.span_attention.quant_blocks import v_code_rows
-
-Q8_0, Q4_0 = 8, 2          # ggml type ids (kv_format)
 
 
 def tma_possible(k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
@@ -37,10 +36,11 @@ def tma_possible(k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
 
 
 def code_bytes(kv_type: int, head_dim: int) -> int:
-    """A position's code bytes of one head (K's row, V's code rows a head): D for q8_0,
-    D / 2 for q4_0."""
-    assert kv_type in (Q8_0, Q4_0), f"TMA code tiles are q8_0 / q4_0, not type {kv_type}"
-    return head_dim if kv_type == Q8_0 else head_dim // 2
+    """A position's code bytes of one head (K's row, V's code rows a head) of ggml type
+    `kv_type`: kv_format.code_cols."""
+    t = F.kv_type(kv_type)
+    assert t.quantized, f"TMA code tiles are q8_0 / q4_0, not {t.name}"
+    return F.code_cols(t, head_dim)
 
 
 def code_descriptors(k_pool, v_pool, k_type: int, v_type: int, n_heads: int, head_dim: int,
