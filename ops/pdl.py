@@ -5,7 +5,8 @@ still running. It must not read anything an earlier kernel wrote until it passed
 `wait_for_producers` (griddepcontrol.wait: the previous grid has completed and its writes
 are visible); once all its programs passed that point it lets the next kernel launch
 (`wait_for_producers_hold_next`: only once all its programs have exited, for the
-transposed decode split, whose reduce would otherwise take SM slots beside it).
+transposed decode split and the blocks split over quantized K, whose reduce would otherwise
+take SM slots beside them).
 Reads of data no kernel writes may go before the wait: the GEMV's first weight tile, the
 norm weight, the decode reduce's output rotation (parameters and cache buffers; the ops'
 docstrings say so).
@@ -49,8 +50,9 @@ def wait_for_producers_hold_next(PDL: tl.constexpr):
     """wait_for_producers without the early launch of the next kernel: it launches only
     once all of this one's programs have exited (and still waits for its completion). Used
     by the transposed decode split, whose reduce's programs, launched at once, sat on a few
-    SMs beside the split's. Measured per kernel (docs/performance.md): the legacy split was
-    slower with it at bf16, the blocks split 3% faster at 8 rows (not applied yet)."""
+    SMs beside the split's, and by the blocks split over quantized K. Measured per kernel
+    (docs/performance.md): the legacy split and the blocks split over bf16 K were slower
+    with it, the blocks split over quantized K 1-5% faster."""
     if PDL:
         gdc_wait()
 

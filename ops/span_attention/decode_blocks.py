@@ -13,7 +13,8 @@ import triton.language as tl
 
 from kvcompile.ops import kv_format as F
 from kvcompile.ops.launching import interpreting, launchable, register_cap
-from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
+from kvcompile.ops.pdl import (launch as pdl_launch, wait_for_producers,
+                               wait_for_producers_hold_next)
 from kvcompile.ops.span_attention.decode_kernel import LOG2E, span_attention_decode
 from kvcompile.ops.span_attention.decode_split import (decode_shape, decode_tile,
                                                        launch_reduce, partial_slot,
@@ -36,8 +37,13 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QK_F16: tl.constexpr,
                          K_SPLIT: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
-    wait_for_producers(PDL)
     KQ: tl.constexpr = K_TYPE == 2 or K_TYPE == 8
+    # Quantized K: the reduce launches once this split's programs exited (as the transposed
+    # split); float K keeps the early launch. Measured both ways: docs/performance.md.
+    if KQ:
+        wait_for_producers_hold_next(PDL)
+    else:
+        wait_for_producers(PDL)
     V4: tl.constexpr = V_TYPE == 2
     VQ: tl.constexpr = V_TYPE == 2 or V_TYPE == 8
     DA: tl.constexpr = D // 2 if V4 else D        # accumulator widths (q4_0: two halves)
