@@ -5,10 +5,12 @@ options do not reload the weights. Use Engine directly for explicit control.
 """
 from __future__ import annotations
 
+import inspect
+
 from kvcompile.engine import Engine, GenerationResult, TokenStream
 
-_ENGINE_KEYS = ("ctx_size", "cache_type_k", "cache_type_v", "device", "dtype", "ubatch", "progress",
-                "kv_stream_arena_mib", "trace")
+# Engine's keyword options (everything else is a sampling option of the request)
+_ENGINE_KEYS = tuple(inspect.signature(Engine.__init__).parameters)[2:]
 _cached: tuple[tuple, Engine] | None = None
 
 
@@ -29,8 +31,9 @@ def _split(kwargs: dict) -> tuple[dict, dict]:
 def generate(prompt: str | None = None, model=None, *, messages: list[dict] | None = None,
              **kwargs) -> GenerationResult:
     """Generate a completion. kwargs: sampling (max_tokens, temperature, top_k, top_p, min_p,
-    repeat_penalty, seed, stop) and engine options (ctx_size, cache_type_k, cache_type_v,
-    device, dtype, ubatch, progress, kv_stream_arena_mib, trace). Returns text plus token counts and tok/s."""
+    repeat_penalty, repeat_last_n, seed, stop) and engine options (ctx_size, cache_type_k,
+    cache_type_v, device, dtype, ubatch, progress, kv_stream_arena_mib, trace, cuda_graphs).
+    Returns text plus token counts and tok/s. An unknown option raises SamplingError."""
     engine_opts, sampling = _split(dict(kwargs))
     return _engine(model, engine_opts).generate(prompt, messages=messages, **sampling)
 

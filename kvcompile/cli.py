@@ -21,6 +21,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=0.95, help="1 = off (0.95)")
     p.add_argument("--min-p", type=float, default=0.05, help="0 = off (0.05)")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 = off (1.0)")
+    p.add_argument("--repeat-last-n", type=int, default=64,
+                   help="recent tokens the repeat penalty looks at (64)")
     p.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("-c", "--ctx-size", type=int, default=None,
@@ -43,7 +45,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--device", default=None, help="cpu (default) or cuda")
     p.add_argument("--dtype", default="auto",
                    help="weights and activations: auto (bf16 on cuda, f32 on cpu), f32, f16, bf16")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars (loading, prefill of long prompts)")
     p.add_argument("--no-stats", action="store_true", help="no statistics line at the end")
     p.set_defaults(func=_run_generate)
 
@@ -56,9 +59,15 @@ def _run_generate(args) -> int:
     # Check what needs no model first: a typo should not cost a model load.
     request = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                   seed=args.seed, stop=tuple(args.stop))
-    SamplingParams(**request).validated()
+                   repeat_last_n=args.repeat_last_n, seed=args.seed, stop=tuple(args.stop))
+    SamplingParams.from_options(**request)
     kv_type(args.cache_type_k), kv_type(args.cache_type_v)
+    if args.system is not None and not args.chat:
+        raise KvcompileError("--system needs --chat (the system message goes into the chat "
+                             "template)")
+    if args.trace and not args.kv_stream_arena_mib:
+        raise KvcompileError("--trace prints the streaming runtime's per-step telemetry: it "
+                             "needs --kv-stream-arena-mib N")
     engine = Engine(args.model, ctx_size=args.ctx_size, cache_type_k=args.cache_type_k,
                     cache_type_v=args.cache_type_v, device=args.device, ubatch=args.ubatch_size,
                     progress=not args.no_progress, kv_stream_arena_mib=args.kv_stream_arena_mib,

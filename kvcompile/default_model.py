@@ -29,6 +29,9 @@ def default_model_path() -> str:
 def resolve_model_path(model: str | os.PathLike | None) -> str:
     if model is None:
         return default_model_path()
+    if not isinstance(model, (str, os.PathLike)):
+        raise ModelFileError(f"model must be a path (str or os.PathLike) or None for the "
+                             f"default model, got {type(model).__name__}")
     path = os.fspath(model)
     if not os.path.exists(path):
         raise ModelFileError(f"model file {path!r} does not exist; pass a .gguf file, a Hugging "

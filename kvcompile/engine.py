@@ -12,9 +12,11 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Iterator
 
 import torch
+from tqdm import tqdm
 
 from kvcompile.dtypes import resolve_dtype
-from kvcompile.errors import ContextLengthError, KvcompileError
+from kvcompile.engine_options import check_engine_options, parse_device
+from kvcompile.errors import ContextLengthError, KvcompileError, StreamInterruptedError
 from kvcompile.loader import load_model
 from kvcompile.runtime import forward as run_forward
 from kvcompile.runtime import make_kv_cache
@@ -25,6 +27,7 @@ from kvcompile.stop_strings import StopStringFilter
 from kvcompile.tokenizer import StreamDecoder
 
 DEFAULT_CTX_SIZE = 4096
+PREFILL_BAR_TOKENS = 2048       # prompts from this long show a prefill progress bar
 
 
 @dataclass
@@ -73,7 +76,9 @@ class Engine:
                  cache_type_v: str = "f32", device: str | None = None,
                  dtype: torch.dtype | str | None = None, ubatch: int = 256, progress: bool = True,
                  kv_stream_arena_mib: float = 0, trace: bool = False, cuda_graphs: bool = False):
-        self.device = torch.device(device or "cpu")
+        # what needs no model is checked before the (possibly long) load
+        self.device = parse_device(device)
+        check_engine_options(ctx_size, ubatch)
         # weights and activations: None / "auto" = bf16 on CUDA, f32 on the CPU
         self.dtype = resolve_dtype(dtype, self.device)
         loaded = load_model(model, device=self.device, dtype=self.dtype, progress=progress)
@@ -81,14 +86,11 @@ class Engine:
             loaded.path, loaded.config, loaded.tokenizer, loaded.model)
         limit = self.config.context_length
         ctx = ctx_size or min(limit, DEFAULT_CTX_SIZE)
-        if not isinstance(ctx, int) or ctx <= 0:
-            raise ContextLengthError(f"ctx_size must be a positive integer, got {ctx_size!r}")
         if ctx > limit:
-            raise ContextLengthError(f"ctx_size {ctx} exceeds the model's trained context of "
-                                     f"{limit} tokens; use --ctx-size {limit} or less")
-        if ubatch <= 0:
-            raise KvcompileError(f"ubatch must be a positive integer, got {ubatch!r}")
-        self.ctx_size, self.ubatch = ctx, ubatch
+            raise ContextLengthError(f"ctx_size (--ctx-size) {ctx} exceeds the model's trained "
+                                     f"context of {limit} tokens; use {limit} or less")
+        self.ctx_size, self.ubatch, self.progress = ctx, ubatch, progress
+        self._request = 0             # the newest request; older streams stop (stream())
         self.trace = trace
         # The KV layers a plain forward acquires: a hybrid model's attention layers without
         # its MTP layer (no speculative step runs here, so the MTP pages are never read);
@@ -134,15 +136,18 @@ class Engine:
     def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                **params) -> TokenStream:
         # Everything that can reject the request runs before any state changes.
-        sampling = SamplingParams(**params).validated()
+        sampling = SamplingParams.from_options(**params)
         prompt_ids = self.encode_prompt(prompt, messages)
         if len(prompt_ids) >= self.ctx_size:
             raise ContextLengthError(
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.ctx_size}; "
                 f"shorten the prompt or raise ctx_size / --ctx-size (this model was trained on "
                 f"{self.config.context_length})")
+        # A newer request takes over the one cache: an older stream read after this raises
+        # StreamInterruptedError instead of continuing over the newer request's KV.
+        self._request += 1
         stream = TokenStream(iter(()))
-        stream._pieces = self._run(prompt_ids, sampling, stream)
+        stream._pieces = self._run(prompt_ids, sampling, stream, self._request)
         return stream
 
     def encode_prompt(self, prompt: str | None, messages: list[dict] | None) -> list[int]:
@@ -159,7 +164,9 @@ class Engine:
 
     # ---- the loop -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def _run(self, prompt_ids: list[int], sampling: SamplingParams, stream: TokenStream):
+    def _run(self, prompt_ids: list[int], sampling: SamplingParams, stream: TokenStream,
+             request: int):
+        self._check_current(request)
         sampler = Sampler(sampling)
         stops = StopStringFilter(sampling.stop)
         text_of = StreamDecoder(self.tokenizer)
@@ -175,6 +182,7 @@ class Engine:
         prefill_s, decode_s = time.perf_counter() - t0, 0.0
         for step in range(budget):
             if step:
+                self._check_current(request)
                 t = time.perf_counter()
                 pos = len(history) - 1
                 logits = self.forward([history[-1]], pos)
@@ -201,6 +209,13 @@ class Engine:
                                          summarize(telemetry[first_step:]),
                                          self._program_stats())
 
+    def _check_current(self, request: int) -> None:
+        if request != self._request:
+            raise StreamInterruptedError(
+                "this stream was interrupted: a newer request on the same Engine has taken "
+                "over its KV cache; read a stream to the end before starting the next one, or "
+                "use one Engine per concurrent stream")
+
     def _program_stats(self) -> dict:
         if self.phases is not None:
             return self.phases.stats()
@@ -209,9 +224,16 @@ class Engine:
         return {}
 
     def _prefill(self, ids: list[int]) -> torch.Tensor:
+        starts = range(0, len(ids), self.ubatch)
+        # a bar once the prompt is long enough to take a while (progress=False: none)
+        bar = tqdm(total=len(ids), desc="prefill", unit="tok", leave=False, file=sys.stderr,
+                   disable=not self.progress or len(ids) < PREFILL_BAR_TOKENS)
         logits = None
-        for start in range(0, len(ids), self.ubatch):
-            logits = self.forward(ids[start:start + self.ubatch], start)
+        with bar:
+            for start in starts:
+                piece = ids[start:start + self.ubatch]
+                logits = self.forward(piece, start)
+                bar.update(len(piece))
         return logits
 
     def forward(self, ids: list[int], start: int) -> torch.Tensor:

@@ -34,6 +34,14 @@ class PhaseError(KvcompileError):
     asked for a shape it was not built for."""
 
 
+class DeviceError(KvcompileError):
+    """The requested device does not exist or this torch build cannot use it."""
+
+
+class StreamInterruptedError(KvcompileError):
+    """A stream was read after a newer request on the same Engine took over its cache."""
+
+
 class OpInputError(KvcompileError, ValueError):
     """A kvcompile row op (rms_norm, rope_rotate, silu_mul) got inputs that do not fit
     together."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from kvcompile.errors import KvcompileError, ModelFileError, UnsupportedModelError
@@ -105,7 +106,7 @@ def run_make_model(args: argparse.Namespace) -> int:
         make_model(args.arch, args.preset, args.out, args.weight_type, args.seed,
                    progress=True, **overrides)
     except KvcompileError as exc:
-        print(f"error: {exc}")
+        print(f"kvcompile: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {os.fspath(args.out)}")
     return 0

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -21,6 +22,17 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = field(default_factory=tuple)
 
+    @classmethod
+    def from_options(cls, **options) -> "SamplingParams":
+        """Validated parameters from keyword options; SamplingError names unknown ones."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise SamplingError(f"unknown option(s) {', '.join(unknown)}: a request takes "
+                                f"{', '.join(names)}; engine options go to Engine(...) "
+                                f"or kvcompile.generate(...)")
+        return cls(**options).validated()
+
     def validated(self) -> "SamplingParams":
         checks = [
             (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -38,13 +50,22 @@ class SamplingParams:
              f"repeat_last_n must be an integer >= 0, got {self.repeat_last_n!r}"),
             (isinstance(self.max_tokens, int) and self.max_tokens >= 0,
              f"max_tokens must be an integer >= 0, got {self.max_tokens!r}"),
-            (self.seed is None or isinstance(self.seed, int),
-             f"seed must be an integer or None, got {self.seed!r}"),
+            (self.seed is None or (isinstance(self.seed, int)
+                                   and -2**63 <= self.seed < 2**64),
+             f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise SamplingError(message)
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if self.stop is None:
+            stop = ()
+        elif isinstance(self.stop, str):
+            stop = (self.stop,)
+        elif isinstance(self.stop, Iterable):
+            stop = tuple(self.stop)
+        else:
+            raise SamplingError(f"stop must be a string or a list of strings, got "
+                                f"{type(self.stop).__name__}")
         if any(not isinstance(s, str) or not s for s in stop):
             raise SamplingError(f"stop strings must be non-empty strings, got {self.stop!r}")
         return replace(self, stop=stop)

@@ -94,9 +94,16 @@ def check_cuda_head_dim(device: torch.device, head_dim: int, what: str) -> None:
                             f"got {head_dim}")
 
 
+def check_page_size(page_size: int) -> None:
+    if page_size <= 0:
+        raise KvLayoutError(f"page size must be a positive number of positions, got "
+                            f"{page_size!r}")
+
+
 def n_kv_heads_of(pool: torch.Tensor, t: KvType, page_size: int, head_dim: int) -> int:
     per_head = page_size * head_dim // QK * t.bytes_per_block
-    if pool.dim() != 2 or pool.dtype != torch.uint8 or pool.shape[1] % per_head:
+    if (pool.dim() != 2 or pool.dtype != torch.uint8 or pool.shape[1] % per_head
+            or pool.shape[1] == 0):
         raise KvLayoutError(
             f"KV pool must be uint8 [pages, n_kv_heads * {per_head}] for {t.name} "
             f"with page size {page_size} and head dim {head_dim}; got "

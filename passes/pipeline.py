@@ -76,8 +76,8 @@ class PassPipeline:
           same bits as the eager model, CUDA-graph capturable);
         - lower="inductor": hand it to inductor, which fuses the torch ops around the
           kvcompile ops into Triton kernels (the kvcompile ops keep their own kernels).
-          Faster, equal to eager within float rounding, not bitwise (fused reductions and
-          FMAs round differently)."""
+          Equal to eager within float rounding, not bitwise (fused reductions and FMAs
+          round differently); slower than "graph" on the 8B decode (docs/phases.md)."""
         if lower not in LOWERS:
             raise PassError(f"unknown lowering {lower!r}; use one of {LOWERS}")
 

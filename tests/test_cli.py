@@ -21,13 +21,19 @@ def test_generate_streams_text_and_stats():
     (["generate", "hi", "--temperature", "-1"], "temperature"),
     (["generate", "hi", "--top-p", "0"], "top_p"),
     (["generate", "hi", "--top-k", "-1"], "top_k"),
+    (["generate", "hi", "--repeat-last-n", "-2"], "repeat_last_n"),
     (["generate", "hi", "-m", "/nonexistent/model.gguf"], "does not exist"),
     (["generate", "hi " * 600, "-c", "256"], "ctx-size"),
     (["generate", "hi", "-ctk", "q3_k"], "KV cache type"),
     (["generate", "hi", "--dtype", "int8"], "dtype"),
     (["info", __file__], "GGUF"),
-], ids=["temperature", "top-p", "top-k", "missing-model", "too-long", "cache-type", "dtype",
-        "not-gguf"])
+    (["generate", "hi", "--system", "be brief"], "--system needs --chat"),
+    (["generate", "hi", "--trace"], "--kv-stream-arena-mib"),
+    (["generate", "hi", "-c", "0"], "ctx_size (--ctx-size) must be a positive integer"),
+    (["generate", "hi", "--device", "foo"], "not a device name"),
+], ids=["temperature", "top-p", "top-k", "repeat-last-n", "missing-model", "too-long",
+        "cache-type", "dtype", "not-gguf", "system-without-chat", "trace-without-arena",
+        "ctx-0", "device-name"])
 def test_errors_are_one_clear_line(args, words):
     r = cli(*args)
     print(r.stderr)

@@ -81,7 +81,9 @@ def test_context_fills_up_with_length_finish(engine):
     (dict(prompt=PROMPT, top_k=-2), SamplingError, "top_k"),
     (dict(prompt=""), KvcompileError, "empty"),
     (dict(messages=[{"content": "no role"}]), KvcompileError, "role"),
-], ids=["too-long", "neg-temperature", "top-p", "top-k", "empty", "bad-message"])
+    (dict(prompt=PROMPT, max_token=3), SamplingError, "unknown option.*max_token"),
+], ids=["too-long", "neg-temperature", "top-p", "top-k", "empty", "bad-message",
+        "unknown-option"])
 def test_bad_request_raises_then_engine_keeps_serving(engine, bad, error, words):
     before = engine.generate(PROMPT, max_tokens=8, temperature=0).token_ids
     with pytest.raises(error, match=words) as info:
@@ -112,3 +114,58 @@ def test_arena_too_small_names_the_smallest_that_works():
     with pytest.raises(ArenaError, match="MiB") as info:
         Engine(None, ctx_size=512, kv_stream_arena_mib=0.01, progress=False)
     print(info.value)
+
+
+def test_one_call_api_routes_every_engine_option():
+    """kvcompile.generate(..., cuda_graphs=True) reaches Engine, not the sampler."""
+    from kvcompile import api
+    engine_opts, request = api._split(dict(cuda_graphs=True, ctx_size=64, trace=False,
+                                           max_tokens=3, seed=1))
+    assert engine_opts == dict(cuda_graphs=True, ctx_size=64, trace=False)
+    assert request == dict(max_tokens=3, seed=1)
+
+
+def test_newer_request_interrupts_an_unfinished_stream(engine):
+    """Two streams share one cache: the older one stops with a clear error instead of
+    continuing over the newer request's KV; the newer one is exact."""
+    from kvcompile.errors import StreamInterruptedError
+    want = engine.generate(PROMPT, max_tokens=6, temperature=0).token_ids
+    old = engine.stream("Once upon a time", max_tokens=6, temperature=0)
+    next(old)
+    new = engine.stream(PROMPT, max_tokens=6, temperature=0)
+    with pytest.raises(StreamInterruptedError, match="newer request"):
+        next(old)
+    list(new)
+    assert new.result.token_ids == want
+
+
+@pytest.mark.parametrize("options,error,words", [
+    (dict(device="foo"), "DeviceError", "not a device name"),
+    (dict(device="cuda:99"), "DeviceError", "(?i)cuda"),
+    (dict(ctx_size=0), "ContextLengthError", "positive integer"),
+    (dict(ubatch=0), "KvcompileError", "--ubatch-size"),
+], ids=["device-name", "device-index", "ctx-0", "ubatch-0"])
+def test_engine_options_refused_before_loading(options, error, words, monkeypatch):
+    import kvcompile.engine as engine_module
+    from kvcompile import errors
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+    monkeypatch.setattr(engine_module, "load_model", no_load)
+    with pytest.raises(getattr(errors, error), match=words) as info:
+        Engine(None, progress=False, **options)
+    print(type(info.value).__name__, info.value)
+
+
+def test_request_edge_values(engine, monkeypatch, capsys):
+    plain = engine.generate(PROMPT, max_tokens=4, temperature=0)
+    assert engine.generate(PROMPT, max_tokens=4, temperature=0, stop=None).token_ids == \
+        plain.token_ids
+    with pytest.raises(SamplingError, match="seed"):
+        engine.stream(PROMPT, seed=2 ** 64)
+    # a prefill progress bar from PREFILL_BAR_TOKENS prompt tokens on, with progress on
+    import kvcompile.engine as engine_module
+    monkeypatch.setattr(engine_module, "PREFILL_BAR_TOKENS", 4)
+    monkeypatch.setattr(engine, "progress", True)
+    again = engine.generate(PROMPT, max_tokens=4, temperature=0)
+    assert "prefill" in capsys.readouterr().err and again.token_ids == plain.token_ids

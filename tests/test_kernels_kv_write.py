@@ -161,3 +161,60 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(KvLayoutError, match="head dim"):
         F.page_bytes(F.Q4_0, 16, 2, 96)
     print("head dim 96 with q8_0 / q4_0: raises KvLayoutError mentioning 'head dim'")
+
+
+def write_target_cases(kp, vp, rows, slots, table):
+    """Bad slots / positions / page_table values for kv_write over 2 pages of 16 (op
+    arguments after the pools) and the KvLayoutError text each must raise."""
+    past = table.clone().fill_(2)
+    return {
+        "slot past the pools": ((rows, rows, slots + 30, 8, 2, 16), "slots span 30..32"),
+        "negative slot": ((rows, rows, slots - 1, 8, 2, 16), "slots span -1..1"),
+        "position past the table": ((rows, rows, slots + 20, 8, 2, 16, table[:1]),
+                                    "positions span 20..22"),
+        "table entry past the pools": ((rows, rows, slots, 8, 2, 16, past),
+                                       "name physical pages 2..2"),
+    }
+
+
+def test_bad_write_targets_raise_clear_errors_and_lose_nothing():
+    kp, vp = _pools()
+    rows = torch.randn(3, 2, 128)
+    slots = torch.arange(3)
+    table = torch.tensor([1, 0], dtype=torch.int32)
+    before = kp.clone(), vp.clone()
+    cases = dict(write_target_cases(kp, vp, rows, slots, table), **{
+        "pool pages differ": ((rows, rows, slots, 8, 2, 16), "same number of pages"),
+        "integer rows": ((rows.long(), rows.long(), slots, 8, 2, 16), "floating rows"),
+        "page size 0": ((rows, rows, slots, 8, 2, 0), "page size must be a positive"),
+    })
+    for name, (args, text) in cases.items():
+        v_pool = vp[:1] if name == "pool pages differ" else vp
+        with pytest.raises(KvLayoutError, match=text):
+            torch.ops.kvcompile.kv_write(kp, v_pool, *args)
+        print(f"{name}: raises KvLayoutError mentioning {text!r}")
+    assert torch.equal(kp, before[0]) and torch.equal(vp, before[1])      # nothing written
+    torch.ops.kvcompile.kv_write(kp, vp, rows[:0], rows[:0], slots[:0], 8, 2, 16)
+    assert torch.equal(kp, before[0]) and torch.equal(vp, before[1])      # no rows: no-op
+    torch.ops.kvcompile.kv_write(kp, vp, rows, rows, slots, 8, 2, 16, table)   # still serves
+    want_k, want_v = before[0].clone(), before[1].clone()
+    kv_write_naive(want_k, want_v, rows, rows, physical_slots(slots, table, 16), 8, 2, 16)
+    assert torch.equal(kp, want_k) and torch.equal(vp, want_v)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_write_targets_checked_when_asked(monkeypatch):
+    """On CUDA the values are read only with KVCOMPILE_CHECK_INDICES=1 (a sync a call)."""
+    from kvcompile.ops import index_checks
+    kp, vp = (p.cuda() for p in _pools())
+    rows = torch.randn(3, 2, 128, device="cuda")
+    slots = torch.arange(3, device="cuda")
+    table = torch.tensor([1, 0], dtype=torch.int32, device="cuda")
+    before = kp.clone(), vp.clone()
+    monkeypatch.setattr(index_checks, "ENABLED", True)
+    for name, (args, text) in write_target_cases(kp, vp, rows, slots, table).items():
+        with pytest.raises(KvLayoutError, match=text):
+            torch.ops.kvcompile.kv_write(kp, vp, *args)
+        print(f"cuda, {name}: raises KvLayoutError mentioning {text!r}")
+    assert torch.equal(kp, before[0]) and torch.equal(vp, before[1])

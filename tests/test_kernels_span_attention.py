@@ -437,6 +437,72 @@ def test_bad_inputs_raise_clear_errors():
         span_attention_decode(**dict(a, page_table=table.long(), q_pos=q_pos.long()))
 
 
+
+def index_value_cases(a):
+    """Bad q_pos / page_table values (op arguments `a`, a 40-position context over 3 pages of
+    16) and the KvLayoutError text each must raise."""
+    table, q_pos, n_pages = a["page_table"], a["q_pos"], a["k_pool"].shape[0]
+    dup = table.clone()
+    dup[2] = dup[0]
+    return {
+        "table shorter than the context": (dict(a, page_table=table[:2]), "q_pos spans 38..39"),
+        "negative q_pos": (dict(a, q_pos=q_pos - 39), "q_pos spans -1..0"),
+        "page past the pools": (dict(a, page_table=table.clone().index_fill_(0, torch.tensor(
+            [1], device=table.device), n_pages)), "name physical pages"),
+        "negative page": (dict(a, page_table=table.clone().index_fill_(0, torch.tensor(
+            [0], device=table.device), -1)), "name physical pages -1"),
+        "two logical pages on one physical page": (dict(a, page_table=dup),
+                                                   "page_table entries 0 and 2 both name"),
+    }
+
+
+def test_bad_index_values_raise_clear_errors_and_the_op_keeps_serving():
+    gen = torch.Generator().manual_seed(fresh_seed())
+    q, q_pos, placed = build("q8_0", "q4_0", 40, 2, 64, 2, 2, 16, torch.bfloat16, gen)
+    table, kp, vp = placed["resident"]
+    a = args_of("q8_0", "q4_0", q, q_pos, table, kp, vp, 16)
+    op = torch.ops.kvcompile.span_attention
+    want = op(**a)
+    bad = dict(index_value_cases(a), **{
+        "page size 0": (dict(a, page_size=0), "page size must be a positive"),
+        "integer queries": (dict(a, q=q.long()), "floating dtype"),
+        "float q_pos": (dict(a, q_pos=q_pos.float()), "q_pos must be int32"),
+        "0-dim out_rot": (dict(a, out_rot=torch.tensor(1.0)), "out_rot must be"),
+    })
+    for name, (kw, text) in bad.items():
+        with pytest.raises(KvLayoutError, match=text):
+            op(**kw)
+        print(f"{name}: KvLayoutError mentioning {text!r}")
+    # entries past the last page read are not looked at (a cache's table is longer than its
+    # context); no query rows is an empty answer; the op still answers as before
+    padded = torch.cat([table, torch.tensor([-7, 10 ** 6], dtype=table.dtype)])
+    assert torch.equal(op(**dict(a, page_table=padded)), want)
+    assert op(**dict(a, q=q[:0], q_pos=q_pos[:0])).shape == (0, *q.shape[1:])
+    assert torch.equal(op(**a), want)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_index_values_checked_when_asked(monkeypatch):
+    """On CUDA the values are read only with KVCOMPILE_CHECK_INDICES=1 (a sync a call)."""
+    from kvcompile.ops import index_checks
+    gen = torch.Generator().manual_seed(fresh_seed())
+    q, q_pos, placed = build("q8_0", "q4_0", 40, 2, 64, 2, 2, 16, torch.bfloat16, gen,
+                             device="cuda")
+    table, kp, vp = placed["resident"]
+    a = args_of("q8_0", "q4_0", q, q_pos, table, kp, vp, 16)
+    monkeypatch.setattr(index_checks, "ENABLED", True)
+    op = torch.ops.kvcompile.span_attention
+    want = op(**a)
+    for name, (kw, text) in index_value_cases(a).items():
+        with pytest.raises(KvLayoutError, match=text):
+            op(**kw)
+        print(f"cuda, {name}: KvLayoutError mentioning {text!r}")
+    assert torch.equal(op(**a), want)
+    monkeypatch.setattr(index_checks, "ENABLED", False)
+    assert not index_checks.values_readable(table, q_pos)
+
+
 # ---- torch.compile sees the ops (CPU: reference ops; GPU: the Triton kernels) ---------------
 
 def _write_then_attend(kp, vp, k, v, slots, q, table, q_pos, page):

@@ -224,6 +224,10 @@ def test_bad_inputs_raise_clear_errors():
         x.consume(kp, vp, table[None])
     with pytest.raises(KvLayoutError, match="same number of pages"):
         x.consume(kp, vp[:-1], table)
+    with pytest.raises(KvLayoutError, match="piece_table entries 0..1 name physical pages"):
+        x.consume(kp, vp, torch.tensor([0, kp.shape[0]], dtype=table.dtype))
+    with pytest.raises(KvLayoutError, match="piece_table entries 0 and 1 both name"):
+        x.consume(kp, vp, table[:1].repeat(2))
     assert x.consume(kp, vp, table[:2]) is None
     with pytest.raises(KvLayoutError, match="logical page 2, got 0"):
         x.consume(kp, vp, table[:1], first_page=0)

@@ -171,11 +171,12 @@ def test_make_model_cli(tmp_path, capsys):
     for bad, msg in ((["--preset", "huge"], "no preset 'huge'"),
                      (["--set", "layers=3"], "expected FIELD=VALUE"),
                      (["--set", "n_layers=x"], "not a number"),
-                     (["--set", "n_heads=3"], "multiple of KV heads")):
+                     (["--set", "n_heads=3"], "multiple of KV heads"),
+                     (["--set", "n_layers=0"], "must be positive")):
         assert make_model_main(["--arch", "qwen35", "--out", str(tmp_path / "b.gguf")] + bad) == 2
-        err = capsys.readouterr().out
-        print(err.strip())
-        assert msg in err
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        print(last)
+        assert last.startswith("kvcompile: error:") and msg in last
     with pytest.raises(Exception, match="is a folder"):
         make_model("qwen35", "tiny", tmp_path)
 

@@ -51,12 +51,16 @@ def base_fields(arch: str, md: Mapping, tensors: Mapping, rope_neox: bool,
         raise ModelFileError(
             f"{path}: hidden size {hidden} is not divisible by {n_heads} heads and "
             f"{p}attention.key_length is missing; add the key or re-convert the model")
+    n_layers = _int(md, p + "block_count", path)
+    if n_layers <= 0 or hidden <= 0:
+        raise ModelFileError(f"{path}: block_count {n_layers} and embedding_length {hidden} "
+                             f"must be positive; the metadata is corrupt, re-convert the model")
     rope_dim = int(md.get(p + "rope.dimension_count", head_dim))
     scaling = {k[len(p + "rope.scaling."):]: v for k, v in md.items()
                if k.startswith(p + "rope.scaling.")}
     return dict(
         arch=arch,
-        n_layers=_int(md, p + "block_count", path),
+        n_layers=n_layers,
         hidden=hidden,
         ffn=_int(md, p + "feed_forward_length", path),
         n_heads=n_heads,

@@ -86,6 +86,8 @@ def check_config(cfg: SyntheticConfig) -> None:
     def need(ok, what):
         if not ok:
             raise UnsupportedModelError(f"invalid synthetic {cfg.arch} geometry: {what}")
+    need(min(cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) > 0,
+         "layers, heads, KV heads and head dim must be positive")
     need(cfg.n_heads % cfg.n_kv_heads == 0, "query heads must be a multiple of KV heads")
     need(cfg.rotary_dim % 2 == 0 and cfg.rotary_dim <= cfg.head_dim,
          "rope dims must be even and at most the head dim")

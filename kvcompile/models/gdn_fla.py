@@ -17,6 +17,7 @@ Decode runs the fused recurrent kernel, which is plain fp32 FMA.
 from __future__ import annotations
 
 import os
+import warnings
 from functools import lru_cache
 
 import torch
@@ -35,9 +36,20 @@ def _kernels():
 
 def usable(x: torch.Tensor) -> bool:
     """True when x lives on CUDA, fla-core is importable and not switched off
-    (KVCOMPILE_GDN=torch forces the torch reference, to bisect a numerical problem)."""
-    return (x.is_cuda and os.environ.get("KVCOMPILE_GDN", "") != "torch"
-            and _kernels() is not None)
+    (KVCOMPILE_GDN=torch forces the torch reference, to bisect a numerical problem). On CUDA
+    without fla-core, warns once that the (much slower) reference runs."""
+    if not x.is_cuda or os.environ.get("KVCOMPILE_GDN", "") == "torch":
+        return False
+    if _kernels() is None:
+        _warn_no_fla()
+        return False
+    return True
+
+
+@lru_cache(maxsize=None)
+def _warn_no_fla() -> None:
+    warnings.warn("fla-core is not installed: the Gated DeltaNet layers run the torch "
+                  "reference on CUDA, much slower (pip install fla-core)", stacklevel=3)
 
 
 def _prepare(q, k, v, g, beta, state):

@@ -1,7 +1,7 @@
 """Copy engines move page runs between host history and the arena.
 
-`copy(dst, src, after=...)` orders the copy after the given fences and returns a fence
-for its completion. The CPU backend's SyncCopyEngine copies at once. ThreadedCopyEngine
+`copy(pairs, note, after=())` copies [(dst, src)] pairs as one operation, ordered after the
+given fences, and returns a fence for its completion. The CPU backend's SyncCopyEngine copies at once. ThreadedCopyEngine
 runs copies in FIFO order on a worker thread, like a CUDA copy stream, so tests can inject
 delays on the copy side and prove that the pool waits on the right fences.
 """

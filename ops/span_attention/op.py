@@ -8,6 +8,10 @@ page_table: int32 [max_logical_pages], physical page of each logical page (built
             ordered span plan, see kvcompile.span_plan). Work is split by logical position
             only, so the result does not depend on where a page lives.
 q_pos:      int32 [T], absolute position of each query row; row t sees keys 0..q_pos[t].
+            Values (q_pos within the table, table entries within the pools, no physical
+            page twice) are checked by ops/index_checks: on the CPU always, on CUDA with
+            KVCOMPILE_CHECK_INDICES=1. page_size must be the one the pools were built with:
+            a pool does not record it (the KV head count is derived from it).
 workspace:  optional fp32 scratch of the decode kernels (ops/span_attention/workspace.py),
             owned by the cache so decode allocates nothing per call; ignored on the CPU.
 out_rot:    optional rotation every output head row is multiplied by (the inverse of the
@@ -25,6 +29,7 @@ import torch
 
 from kvcompile.errors import KvLayoutError
 from kvcompile.ops import kv_format as F
+from kvcompile.ops.index_checks import check_context_table, values_readable
 from kvcompile.ops.span_attention.decode_blocks import launcher_for
 from kvcompile.ops.span_attention.naive import span_attention_naive
 from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
@@ -35,8 +40,10 @@ def check_span_attention_args(q, k_pool, v_pool, page_table, q_pos, k_type, v_ty
     """Raise KvLayoutError for inconsistent arguments; returns the K and V types and the
     number of KV heads."""
     kt, vt = F.kv_type(k_type), F.kv_type(v_type)
-    if q.dim() != 3:
-        raise KvLayoutError(f"q must be [T, n_q_heads, head_dim], got {tuple(q.shape)}")
+    F.check_page_size(page_size)
+    if q.dim() != 3 or not q.is_floating_point():
+        raise KvLayoutError(f"q must be [T, n_q_heads, head_dim] of a floating dtype, got "
+                            f"{q.dtype} {tuple(q.shape)}")
     head_dim = q.shape[2]
     F.check_geometry(kt, head_dim)
     F.check_geometry(vt, head_dim)
@@ -50,6 +57,9 @@ def check_span_attention_args(q, k_pool, v_pool, page_table, q_pos, k_type, v_ty
         raise KvLayoutError(f"q_pos must be [T={q.shape[0]}], got {tuple(q_pos.shape)}")
     if page_table.dim() != 1:
         raise KvLayoutError("page_table must be 1-D (physical page per logical page)")
+    for name, x in (("q_pos", q_pos), ("page_table", page_table)):
+        if x.dtype not in (torch.int32, torch.int64):
+            raise KvLayoutError(f"{name} must be int32 (or int64 on the CPU), got {x.dtype}")
     return kt, vt, hk
 
 
@@ -84,8 +94,12 @@ def span_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                    out_rot: Optional[torch.Tensor] = None) -> torch.Tensor:
     kt, vt, n_kv = check_span_attention_args(q, k_pool, v_pool, page_table, q_pos, k_type,
                                              v_type, page_size)
+    if values_readable(page_table, q_pos):
+        check_context_table(page_table, q_pos, k_pool.shape[0], page_size)
     d = q.shape[2]
     out_rot = rotation_blocks(out_rot, d, q.device)
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
     if q.device.type != "cuda":
         out = span_attention_reference(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
                                        page_size, scale)
@@ -109,7 +123,7 @@ def rotation_blocks(out_rot: torch.Tensor | None, d: int, device) -> torch.Tenso
     if out_rot is None:
         return None
     blocks = out_rot[None] if out_rot.dim() == 2 else out_rot
-    nb, b = blocks.shape[0], blocks.shape[-1]
+    nb, b = (blocks.shape[0], blocks.shape[-1]) if blocks.dim() == 3 else (0, 0)
     if (blocks.dim() != 3 or blocks.shape[1] != b or nb * b != d or b & (b - 1) or b < 16
             or out_rot.device != torch.device(device)):
         raise KvLayoutError(f"out_rot must be a [{d}, {d}] rotation or its diagonal blocks "

@@ -24,6 +24,7 @@ from kvcompile.ops import kv_format as F
 from kvcompile.ops.launching import interpreting
 from kvcompile.ops.span_attention.launch import dot_mode, query_operand
 from kvcompile.ops.span_attention.naive import span_attention_naive
+from kvcompile.ops.index_checks import check_piece_pages, values_readable
 from kvcompile.ops.span_attention.op import check_span_attention_args
 from kvcompile.ops.span_attention.prefill_kernel import (  # noqa: F401  (its public home)
     launch_prefill, workspace_numel)
@@ -95,6 +96,8 @@ class PrefillAccumulator:
             raise KvLayoutError(f"a piece of {n} pages from logical page {first} does not "
                                 f"fit the layer's {self.n_pages} pages; give 1.."
                                 f"{self.n_pages - first} pages")
+        if values_readable(piece_table, self.q_pos):
+            check_piece_pages(piece_table, first, self.q_pos, k_pool.shape[0], self.page_size)
         last = first + n == self.n_pages
         if self.kernel:
             self._launch(k_pool, v_pool, piece_table, first, last)
