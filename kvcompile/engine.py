@@ -78,7 +78,7 @@ class Engine:
                  kv_stream_arena_mib: float = 0, trace: bool = False, cuda_graphs: bool = False):
         # what needs no model is checked before the (possibly long) load
         self.device = parse_device(device)
-        check_engine_options(ctx_size, ubatch)
+        check_engine_options(ctx_size, ubatch, cache_type_k, cache_type_v, kv_stream_arena_mib)
         # weights and activations: None / "auto" = bf16 on CUDA, f32 on the CPU
         self.dtype = resolve_dtype(dtype, self.device)
         loaded = load_model(model, device=self.device, dtype=self.dtype, progress=progress)

@@ -144,7 +144,9 @@ def test_newer_request_interrupts_an_unfinished_stream(engine):
     (dict(device="cuda:99"), "DeviceError", "(?i)cuda"),
     (dict(ctx_size=0), "ContextLengthError", "positive integer"),
     (dict(ubatch=0), "KvcompileError", "--ubatch-size"),
-], ids=["device-name", "device-index", "ctx-0", "ubatch-0"])
+    (dict(cache_type_k="q3_k"), "KvLayoutError", "unsupported KV cache type"),
+    (dict(kv_stream_arena_mib=-1), "ArenaError", "--kv-stream-arena-mib"),
+], ids=["device-name", "device-index", "ctx-0", "ubatch-0", "cache-type", "arena"])
 def test_engine_options_refused_before_loading(options, error, words, monkeypatch):
     import kvcompile.engine as engine_module
     from kvcompile import errors

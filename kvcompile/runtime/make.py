@@ -19,8 +19,8 @@ def make_kv_cache(config, max_tokens: int, arena_mib: float = 0, k_type="f32", v
         return PagedKvCache(config, max_tokens, k_type=k_type, v_type=v_type,
                             page_size=page_size, device=device, layers=layers)
     if not isinstance(arena_mib, (int, float)) or arena_mib < 0:
-        raise ArenaError(f"--kv-stream-arena-mib must be 0 (everything on the device) or a "
-                         f"positive size in MiB, got {arena_mib!r}")
+        raise ArenaError(f"kv_stream_arena_mib (--kv-stream-arena-mib) must be 0 (everything "
+                         f"on the device) or a positive size in MiB, got {arena_mib!r}")
     if backend is None:
         kind = torch.device(device).type
         if kind == "cuda":
