@@ -25,13 +25,13 @@ def values_readable(*tensors: torch.Tensor | None) -> bool:
     """Whether these tensors' values are checked now: real (not fake, not traced) tensors on
     the CPU, or on CUDA with ENABLED outside stream capture."""
     ts = [t for t in tensors if t is not None]
-    if torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in ts):
-        return False
     devices = {t.device.type for t in ts}
-    if devices == {"cpu"}:
-        return True
-    return (devices == {"cuda"} and ENABLED
-            and not torch.cuda.is_current_stream_capturing())
+    if devices == {"cuda"}:                  # the decode steps' path: off unless asked
+        if not ENABLED or torch.cuda.is_current_stream_capturing():
+            return False
+    elif devices != {"cpu"}:
+        return False
+    return not torch.compiler.is_compiling() and all(type(t) is torch.Tensor for t in ts)
 
 
 def _bounds(x: torch.Tensor) -> tuple[int, int]:
