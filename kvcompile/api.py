@@ -20,7 +20,9 @@ def _engine(model, options: dict) -> Engine:
     if _cached is None or _cached[0] != key:
         _cached = None                      # free the old model before loading the next
         _cached = (key, Engine(model, **options))
-    return _cached[1]
+    engine = _cached[1]
+    engine.progress = options.get("progress", True)   # not in the key: no reload for it
+    return engine
 
 
 def _split(kwargs: dict) -> tuple[dict, dict]:

@@ -200,10 +200,12 @@ class Engine:
             if stops.stopped:
                 finish = "stop"
                 break
+        self._check_current(request)      # paused at its last piece: the result would mix
         tail = stops.feed(text_of.flush()) + stops.flush()
         if tail:
             text.append(tail)
             yield tail
+        self._check_current(request)
         stream.result = GenerationResult("".join(text), out_ids, len(prompt_ids), len(out_ids),
                                          finish, prefill_s, decode_s,
                                          summarize(telemetry[first_step:]),

@@ -171,3 +171,32 @@ def test_request_edge_values(engine, monkeypatch, capsys):
     monkeypatch.setattr(engine, "progress", True)
     again = engine.generate(PROMPT, max_tokens=4, temperature=0)
     assert "prefill" in capsys.readouterr().err and again.token_ids == plain.token_ids
+
+
+def test_stream_paused_at_its_last_piece_is_interrupted_too(engine):
+    """Even with no forward left to run, the older stream's result would mix in the newer
+    request's telemetry: it raises as well."""
+    from kvcompile.errors import StreamInterruptedError
+    old = engine.stream(PROMPT, max_tokens=1, temperature=0)
+    next(old)
+    list(engine.stream("Hello", max_tokens=2, temperature=0))
+    with pytest.raises(StreamInterruptedError):
+        list(old)
+
+
+def test_one_call_api_reuses_its_engine_and_follows_progress(monkeypatch):
+    from kvcompile import api
+
+    class FakeEngine:
+        built = 0
+
+        def __init__(self, model, **options):
+            FakeEngine.built += 1
+            self.progress = options.get("progress", True)
+    monkeypatch.setattr(api, "Engine", FakeEngine)
+    monkeypatch.setattr(api, "_cached", None)
+    first = api._engine(None, dict(ctx_size=64))
+    quiet = api._engine(None, dict(ctx_size=64, progress=False))
+    assert quiet is first and FakeEngine.built == 1 and quiet.progress is False
+    assert api._engine(None, dict(ctx_size=64)).progress is True
+    assert api._engine(None, dict(ctx_size=128)) is not first and FakeEngine.built == 2
