@@ -17,7 +17,8 @@ from tqdm import tqdm
 from kvcompile.dtypes import resolve_dtype
 from kvcompile.engine_options import check_engine_options, parse_device
 from kvcompile.errors import ContextLengthError, KvcompileError, StreamInterruptedError
-from kvcompile.loader import load_model
+from kvcompile.default_model import resolve_model_path
+from kvcompile.loader import load_model, read_config
 from kvcompile.runtime import forward as run_forward
 from kvcompile.runtime import make_kv_cache
 from kvcompile.runtime.streaming_cache import is_streamed
@@ -81,14 +82,15 @@ class Engine:
         check_engine_options(ctx_size, ubatch, cache_type_k, cache_type_v, kv_stream_arena_mib)
         # weights and activations: None / "auto" = bf16 on CUDA, f32 on the CPU
         self.dtype = resolve_dtype(dtype, self.device)
-        loaded = load_model(model, device=self.device, dtype=self.dtype, progress=progress)
-        self.path, self.config, self.tokenizer, self.model = (
-            loaded.path, loaded.config, loaded.tokenizer, loaded.model)
-        limit = self.config.context_length
+        path = resolve_model_path(model)
+        limit = read_config(path).context_length           # the header only
         ctx = ctx_size or min(limit, DEFAULT_CTX_SIZE)
         if ctx > limit:
             raise ContextLengthError(f"ctx_size (--ctx-size) {ctx} exceeds the model's trained "
                                      f"context of {limit} tokens; use {limit} or less")
+        loaded = load_model(path, device=self.device, dtype=self.dtype, progress=progress)
+        self.path, self.config, self.tokenizer, self.model = (
+            loaded.path, loaded.config, loaded.tokenizer, loaded.model)
         self.ctx_size, self.ubatch, self.progress = ctx, ubatch, progress
         self._request = 0             # the newest request; older streams stop (stream())
         self.trace = trace

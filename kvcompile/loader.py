@@ -19,6 +19,22 @@ class LoadedModel:
     model: torch.nn.Module
 
 
+def read_config(path: str) -> ModelConfig:
+    """The model's config from its header (GGUF metadata, or a Hugging Face folder's
+    config.json); no tensor is read, so a bad option can be refused before the load."""
+    from pathlib import Path
+
+    from kvcompile.weights import is_hf_checkpoint
+    if is_hf_checkpoint(path):
+        from kvcompile.hf_checkpoint import config_from_hf, read_hf_config
+        folder = Path(path) if Path(path).is_dir() else Path(path).parent
+        return config_from_hf(read_hf_config(folder), str(folder / "config.json"))
+    from kvcompile.gguf.arch_config import config_from_metadata
+    from kvcompile.gguf.reader import open_gguf
+    f = open_gguf(path)
+    return config_from_metadata(f.metadata, f.tensors, path=str(path))
+
+
 def _model_classes() -> dict:
     from kvcompile.models.llama import LlamaModel
     classes = {"llama": LlamaModel}

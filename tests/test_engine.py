@@ -92,7 +92,13 @@ def test_bad_request_raises_then_engine_keeps_serving(engine, bad, error, words)
     assert engine.generate(PROMPT, max_tokens=8, temperature=0).token_ids == before
 
 
-def test_ctx_size_beyond_model_limit_is_refused():
+def test_ctx_size_beyond_model_limit_is_refused(monkeypatch):
+    """From the model file's header, before its weights load."""
+    import kvcompile.engine as engine_module
+
+    def no_load(*a, **k):
+        raise AssertionError("the weights were loaded before ctx_size was checked")
+    monkeypatch.setattr(engine_module, "load_model", no_load)
     with pytest.raises(ContextLengthError, match="--ctx-size"):
         Engine(None, ctx_size=10**6, progress=False)
 
