@@ -248,6 +248,38 @@ def test_failed_forward_leaves_the_cache_usable(model):
     assert ids == ids_ref and torch.equal(got, ref[1:]), SEED
 
 
+def test_failed_forward_before_any_layer_waits_for_its_refills(model):
+    """Found by review: a forward that fails before acquiring a layer had issued refills of
+    dropped resident pages that the next forward counted as landed. With a slow copy stream
+    and the fence checker, the next decode must equal the all-resident cache bitwise."""
+    checker, delay = FenceChecker(), [0.0]
+    backend = CpuBackend(threaded_copies=True,
+                         instrument=Instrument(checker=checker, copy_delay=lambda: delay[0]))
+    cache = StreamingKvCache(CFG, MAX_TOKENS, 6 * min_arena_bytes(CFG, MAX_TOKENS,
+                                                                  page_size=PS) / MIB,
+                             page_size=PS, backend=backend)
+    ref = PagedKvCache(CFG, MAX_TOKENS, page_size=PS)
+    prompt = _prompt(SEED, 100)
+
+    class Boom(Exception):
+        pass
+
+    def broken(tokens, positions, cache, last_only):
+        raise Boom
+
+    with torch.inference_mode():
+        forward(model, cache, prompt, torch.arange(100))
+        model(prompt, torch.arange(100), ref)
+        cache.drop_resident()                 # the next issue refills every resident page
+        delay[0] = 0.2
+        with pytest.raises(Boom):
+            forward(broken, cache, prompt[:1], torch.tensor([100]))
+        got = forward(model, cache, prompt[:1], torch.tensor([100]), last_only=True)
+        want = model(prompt[:1], torch.tensor([100]), ref, last_only=True)
+    cache.close()
+    assert torch.equal(got, want) and not checker.violations, checker.violations[:2]
+
+
 def test_reset_between_sequences(model):
     """A second sequence after reset() sees none of the first one's pages."""
     first, second = _prompt(SEED + 1, 250), _prompt(SEED, PROMPT_LEN)

@@ -167,6 +167,9 @@ class StreamingKvCache:
         s, self._step = self._step, None
         self.pool.end()
         if not ok:                        # rows of a failed forward are not history
+            # Its layers were issued but maybe never acquired: their refills of resident
+            # pages count as valid from the next forward on, so they must have landed.
+            self.pool.drain()
             return
         if self.backend.sync_each_forward:
             self.engine.synchronize()     # CPU: trivial; the published rows are in place
