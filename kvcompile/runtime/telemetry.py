@@ -12,7 +12,7 @@ class StepStats:
     resident_pages: int          # physical pages given to residents (all layers)
     ring_slots: int
     h2d_bytes: int               # host -> device bytes copied (streaming and refills)
-    d2h_bytes: int               # rows published to host history
+    d2h_bytes: int               # bytes published to host history (whole written pages)
     readiness_misses: int        # layers whose pages were not ready when attention wanted them
     copy_busy_pct: float         # copy engine busy time / wall time from this forward's
     #                              begin to the next one's (to its own end until then)
