@@ -40,7 +40,7 @@ class PassPipeline:
             raise PassError(f"pass names must be unique in a pipeline; repeated: {dup}")
 
     def _disabled(self, disable: Iterable[str] | None) -> set[str]:
-        names = set(disable or ())
+        names = {disable} if isinstance(disable, str) else set(disable or ())
         env = os.environ.get(DISABLE_ENV, "")
         names |= {n.strip() for n in env.split(",") if n.strip()}
         unknown = sorted(names - set(self.names))

@@ -37,7 +37,11 @@ class PlaceRingOps:
             raise PassError(f"prefetch distance must be an int >= 0 (attention ops ahead), "
                             f"got {distance!r}")
         self.distance = distance
-        self.streamed = None if streamed is None else frozenset(int(i) for i in streamed)
+        try:
+            self.streamed = None if streamed is None else frozenset(int(i) for i in streamed)
+        except (TypeError, ValueError):
+            raise PassError(f"streamed must be layer indices (ints) or None, got "
+                            f"{streamed!r}") from None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphModule:
         g = gm.graph

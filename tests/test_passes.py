@@ -90,6 +90,9 @@ def test_pipeline_runs_in_order_and_disables_by_name(monkeypatch):
     gm, _ = attention_chain(1)
     gm = pipe.run(gm, inputs, disable={"b"})
     assert gm.meta["order"] == ["a", "c"]
+    gm, _ = attention_chain(1)
+    gm = pipe.run(gm, inputs, disable="b")               # one name as a string
+    assert gm.meta["order"] == ["a", "c"]
     monkeypatch.setenv(P.DISABLE_ENV, "a, c")
     gm, _ = attention_chain(1)
     gm = pipe.run(gm, inputs)
@@ -115,6 +118,8 @@ def test_pipeline_errors(monkeypatch):
         PassPipeline([bad]).run(gm, inputs)
     with pytest.raises(PassError, match="distance"):
         PlaceRingOps(-1)
+    with pytest.raises(PassError, match="layer indices"):
+        default_pipeline(streamed="ab")
 
 
 # ---------------------------------------------------------------- place_ring_ops

@@ -176,6 +176,22 @@ def test_compiled_programs_equal_eager(model_and_ids):
     torch.testing.assert_close(torch.cat(runs[1]), want, rtol=1e-5, atol=1e-5)
 
 
+def test_many_compiled_managers_in_one_process(model_and_ids):
+    """Found by review: each manager's graphs counted toward dynamo's recompile limit of the
+    model's forward, so about the third Engine(cuda_graphs=True) of a process failed. Four
+    managers over four model instances, five shapes each, all equal to eager."""
+    _, ids = model_and_ids
+    for m in range(4):
+        model = LlamaModel.from_weights(CFG, tiny_weights(CFG, torch.Generator().manual_seed(m)))
+        manager = PhaseManager(model, cache(), ubatch=16, compile=True, capture=False)
+        got = [manager.forward(ids[:16], 0)] + [manager.forward(ids[16:16 + w], 16)
+                                               for w in (1, 2, 3, 5)]
+        ref = PhaseManager(model, cache(), ubatch=16, compile=False, capture=False)
+        want = [ref.forward(ids[:16], 0)] + [ref.forward(ids[16:16 + w], 16)
+                                            for w in (1, 2, 3, 5)]
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), m
+
+
 def test_separate_storage_same_bytes_own_storage_and_keeps_the_arena_alive():
     """The inductor path's pool views: same bytes, a storage of their own, and the arena's
     memory lives as long as the view does (an ndarray stands in for the arena's owner)."""
@@ -247,6 +263,10 @@ def test_bad_input_is_a_clear_error(model_and_ids):
         PhaseManager(model, cache(), ubatch=300)
     with pytest.raises(PhaseError, match="positive number of tokens"):
         PhaseManager(model, cache(), ubatch=0)
+    with pytest.raises(PhaseError, match="decode buckets must be positive"):
+        PhaseManager(model, cache(), ubatch=16, buckets=())
+    with pytest.raises(PhaseError, match="unknown phase"):
+        PhaseManager(model, cache(), ubatch=16, workspace_bytes={"bogus": 1 << 20})
     m = PhaseManager(model, cache(), ubatch=16)
     with pytest.raises(PhaseError, match="chunk of 20 tokens is larger than the ubatch of 16"):
         m.forward(ids[:20], 0)

@@ -100,6 +100,8 @@ class PhaseManager:
         self.model, self.cache, self.ubatch = model, cache, ubatch
         self.device = torch.device(cache.device)
         self.buckets = tuple(sorted(buckets))
+        if not self.buckets or any(not isinstance(b, int) or b <= 0 for b in self.buckets):
+            raise PhaseError(f"decode buckets must be positive row counts, got {buckets!r}")
         self.capture = self.device.type == "cuda" if capture is None else capture
         # Capture needs the compiled forward: eager forwards check positions on the host
         # (a synchronisation, illegal while capturing); the compiled graph leaves it out.
@@ -126,6 +128,10 @@ class PhaseManager:
         scratches = model.config.n_layers if self.lower == "inductor" else 1
         ws = {p: L.workspace_bytes(model.config, p, ubatch, _sms(self.device), scratches)
               for p in L.PHASES}
+        unknown = set(workspace_bytes or {}) - set(L.PHASES)
+        if unknown:
+            raise PhaseError(f"workspace_bytes names unknown phase(s) {sorted(unknown)}; the "
+                             f"phases are {list(L.PHASES)}")
         ws.update(workspace_bytes or {})
         if any(w < self.scratch for w in ws.values()):
             raise PhaseError(f"a phase workspace must hold at least the attention scratch of "
@@ -229,6 +235,11 @@ class PhaseManager:
         model, cache = self.model, self.cache
         if self.compile and self._compiled is None:
             from kvcompile.passes import compile_model, default_pipeline
+            # Dynamo keys its cache on the backend, so an earlier manager's graphs are never
+            # reused here, yet they count toward the recompile limit of the model's forward
+            # (the third Engine(cuda_graphs=True) of a process hit it): drop them. An earlier
+            # manager still alive recompiles only a shape it has not captured yet.
+            torch._dynamo.reset_code(type(model).forward.__code__)
             # streamed=(): every page is resident, no ring ops to place
             self._compiled = compile_model(model, default_pipeline(streamed=()),
                                            lower=self.lower, dynamic=False)
