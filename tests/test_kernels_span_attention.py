@@ -408,11 +408,18 @@ def test_decode_choice_by_shape(k_name, v_name, rows, group, want):
 
 # ---- bad input (CPU, through the op) ---------------------------------------------------------
 
-def test_bad_inputs_raise_clear_errors():
+def bad_input_args(device="cpu") -> dict:
+    """Valid op arguments to spoil: q8_0/q4_0 pages of 16, a 40-position context, 2 rows."""
     gen = torch.Generator().manual_seed(fresh_seed())
-    q, q_pos, placed = build("q8_0", "q4_0", 40, 2, 64, 2, 2, 16, torch.bfloat16, gen)
+    q, q_pos, placed = build("q8_0", "q4_0", 40, 2, 64, 2, 2, 16, torch.bfloat16, gen,
+                             device=device)
     table, kp, vp = placed["resident"]
-    a = args_of("q8_0", "q4_0", q, q_pos, table, kp, vp, 16)
+    return args_of("q8_0", "q4_0", q, q_pos, table, kp, vp, 16)
+
+
+def test_bad_inputs_raise_clear_errors():
+    a = bad_input_args()
+    q, q_pos, table, vp = a["q"], a["q_pos"], a["page_table"], a["v_pool"]
     op = torch.ops.kvcompile.span_attention
     bad = {
         "unknown type": (dict(a, k_type=6), "unsupported KV cache type"),
@@ -457,10 +464,8 @@ def index_value_cases(a):
 
 
 def test_bad_index_values_raise_clear_errors_and_the_op_keeps_serving():
-    gen = torch.Generator().manual_seed(fresh_seed())
-    q, q_pos, placed = build("q8_0", "q4_0", 40, 2, 64, 2, 2, 16, torch.bfloat16, gen)
-    table, kp, vp = placed["resident"]
-    a = args_of("q8_0", "q4_0", q, q_pos, table, kp, vp, 16)
+    a = bad_input_args()
+    q, q_pos, table = a["q"], a["q_pos"], a["page_table"]
     op = torch.ops.kvcompile.span_attention
     want = op(**a)
     bad = dict(index_value_cases(a), **{
@@ -486,11 +491,8 @@ def test_bad_index_values_raise_clear_errors_and_the_op_keeps_serving():
 def test_gpu_index_values_checked_when_asked(monkeypatch):
     """On CUDA the values are read only with KVCOMPILE_CHECK_INDICES=1 (a sync a call)."""
     from kvcompile.ops import index_checks
-    gen = torch.Generator().manual_seed(fresh_seed())
-    q, q_pos, placed = build("q8_0", "q4_0", 40, 2, 64, 2, 2, 16, torch.bfloat16, gen,
-                             device="cuda")
-    table, kp, vp = placed["resident"]
-    a = args_of("q8_0", "q4_0", q, q_pos, table, kp, vp, 16)
+    a = bad_input_args("cuda")
+    table, q_pos = a["page_table"], a["q_pos"]
     monkeypatch.setattr(index_checks, "ENABLED", True)
     op = torch.ops.kvcompile.span_attention
     want = op(**a)
