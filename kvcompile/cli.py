@@ -53,15 +53,13 @@ def _add_generate(sub) -> None:
 
 def _run_generate(args) -> int:
     from kvcompile.engine import Engine
-    from kvcompile.ops.kv_format import kv_type
     from kvcompile.sampling import SamplingParams
 
     # Check what needs no model first: a typo should not cost a model load.
     request = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
                    repeat_last_n=args.repeat_last_n, seed=args.seed, stop=tuple(args.stop))
-    SamplingParams.from_options(**request)
-    kv_type(args.cache_type_k), kv_type(args.cache_type_v)
+    SamplingParams.from_options(**request)      # Engine checks its own options before loading
     if args.system is not None and not args.chat:
         raise KvcompileError("--system needs --chat (the system message goes into the chat "
                              "template)")

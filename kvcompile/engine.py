@@ -228,13 +228,12 @@ class Engine:
         return {}
 
     def _prefill(self, ids: list[int]) -> torch.Tensor:
-        starts = range(0, len(ids), self.ubatch)
         # a bar once the prompt is long enough to take a while (progress=False: none)
         bar = tqdm(total=len(ids), desc="prefill", unit="tok", leave=False, file=sys.stderr,
                    disable=not self.progress or len(ids) < PREFILL_BAR_TOKENS)
         logits = None
         with bar:
-            for start in starts:
+            for start in range(0, len(ids), self.ubatch):
                 piece = ids[start:start + self.ubatch]
                 logits = self.forward(piece, start)
                 bar.update(len(piece))

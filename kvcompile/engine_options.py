@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kvcompile.errors import ArenaError, ContextLengthError, DeviceError, KvcompileError
+from kvcompile.errors import ContextLengthError, DeviceError, KvcompileError
 from kvcompile.ops.kv_format import kv_type
+from kvcompile.runtime.make import check_arena_mib
 
 
 def parse_device(device: str | torch.device | None) -> torch.device:
@@ -33,11 +34,7 @@ def check_engine_options(ctx_size, ubatch, cache_type_k="f32", cache_type_v="f32
                          kv_stream_arena_mib=0) -> None:
     """The engine options a typo can break that need no model (checked before loading)."""
     kv_type(cache_type_k), kv_type(cache_type_v)          # KvLayoutError names the types
-    arena = kv_stream_arena_mib
-    if arena is not None and (not isinstance(arena, (int, float)) or isinstance(arena, bool)
-                              or not arena >= 0):
-        raise ArenaError(f"kv_stream_arena_mib (--kv-stream-arena-mib) must be 0 (everything "
-                         f"on the device) or a positive size in MiB, got {arena!r}")
+    check_arena_mib(kv_stream_arena_mib)
     if ctx_size is not None and (not isinstance(ctx_size, int) or isinstance(ctx_size, bool)
                                  or ctx_size <= 0):
         raise ContextLengthError(f"ctx_size (--ctx-size) must be a positive integer (or None "

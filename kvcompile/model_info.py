@@ -27,10 +27,10 @@ def _hf_listing(path):
     """The same for a Hugging Face folder, from safetensors headers (no tensor is read)."""
     from safetensors import safe_open
 
-    from kvcompile.hf_checkpoint import config_from_hf, read_hf_config
+    from kvcompile.loader import read_config
 
     folder = Path(path) if Path(path).is_dir() else Path(path).parent
-    cfg = config_from_hf(read_hf_config(folder), str(folder / "config.json"))
+    cfg = read_config(path)
     listing = []
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="np") as h:

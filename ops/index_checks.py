@@ -50,6 +50,17 @@ def _check_pages(pages: torch.Tensor, n_pages: int, what: str) -> None:
                             f"0..{n_pages - 1}")
 
 
+def _check_in_table(lo: int, hi: int, page_table: torch.Tensor, page_size: int,
+                    what: str) -> None:
+    """Positions lo..hi lie in the table's logical pages (`what` names them, with its verb)."""
+    cap = page_table.numel() * page_size
+    if lo < 0 or hi >= cap:
+        raise KvLayoutError(
+            f"{what} {lo}..{hi}, but the page_table's {page_table.numel()} logical "
+            f"pages of {page_size} positions cover 0..{cap - 1}: pass a page_table of at "
+            f"least {hi // page_size + 1} entries and positions >= 0")
+
+
 def check_context_table(page_table: torch.Tensor, q_pos: torch.Tensor, n_pages: int,
                         page_size: int) -> None:
     """span_attention: every q_pos in [0, len(page_table) * page_size), and the logical
@@ -58,12 +69,7 @@ def check_context_table(page_table: torch.Tensor, q_pos: torch.Tensor, n_pages: 
     if q_pos.numel() == 0:
         return
     lo, hi = _bounds(q_pos)
-    cap = page_table.numel() * page_size
-    if lo < 0 or hi >= cap:
-        raise KvLayoutError(
-            f"q_pos spans {lo}..{hi}, but the page_table's {page_table.numel()} logical "
-            f"pages of {page_size} positions cover 0..{cap - 1}: pass a page_table of at "
-            f"least {hi // page_size + 1} entries and positions >= 0")
+    _check_in_table(lo, hi, page_table, page_size, "q_pos spans")
     check_distinct_pages(page_table[: hi // page_size + 1], n_pages, "page_table entries")
 
 
@@ -106,10 +112,6 @@ def check_write_targets(slots: torch.Tensor, page_table: torch.Tensor | None, n_
             raise KvLayoutError(f"slots span {lo}..{hi}; {n_pages} pages of {page_size} "
                                 f"positions hold slots 0..{cap - 1}")
         return
-    cap = page_table.numel() * page_size
-    if lo < 0 or hi >= cap:
-        raise KvLayoutError(
-            f"positions span {lo}..{hi}, but the page_table's {page_table.numel()} logical "
-            f"pages of {page_size} positions cover 0..{cap - 1}")
+    _check_in_table(lo, hi, page_table, page_size, "positions span")
     _check_pages(page_table[slots.long() // page_size], n_pages,
                  "the page_table entries of these positions")

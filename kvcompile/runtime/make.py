@@ -13,14 +13,20 @@ from kvcompile.kv_cache import PagedKvCache
 from kvcompile.runtime.streaming_cache import StreamingKvCache
 
 
+def check_arena_mib(arena_mib) -> None:
+    """0 / None (everything on the device) or a positive size in MiB; ArenaError otherwise."""
+    if arena_mib is not None and (not isinstance(arena_mib, (int, float))
+                                  or isinstance(arena_mib, bool) or not arena_mib >= 0):
+        raise ArenaError(f"kv_stream_arena_mib (--kv-stream-arena-mib) must be 0 (everything "
+                         f"on the device) or a positive size in MiB, got {arena_mib!r}")
+
+
 def make_kv_cache(config, max_tokens: int, arena_mib: float = 0, k_type="f32", v_type="f32",
                   page_size: int = 256, device="cpu", layers=None, backend=None, **kw):
     if arena_mib is None or arena_mib == 0:
         return PagedKvCache(config, max_tokens, k_type=k_type, v_type=v_type,
                             page_size=page_size, device=device, layers=layers)
-    if not isinstance(arena_mib, (int, float)) or arena_mib < 0:
-        raise ArenaError(f"kv_stream_arena_mib (--kv-stream-arena-mib) must be 0 (everything "
-                         f"on the device) or a positive size in MiB, got {arena_mib!r}")
+    check_arena_mib(arena_mib)
     if backend is None:
         kind = torch.device(device).type
         if kind == "cuda":
