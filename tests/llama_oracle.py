@@ -56,3 +56,13 @@ def agreement(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, floa
     lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(ours.double(), -1)
     kl = (lp.exp() * (lp - lq)).sum(-1)
     return top1, kl.mean().item(), kl.max().item()
+
+
+def decisive_agreement(ours: torch.Tensor, ref: torch.Tensor,
+                       gap: float) -> tuple[float, int]:
+    """(top-1 agreement, row count) over the rows where ref's top-1 logit leads its second
+    by at least `gap`: the rows a small perturbation of the logits cannot flip."""
+    top2 = ref.topk(2, -1).values
+    keep = top2[:, 0] - top2[:, 1] >= gap
+    agree = ours.argmax(-1)[keep] == ref.argmax(-1)[keep]
+    return (agree.double().mean().item() if keep.any() else float("nan")), int(keep.sum())

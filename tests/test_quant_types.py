@@ -15,7 +15,7 @@ import torch
 from kvcompile.kv_cache import PagedKvCache
 from kvcompile.models.llama import LlamaModel
 from kvcompile.weights import load_weights
-from llama_oracle import agreement, llama_cpp, llama_cpp_logits
+from llama_oracle import agreement, decisive_agreement, llama_cpp, llama_cpp_logits
 
 # llama.cpp file types -> (ftype constant suffix, quantize every tensor with it ("pure")).
 # SmolLM2's 576-wide rows are not a multiple of 256, so in K/IQ files only ffn_down takes the
@@ -37,6 +37,15 @@ REQUIRED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", 
 # types the gguf package can quantize, assigned round-robin over the 2D weights of one file
 GGUF_PY_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "F16"]
 N_TOKENS = 256
+# Bounds for the files of 4 bits and more. llama.cpp quantizes the activations inside its
+# quantized matmuls (Q8_K for the K-quants), which flips near-ties: over 8 windows x 7 files
+# (2026-12-01) every top-1 difference had llama.cpp's top two logits within 0.74 of each
+# other, top-1 over all rows was 0.898-0.98 (0.898 failed the earlier 0.90 floor) and the
+# mean KL 2.4e-3-7.2e-3. So: no difference where llama.cpp's lead is >= DECISIVE_GAP
+# (~90 of 256 rows a window), the mean KL bounded, and a loose floor on all rows.
+DECISIVE_GAP = 1.0
+MAX_MEAN_KL = 1.5e-2
+MIN_TOP1 = 0.85
 # Plain modern prose (~420 tokens); the window is drawn at random per session. Top-1
 # agreement with llama.cpp is noisy over short windows (it quantizes activations, which flips
 # near-ties), so the window is long.
@@ -182,12 +191,16 @@ def test_quant_file(label, quantized_files, f32_weights, prompt_tokens):
     del w
     ref = llama_cpp_logits(llama_cpp(path, n_ctx=2 * N_TOKENS), prompt_tokens)
     top1, kl, kl_max = agreement(ours, ref)
+    sure, n_sure = decisive_agreement(ours, ref, DECISIVE_GAP)
     held = label not in LOW_BIT_FILES
     print(f"\n{label:8s} vs llama.cpp on the same file, {len(prompt_tokens)} tokens: "
-          f"top1 {top1:6.1%}  KL mean {kl:.2e} max {kl_max:.2e}  weight rel err <= {worst:.3f}"
-          f"  {'' if held else '(below 4 bits: not held to 90%) '}{dict(types)}")
+          f"top1 {top1:6.1%} ({sure:6.1%} of {n_sure} rows led by >= {DECISIVE_GAP})  KL mean "
+          f"{kl:.2e} max {kl_max:.2e}  weight rel err <= {worst:.3f}"
+          f"  {'' if held else '(below 4 bits: not held to the bounds) '}{dict(types)}")
     if held:
-        assert top1 >= 0.90
+        assert n_sure >= N_TOKENS // 5 and sure == 1.0, \
+            f"{label}: top-1 differs from llama.cpp where its lead is >= {DECISIVE_GAP}"
+        assert kl <= MAX_MEAN_KL and top1 >= MIN_TOP1, (label, top1, kl)
 
 
 def test_every_required_type_covered(quantized_files):
