@@ -31,9 +31,8 @@ def llama_cpp_greedy(llm, prompt: list[int], n: int) -> tuple[list[int], list[fl
     out, gaps = [], []
     for _ in range(n):
         row = torch.from_numpy(np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32))
-        top = row.topk(2).values
         out.append(int(row.argmax()))
-        gaps.append(float(top[0] - top[1]))
+        gaps.append(float(top2_gap(row)))
         llm.eval([out[-1]])
     return out, gaps
 
@@ -58,11 +57,16 @@ def agreement(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, floa
     return top1, kl.mean().item(), kl.max().item()
 
 
+def top2_gap(logits: torch.Tensor) -> torch.Tensor:
+    """How far each row's top logit leads its second (last dim)."""
+    top = logits.topk(2, -1).values
+    return top[..., 0] - top[..., 1]
+
+
 def decisive_agreement(ours: torch.Tensor, ref: torch.Tensor,
                        gap: float) -> tuple[float, int]:
     """(top-1 agreement, row count) over the rows where ref's top-1 logit leads its second
-    by at least `gap`: the rows a small perturbation of the logits cannot flip."""
-    top2 = ref.topk(2, -1).values
-    keep = top2[:, 0] - top2[:, 1] >= gap
+    by at least `gap`: the rows a small perturbation of the logits cannot flip (nan: none)."""
+    keep = top2_gap(ref) >= gap
     agree = ours.argmax(-1)[keep] == ref.argmax(-1)[keep]
-    return (agree.double().mean().item() if keep.any() else float("nan")), int(keep.sum())
+    return agree.double().mean().item(), int(keep.sum())
