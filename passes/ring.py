@@ -25,6 +25,12 @@ class PlaceRingOps:
     token runs through every ring op in graph order, so the order is a data dependency
     that no scheduler may reorder and DCE may not drop (the ops are side-effectful).
 
+    A `kv_write` of the same layer that maps its rows through the same page table (its
+    optional `page_table` argument, as the models pass it) is rewired to the acquired table
+    as well, and the acquire goes before it: the layer's new rows land where its attention
+    reads them (in a ring slot when the layer streams), not through the table as it was
+    before the layer's pages were placed.
+
     `streamed`: the model layers whose pages stream (None: every attention layer).
     A layer is identified by `node.meta["kvcompile_layer"]`, else dynamo's module path
     (`blocks.N`), else the ordinal of the attention in the graph.
@@ -49,6 +55,8 @@ class PlaceRingOps:
             raise PassError("the graph already has ring ops; place_ring_ops must run once")
         attns = nodes_of(gm, "span_attention")
         layers = [layer_of(n, i) for i, n in enumerate(attns)]
+        writes = nodes_of(gm, "kv_write")
+        write_layers = [layer_of(n, i) for i, n in enumerate(writes)]
         todo = [k for k, lay in enumerate(layers)
                 if self.streamed is None or lay in self.streamed]
         if not todo:
@@ -67,7 +75,10 @@ class PlaceRingOps:
         for k in todo:
             attn, layer = attns[k], layers[k]
             table = arg(attn, 3, "page_table")
-            anchor = attns[max(0, k - self.distance)]
+            same = [w for w, wl in zip(writes, write_layers)
+                    if wl == layer and arg(w, 8, "page_table", None) is table]
+            # `distance` attentions ahead, and before the layer's own writes through the table
+            anchor = min([attns[max(0, k - self.distance)]] + same, key=order.__getitem__)
             if isinstance(table, fx.Node) and order[table] >= order[anchor]:
                 where = g.inserting_after(table)   # the table is computed late: issue then
             else:
@@ -80,7 +91,8 @@ class PlaceRingOps:
             for n in (acq, tok, placed):
                 n.meta["kvcompile_layer"] = layer
             acq.meta["kvcompile_prefetch_distance"] = self.distance
-            attn.replace_input_with(table, placed)
+            for reader in [attn] + same:
+                reader.replace_input_with(table, placed)
             with g.inserting_after(attn):
                 rel = g.call_function(torch.ops.kvcompile.ring_release.default,
                                       (token, attn, layer))

@@ -24,9 +24,10 @@ REL = torch.ops.kvcompile.ring_release.default
 
 
 def attention_chain(n_layers: int, rows: int = 1, layer_meta: list[int] | None = None,
-                    with_writes: bool = False):
-    """x -> [kv_write ->] span_attention -> x * 2 per layer, built with fx.Graph directly.
-    Returns (gm, example inputs)."""
+                    with_writes: bool = False, write_table: bool = False):
+    """x -> [kv_write ->] span_attention -> x * 2 per layer, built with fx.Graph directly;
+    write_table: the writes map q_pos through the layer's page table, as the models' do
+    (else they take physical slots). Returns (gm, example inputs)."""
     g = fx.Graph()
     x = g.placeholder("x")
     q_pos = g.placeholder("q_pos")
@@ -45,7 +46,8 @@ def attention_chain(n_layers: int, rows: int = 1, layer_meta: list[int] | None =
     for i, (kp, vp, pt) in enumerate(layer_inputs):
         if with_writes:
             kv = g.call_function(torch.narrow, (x, 1, 0, HKV))
-            w = g.call_function(KVW, (kp, vp, kv, kv, slots, 0, 0, PAGE))
+            w = g.call_function(KVW, (kp, vp, kv, kv, q_pos, 0, 0, PAGE, pt) if write_table
+                                else (kp, vp, kv, kv, slots, 0, 0, PAGE))
             if layer_meta:
                 w.meta["kvcompile_layer"] = layer_meta[i]
         a = g.call_function(ATT, (x, kp, vp, pt, q_pos, 0, 0, PAGE, D ** -0.5))
@@ -164,6 +166,38 @@ def test_ring_ops_ordering_and_prefetch_distance(distance):
     gm.recompile()
     assert [s for s in ring_sequence(gm)] == expected
     assert torch.equal(gm(*inputs), want)
+
+
+@pytest.mark.parametrize("distance", [0, 1, 3])
+def test_ring_ops_rewire_the_layers_writes_through_its_table(distance):
+    """A kv_write that maps its rows through the layer's page table reads the acquired table
+    too, and the acquire comes before it (else new rows would land where the attention no
+    longer reads); writes with physical slots and other layers' tables are left alone."""
+    n = 3
+    gm, inputs = attention_chain(n, layer_meta=[0, 1, 2], with_writes=True, write_table=True)
+    want = attention_chain(n, layer_meta=[0, 1, 2], with_writes=True,
+                           write_table=True)[0](*[t.clone() for t in inputs])
+    gm = PlaceRingOps(distance, streamed={0, 2})(gm, inputs)
+    pos = {nd: i for i, nd in enumerate(gm.graph.nodes)}
+    acq = {nd.args[2]: nd for nd in gm.graph.nodes if nd.target is ACQ}
+    assert sorted(acq) == [0, 2]
+    for w in (nd for nd in gm.graph.nodes if nd.target is KVW):
+        layer, table = w.meta["kvcompile_layer"], w.args[8]
+        if layer in acq:
+            assert table.target is operator.getitem and table.args == (acq[layer], 1)
+            assert pos[acq[layer]] < pos[w]
+        else:
+            assert table.op == "placeholder" and table.name == f"page_table_{layer}"
+    for a in (nd for nd in gm.graph.nodes if nd.target is ATT):
+        layer = a.meta["kvcompile_layer"]
+        assert (a.args[3].target is operator.getitem) == (layer in acq)
+    out = gm(*[t.clone() for t in inputs])
+    assert torch.equal(out, want)
+    # writes with physical slots (no table argument) keep their arguments
+    gm, inputs = attention_chain(2, layer_meta=[0, 1], with_writes=True)
+    before = [w.args for w in gm.graph.nodes if w.target is KVW]
+    gm = PlaceRingOps(distance)(gm, inputs)
+    assert [w.args for w in gm.graph.nodes if w.target is KVW] == before
 
 
 def test_ring_ops_only_for_streamed_layers_and_layer_ids_from_meta():
