@@ -13,6 +13,7 @@ import torch
 
 from kvcompile.models import gdn_fla
 from kvcompile.models.gated_deltanet import gdn_chunked, gdn_recurrent
+from llama_oracle import top2_gap
 from test_gated_deltanet import _inputs as gdn_inputs
 
 pytestmark = [pytest.mark.gpu,
@@ -141,8 +142,7 @@ def compare_models(ref_model, model, prompt, n):
     scale = ref.abs().max().item()
     err = (out - ref).abs().max().item()
     agree = out.argmax(-1) == ref.argmax(-1)
-    top2 = ref.topk(2, dim=-1).values
-    gaps = top2[:, 0] - top2[:, 1]
+    gaps = top2_gap(ref)
     decode = agree[len(prompt) - 1: len(prompt) - 1 + n]
     print(f"{len(ref)} rows: max |dlogit| / max |logit| {err / scale:.2e}, top-1 "
           f"{agree.double().mean().item():.4f}, greedy tokens equal {int(decode.sum())}/{n}, "
