@@ -398,6 +398,12 @@ def test_tiny_llama_compiled_through_the_pipeline_equals_eager(monkeypatch):
         assert targets.count("kvcompile.ring_acquire") == TINY.n_layers
         assert targets.count("kvcompile.ring_release") == TINY.n_layers
         assert gm.meta["kvcompile_passes"] == pipeline.names
+        # each layer's kv_write maps its rows through the table its acquire returned
+        writes = [nd for nd in gm.graph.nodes if P.graph_util.is_op(nd, "kv_write")]
+        assert len(writes) == TINY.n_layers
+        for w in writes:
+            table = P.graph_util.arg(w, 8, "page_table")
+            assert table.target is operator.getitem and table.args[0].target is ACQ
         seq = ring_sequence(gm)
         assert [s[0] for s in seq] == ["acquire", "acquire", "attention", "release",
                                        "attention", "release"]
