@@ -53,7 +53,7 @@ def _floor_split(q_ptr, k_codes, k_scl, v_codes, v_scl, page_table, q_pos_ptr,
                  v_page_elems, v_page_halves, v_code_halves,
                  G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
-                 HOIST: tl.constexpr, PDL: tl.constexpr):
+                 HOIST: tl.constexpr, TILE_V: tl.constexpr, PDL: tl.constexpr):
     """_decode_split_t's reads (q8_0 K, q4_0 V) with int8 dots against ones as the math."""
     wait_for_producers_hold_next(PDL)
     NB: tl.constexpr = D // 32
@@ -90,7 +90,12 @@ def _floor_split(q_ptr, k_codes, k_scl, v_codes, v_scl, page_table, q_pos_ptr,
             c = k_code_block(k_codes, phys, h, n0, off, b, k_page_elems, P, BLOCK_N, D, 32,
                              TMA)
             acc_k = tl.dot(c.to(tl.int8, bitcast=True), ones_k, acc_k, out_dtype=tl.int32)
-        v = v_code_tile(v_codes, phys, h, n0, off, v_page_elems, P, BLOCK_N, W, TMA)
+        if TILE_V:    # the same bytes as if a tile's V codes lay together (tile-major)
+            v = tl.reshape(v_codes.load([phys.to(tl.int32),
+                                         (h * (P // BLOCK_N) + (n0 % P) // BLOCK_N) * W, 0]),
+                           (W, BLOCK_N))
+        else:
+            v = v_code_tile(v_codes, phys, h, n0, off, v_page_elems, P, BLOCK_N, W, TMA)
         acc_v = tl.dot(v.to(tl.int8, bitcast=True), ones_v, acc_v, out_dtype=tl.int32)
         sk += ks.to(tl.float32)
         sv += vs.to(tl.float32)
@@ -108,10 +113,12 @@ def _floor_split(q_ptr, k_codes, k_scl, v_codes, v_scl, page_table, q_pos_ptr,
 
 
 def floor_launch(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, scale,
-                 out=None, hoist=False, **cfg):
+                 out=None, hoist=False, tile_v=False, **cfg):
     """The floor split launched as span_attention_decode_transposed launches its split
     (launch options `cfg` as split_launch takes them), no reduce.
-    hoist: the page id read once before the loop (needs chunks inside one page)."""
+    hoist: the page id read once before the loop (needs chunks inside one page); tile_v:
+    each tile's V codes read as one contiguous block (a tile-major V layout's addresses, so
+    the values are not the decode's: timing only)."""
     sh = decode_shape(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, out)
     tma = tma_possible(k_pool, v_pool)
     go = split_launch(sh, DT.transposed_config(sh.head_dim, tma), page_size, q.device, **cfg)
@@ -121,12 +128,18 @@ def floor_launch(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size
     if tma:
         kv, vv = code_descriptors(k_pool, v_pool, sh.kg.kv_type, sh.vg.kv_type,
                                   sh.kg.n_heads, sh.head_dim, page_size, go.block_n)
+    assert tma or not tile_v, "tile_v reads by TMA"
+    if tile_v:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        w, bn = sh.head_dim // 2, go.block_n
+        vv = TensorDescriptor(v_pool, [v_pool.shape[0], sh.kg.n_heads * page_size // bn * w, bn],
+                              [v_pool.stride(0), bn, 1], [1, w, bn])
     launchable(_floor_split)[(go.n_chunks, sh.n_kv)](
         q, kv, ks, vv, vs, page_table, q_pos, *bufs,
         q.stride(0), q.stride(1), sh.n_rows, go.n_chunks, go.chunk_len, sh.table_len,
         kpe, kph, kch, vpe, vph, vch, G=sh.group, D=sh.head_dim, P=page_size,
         BLOCK_R=max(2, triton.next_power_of_2(sh.mrows)), BLOCK_N=go.block_n, TMA=tma,
-        HOIST=hoist, num_warps=go.num_warps, num_stages=go.num_stages, **pdl_launch(q.device))
+        HOIST=hoist, TILE_V=tile_v, num_warps=go.num_warps, num_stages=go.num_stages, **pdl_launch(q.device))
     return sh.out
 
 
@@ -196,7 +209,9 @@ VARIANTS = [("floor", dict()),
             ("floor_bn128", dict(block_n=128)),
             ("floor_bn128_hoist", dict(block_n=128, hoist=True)),
             ("floor_bn128_pps4", dict(block_n=128, programs_per_sm=4)),
-            ("floor_bn256_hoist_s1", dict(block_n=256, hoist=True, num_stages=1))]
+            ("floor_bn256_hoist_s1", dict(block_n=256, hoist=True, num_stages=1)),
+            ("floor_tile_v", dict(tile_v=True)),
+            ("floor_tile_v_bn128_hoist", dict(tile_v=True, block_n=128, hoist=True))]
 
 
 def main() -> None:
