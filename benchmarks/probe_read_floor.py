@@ -35,6 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import GEOMS, ROT, DecodeCase, graph_ms  # noqa: E402
 from bench_util import hbm_bandwidth, write_rows  # noqa: E402
 
+from probe_overhead import reduce_replaced  # noqa: E402
+
+from kvcompile.ops import kv_format as F  # noqa: E402
 from kvcompile.ops.launching import launchable  # noqa: E402
 from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers_hold_next  # noqa: E402
 from kvcompile.ops.span_attention import decode_transposed as DT  # noqa: E402
@@ -68,23 +71,21 @@ def _floor_split(q_ptr, k_codes, k_scl, v_codes, v_scl, page_table, q_pos_ptr,
     acc_v = tl.zeros([W, 8], tl.int32)
     sk = tl.zeros([BLOCK_N, NB], tl.float32)
     sv = tl.zeros([NB, BLOCK_N], tl.float32)
-    ks, vs = DT.tile_scales(DT.page_of(page_table, start, end, P), start, end, k_scl, v_scl,
-                            h, k_page_halves, k_code_halves, v_page_halves, v_code_halves, P,
-                            BLOCK_N, D)
-    phys_next = DT.page_of(page_table, start + BLOCK_N, end, P)
     phys0 = DT.page_of(page_table, start, end, P)
+    ks, vs = DT.tile_scales(phys0, start, end, k_scl, v_scl, h, k_page_halves, k_code_halves,
+                            v_page_halves, v_code_halves, P, BLOCK_N, D)
+    # HOIST: the chunk lies in one page (the launcher checks), so no table read in the loop
+    phys_next = phys0 if HOIST else DT.page_of(page_table, start + BLOCK_N, end, P)
     for n0 in range(start, end, BLOCK_N):
-        if HOIST:     # the chunk lies in one page (the launcher checks): no table read here
+        if HOIST:
             off = tl.multiple_of(n0 % P, BLOCK_N) + tl.arange(0, BLOCK_N)
             phys = phys0
-            ks_next, vs_next = DT.tile_scales(phys0, n0 + BLOCK_N, end, k_scl, v_scl, h,
-                                              k_page_halves, k_code_halves, v_page_halves,
-                                              v_code_halves, P, BLOCK_N, D)
         else:
             off, pos, _, phys = decode_tile(page_table, n0, end, P, BLOCK_N)
-            ks_next, vs_next = DT.tile_scales(phys_next, n0 + BLOCK_N, end, k_scl, v_scl, h,
-                                              k_page_halves, k_code_halves, v_page_halves,
-                                              v_code_halves, P, BLOCK_N, D)
+        ks_next, vs_next = DT.tile_scales(phys_next, n0 + BLOCK_N, end, k_scl, v_scl, h,
+                                          k_page_halves, k_code_halves, v_page_halves,
+                                          v_code_halves, P, BLOCK_N, D)
+        if not HOIST:
             phys_next = DT.page_of(page_table, n0 + 2 * BLOCK_N, end, P)
         for b in tl.static_range(NB):
             c = k_code_block(k_codes, phys, h, n0, off, b, k_page_elems, P, BLOCK_N, D, 32,
@@ -132,14 +133,15 @@ def floor_launch(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size
     if tile_v:
         from triton.tools.tensor_descriptor import TensorDescriptor
         w, bn = sh.head_dim // 2, go.block_n
-        vv = TensorDescriptor(v_pool, [v_pool.shape[0], sh.kg.n_heads * page_size // bn * w, bn],
-                              [v_pool.stride(0), bn, 1], [1, w, bn])
+        vv = TensorDescriptor(v_pool, [v_pool.shape[0], sh.kg.n_heads * page_size // bn * w,
+                                       bn], [v_pool.stride(0), bn, 1], [1, w, bn])
     launchable(_floor_split)[(go.n_chunks, sh.n_kv)](
         q, kv, ks, vv, vs, page_table, q_pos, *bufs,
         q.stride(0), q.stride(1), sh.n_rows, go.n_chunks, go.chunk_len, sh.table_len,
         kpe, kph, kch, vpe, vph, vch, G=sh.group, D=sh.head_dim, P=page_size,
         BLOCK_R=max(2, triton.next_power_of_2(sh.mrows)), BLOCK_N=go.block_n, TMA=tma,
-        HOIST=hoist, TILE_V=tile_v, num_warps=go.num_warps, num_stages=go.num_stages, **pdl_launch(q.device))
+        HOIST=hoist, TILE_V=tile_v, num_warps=go.num_warps, num_stages=go.num_stages,
+        **pdl_launch(q.device))
     return sh.out
 
 
@@ -194,9 +196,14 @@ def stream_rows(n_bytes: int, hbm: float, label: str) -> list:
     return rows
 
 
-# The KV bytes one 32K decode call reads (8 x 128 or 4 x 256: the same), by quantized pair.
-PASS_BYTES = [("q4_0/q4_0 at 32K", 37748736), ("q8_0/q4_0 at 32K", 54525952),
-              ("q8_0/q8_0 at 32K", 71303168)]
+def call_bytes(k_name: str, v_name: str, n_ctx: int = 32768) -> int:
+    """KV bytes one decode call over n_ctx positions reads (8 x 128 and 4 x 256 alike)."""
+    return n_ctx * sum(F.bytes_per_token(F.kv_type(t), 8, 128) for t in (k_name, v_name))
+
+
+# One pass over the KV bytes of a 32K decode call, by quantized pair.
+PASS_BYTES = [(f"{k}/{v} at 32K", call_bytes(k, v))
+              for k, v in (("q4_0", "q4_0"), ("q8_0", "q4_0"), ("q8_0", "q8_0"))]
 
 
 # floor split launches timed beside the shipped decode: (name, floor_launch keywords)
@@ -233,14 +240,10 @@ def main() -> None:
             for n_ctx in (int(c) for c in a.contexts.split(",")):
                 case = DecodeCase("q8_0", "q4_0", n_ctx, n_kv, d, n_q, "transposed")
                 ideal_us = case.kv_bytes / (hbm * 1e9) * 1e6
-                flats = [torch.empty(case.kv_bytes // 4, device="cuda") for _ in range(ROT)]
-                sum_us = graph_ms([lambda f=f: f.sum() for f in flats] * 5) * 1e3
-                del flats
-                fns = [("shipped", shipped),
-                       ("shipped_split_only", lambda *x, **k: DT_split_only(shipped, *x, **k))]
+                fns = [("shipped", shipped), ("shipped_split_only", split_only)]
                 fns += [(n, (lambda kw: lambda *x, **k: floor_launch(*x, **kw, **k))(kw))
                         for n, kw in VARIANTS if n in want]
-                times = {"torch_sum_same_bytes": sum_us}
+                times = {}
                 for rep in range(2):              # alternate, keep the faster of two
                     for name, fn in fns:
                         case.launch = fn
@@ -263,14 +266,10 @@ def main() -> None:
     write_rows(a.json, hbm, rows)
 
 
-def DT_split_only(shipped, *args, **kw):
+def split_only(*args, **kw):
     """The shipped transposed decode with its reduce replaced by nothing."""
-    real = DT.launch_reduce
-    DT.launch_reduce = lambda sh, *a, **k: sh.out
-    try:
-        return shipped(*args, **kw)
-    finally:
-        DT.launch_reduce = real
+    with reduce_replaced(lambda sh, *a, **k: sh.out):
+        return DT.span_attention_decode_transposed(*args, **kw)
 
 
 if __name__ == "__main__":

@@ -175,8 +175,7 @@ def test_ring_ops_rewire_the_layers_writes_through_its_table(distance):
     longer reads); writes with physical slots and other layers' tables are left alone."""
     n = 3
     gm, inputs = attention_chain(n, layer_meta=[0, 1, 2], with_writes=True, write_table=True)
-    want = attention_chain(n, layer_meta=[0, 1, 2], with_writes=True,
-                           write_table=True)[0](*[t.clone() for t in inputs])
+    want = gm(*[t.clone() for t in inputs])
     gm = PlaceRingOps(distance, streamed={0, 2})(gm, inputs)
     pos = {nd: i for i, nd in enumerate(gm.graph.nodes)}
     acq = {nd.args[2]: nd for nd in gm.graph.nodes if nd.target is ACQ}
