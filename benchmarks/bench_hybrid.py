@@ -127,8 +127,7 @@ def build_model(plan, config, dtype, device, seed: int) -> Qwen35Model:
 
 
 def weight_bytes(model: Qwen35Model) -> int:
-    extra = [t for t in (model.mtp_embed_weight, model.mtp_head_weight) if t is not None]
-    return param_bytes(model) + sum(t.nbytes for t in extra)
+    return param_bytes(model)
 
 
 def kv_bytes_per_token(model, k_type: str, v_type: str) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import time
 
@@ -28,6 +29,24 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def run_meta() -> dict:
+    """What every result row records: the git commit (KVCOMPILE_COMMIT, which the device
+    scripts pass since the device's copy has no .git, else `git rev-parse`), the UTC date,
+    the device and torch."""
+    import datetime
+    import subprocess
+    commit = os.environ.get("KVCOMPILE_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                    text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return dict(commit=commit, date=datetime.datetime.now(datetime.timezone.utc)
+                .strftime("%Y-%m-%dT%H:%M:%SZ"), device=device, torch=torch.__version__)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -41,10 +60,11 @@ def free_memory(device: torch.device) -> None:
 
 
 def param_bytes(model) -> int:
-    """Bytes of a model's parameters, each storage once (fused projections keep their
-    parts as views of one weight: counting parameters would count those bytes twice)."""
-    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
-                for p in model.parameters()}
+    """Bytes of a model's weights (parameters and quantized `qweight` buffers), each storage
+    once (fused projections keep their parts as views of one weight: counting parameters
+    would count those bytes twice)."""
+    tensors = [*model.parameters(), *(b for n, b in model.named_buffers() if n.endswith("qweight"))]
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in tensors}
     return sum(storages.values())
 
 

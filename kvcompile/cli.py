@@ -10,6 +10,17 @@ import sys
 from kvcompile.errors import KvcompileError
 
 
+def _arena_mib(text: str):
+    """--kv-stream-arena-mib: a number of MiB or 'auto'."""
+    if text.lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB or auto, got {text!r}") \
+            from None
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
     p.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
@@ -33,9 +44,14 @@ def _add_generate(sub) -> None:
     p.add_argument("-ctk", "--cache-type-k", default="f32", help="K cache type: f32 f16 bf16 q8_0 q4_0")
     p.add_argument("-ctv", "--cache-type-v", default="f32", help="V cache type: f32 f16 bf16 q8_0 q4_0")
     p.add_argument("-ub", "--ubatch-size", type=int, default=256, help="prefill chunk (256)")
-    p.add_argument("--kv-stream-arena-mib", type=float, default=0,
+    p.add_argument("--kv-stream-arena-mib", type=_arena_mib, default=0,
                    help="KV history in host RAM, streamed through an arena of this many MiB "
-                        "(0 = whole KV cache on the device, the default)")
+                        "(0 = whole KV cache on the device, the default; auto = what "
+                        "--gpu-memory-gib leaves, the whole KV when it fits)")
+    p.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help="device-memory budget for weights + workspace + KV arena, enforced "
+                        "(default: the GPU's free memory); with --kv-stream-arena-mib auto "
+                        "the arena gets what it leaves")
     p.add_argument("--trace", action="store_true", help="print per-step KV telemetry to stderr")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="run steps as phase programs: CUDA graphs per decode width and prefill "
@@ -69,7 +85,8 @@ def _run_generate(args) -> int:
     engine = Engine(args.model, ctx_size=args.ctx_size, cache_type_k=args.cache_type_k,
                     cache_type_v=args.cache_type_v, device=args.device, ubatch=args.ubatch_size,
                     progress=not args.no_progress, kv_stream_arena_mib=args.kv_stream_arena_mib,
-                    trace=args.trace, cuda_graphs=args.cuda_graphs, dtype=args.dtype)
+                    trace=args.trace, cuda_graphs=args.cuda_graphs, dtype=args.dtype,
+                    gpu_memory_gib=args.gpu_memory_gib)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})

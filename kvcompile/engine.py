@@ -18,7 +18,8 @@ from kvcompile.dtypes import resolve_dtype
 from kvcompile.engine_options import check_engine_options, parse_device
 from kvcompile.errors import ContextLengthError, KvcompileError, StreamInterruptedError
 from kvcompile.default_model import resolve_model_path
-from kvcompile.loader import load_model, read_config
+from kvcompile.loader import load_model, open_model
+from kvcompile.memory_budget import plan_engine_memory
 from kvcompile.runtime import forward as run_forward
 from kvcompile.runtime import make_kv_cache
 from kvcompile.runtime.streaming_cache import is_streamed
@@ -76,19 +77,29 @@ class Engine:
     def __init__(self, model=None, *, ctx_size: int | None = None, cache_type_k: str = "f32",
                  cache_type_v: str = "f32", device: str | None = None,
                  dtype: torch.dtype | str | None = None, ubatch: int = 256, progress: bool = True,
-                 kv_stream_arena_mib: float = 0, trace: bool = False, cuda_graphs: bool = False):
+                 kv_stream_arena_mib: float | str = 0, trace: bool = False,
+                 cuda_graphs: bool = False, gpu_memory_gib: float | None = None):
         # what needs no model is checked before the (possibly long) load
         self.device = parse_device(device)
-        check_engine_options(ctx_size, ubatch, cache_type_k, cache_type_v, kv_stream_arena_mib)
+        check_engine_options(ctx_size, ubatch, cache_type_k, cache_type_v, kv_stream_arena_mib,
+                             gpu_memory_gib)
         # weights and activations: None / "auto" = bf16 on CUDA, f32 on the CPU
         self.dtype = resolve_dtype(dtype, self.device)
-        path = resolve_model_path(model)
-        limit = read_config(path).context_length           # the header only
+        source = open_model(resolve_model_path(model))      # the header only, parsed once
+        limit = source.config.context_length
         ctx = ctx_size or min(limit, DEFAULT_CTX_SIZE)
         if ctx > limit:
             raise ContextLengthError(f"ctx_size (--ctx-size) {ctx} exceeds the model's trained "
                                      f"context of {limit} tokens; use {limit} or less")
-        loaded = load_model(path, device=self.device, dtype=self.dtype, progress=progress)
+        # the device-memory budget, split before the load (memory_budget.py)
+        self.memory = plan_engine_memory(source, self.device, self.dtype, ctx, ubatch,
+                                         cache_type_k, cache_type_v, kv_stream_arena_mib,
+                                         gpu_memory_gib)
+        if self.memory is not None:
+            kv_stream_arena_mib = self.memory.arena_mib
+        elif kv_stream_arena_mib == "auto":
+            kv_stream_arena_mib = 0                   # no device budget on the CPU
+        loaded = load_model(source, device=self.device, dtype=self.dtype, progress=progress)
         self.path, self.config, self.tokenizer, self.model = (
             loaded.path, loaded.config, loaded.tokenizer, loaded.model)
         self.ctx_size, self.ubatch, self.progress = ctx, ubatch, progress

@@ -31,10 +31,15 @@ def parse_device(device: str | torch.device | None) -> torch.device:
 
 
 def check_engine_options(ctx_size, ubatch, cache_type_k="f32", cache_type_v="f32",
-                         kv_stream_arena_mib=0) -> None:
+                         kv_stream_arena_mib=0, gpu_memory_gib=None) -> None:
     """The engine options a typo can break that need no model (checked before loading)."""
     kv_type(cache_type_k), kv_type(cache_type_v)          # KvLayoutError names the types
     check_arena_mib(kv_stream_arena_mib)
+    if gpu_memory_gib is not None and (not isinstance(gpu_memory_gib, (int, float))
+                                       or isinstance(gpu_memory_gib, bool)
+                                       or not gpu_memory_gib > 0):
+        raise KvcompileError(f"gpu_memory_gib (--gpu-memory-gib) must be a positive number of "
+                             f"GiB (or None: the device's free memory), got {gpu_memory_gib!r}")
     if ctx_size is not None and (not isinstance(ctx_size, int) or isinstance(ctx_size, bool)
                                  or ctx_size <= 0):
         raise ContextLengthError(f"ctx_size (--ctx-size) must be a positive integer (or None "

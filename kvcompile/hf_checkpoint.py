@@ -154,3 +154,21 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float
 def _replace(config: ModelConfig, **changes) -> ModelConfig:
     from dataclasses import replace
     return replace(config, **changes)
+
+
+def checkpoint_numel(path: str | os.PathLike) -> int:
+    """Elements of every tensor in the folder's safetensors files (their headers only)."""
+    from safetensors import SafetensorError, safe_open
+    folder = _folder(Path(path))
+    total = 0
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for name in h.keys():
+                    n = 1
+                    for d in h.get_slice(name).get_shape():
+                        n *= d
+                    total += n
+        except (SafetensorError, OSError) as exc:
+            raise ModelFileError(f"cannot read {f} ({exc}); re-download it") from exc
+    return total

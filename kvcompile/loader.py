@@ -19,20 +19,36 @@ class LoadedModel:
     model: torch.nn.Module
 
 
-def read_config(path: str) -> ModelConfig:
-    """The model's config from its header (GGUF metadata, or a Hugging Face folder's
-    config.json); no tensor is read, so a bad option can be refused before the load."""
+@dataclass
+class ModelSource:
+    """A model file's header, parsed once: its path, config and (GGUF) the opened file,
+    whose metadata and tensor infos the memory plan and the loader read."""
+    path: str
+    config: ModelConfig
+    gguf: object | None           # kvcompile.gguf.reader.GgufFile; None for an HF folder
+
+
+def open_model(path) -> ModelSource:
+    """The model's header (GGUF metadata, or a Hugging Face folder's config.json); no tensor
+    is read, so a bad option can be refused before the load."""
     from pathlib import Path
 
     from kvcompile.weights import is_hf_checkpoint
+    if isinstance(path, ModelSource):
+        return path
     if is_hf_checkpoint(path):
         from kvcompile.hf_checkpoint import config_from_hf, read_hf_config
         folder = Path(path) if Path(path).is_dir() else Path(path).parent
-        return config_from_hf(read_hf_config(folder), str(folder / "config.json"))
-    from kvcompile.gguf.arch_config import config_from_metadata
+        return ModelSource(str(path), config_from_hf(read_hf_config(folder),
+                                                     str(folder / "config.json")), None)
+    from kvcompile.gguf.arch_config import ARCH_BUILDERS, config_from_metadata
     from kvcompile.gguf.reader import open_gguf
-    f = open_gguf(path)
-    return config_from_metadata(f.metadata, f.tensors, path=str(path))
+    f = open_gguf(path, archs=ARCH_BUILDERS)  # another family is refused before its vocabulary
+    return ModelSource(str(path), config_from_metadata(f.metadata, f.tensors, path=str(path)), f)
+
+
+def read_config(path) -> ModelConfig:
+    return open_model(path).config
 
 
 def _model_classes() -> dict:
@@ -48,11 +64,15 @@ def _model_classes() -> dict:
 
 def load_model(model=None, *, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, progress: bool = True) -> LoadedModel:
+    """model: None (the default model), a path, or a ModelSource (its header already
+    parsed: the load reads only tensors)."""
     from kvcompile.tokenizer import Tokenizer
     from kvcompile.weights import load_weights
 
-    path = resolve_model_path(model)
-    weights = load_weights(path, dtype=torch.float32, progress=progress)
+    source = model if isinstance(model, ModelSource) else None
+    path = source.path if source else resolve_model_path(model)
+    weights = load_weights(path, dtype=dtype, progress=progress, device=device,
+                           opened=source.gguf if source else None)
     classes = _model_classes()
     cls = classes.get(weights.config.arch)
     if cls is None:

@@ -14,10 +14,12 @@ from kvcompile.ops.kv_format import KV_TYPES, bytes_per_token
 
 def _gguf_listing(path):
     """(config, file_type, [(type name, n_elements, n_bytes)]) of a GGUF file."""
-    from kvcompile.gguf.arch_config import config_from_metadata
+    from kvcompile.gguf.arch_config import ARCH_BUILDERS, config_from_metadata
     from kvcompile.gguf.reader import open_gguf
 
-    f = open_gguf(path)
+    # The report needs a config, which only a supported family has: another one is refused
+    # before its vocabulary is decoded.
+    f = open_gguf(path, archs=ARCH_BUILDERS)
     cfg = config_from_metadata(f.metadata, f.tensors, path=str(path))
     listing = [(t.ggml_type, t.n_elements, t.n_bytes) for t in f.tensors.values()]
     return cfg, f.metadata.get("general.file_type"), listing

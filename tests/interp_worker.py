@@ -27,7 +27,9 @@ def _row_kernel(module: str, name: str):
 ROW_KERNELS = {"rms_norm": _row_kernel("rms_norm", "rms_norm_triton"),
                "rope_rotate": _row_kernel("rope_rotate", "rope_rotate_triton"),
                "silu_mul": _row_kernel("silu_mul", "silu_mul_triton"),
-               "gemv": _row_kernel("gemv", "gemv_triton")}
+               "gemv": _row_kernel("gemv", "gemv_triton"),
+               "qlinear": _row_kernel("qlinear", "qlinear_triton"),
+               "qembedding": _row_kernel("qlinear", "dequant_rows_triton")}
 
 
 def run(job: dict) -> dict:

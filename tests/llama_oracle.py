@@ -8,6 +8,31 @@ import torch
 from kvcompile.kv_cache import PagedKvCache
 
 
+def plain_cpu_buffers() -> None:
+    """Load llama.cpp models without its extra CPU weight buffers (AMX / repacked): with
+    them llama-cpp-python 0.3.36 segfaults in the first quantized matmul on VMs that
+    report AMX but do not enable its tiles (this project's machines). Called once for the
+    whole suite (conftest); harmless where they would have worked."""
+    try:
+        import llama_cpp.llama_cpp as lc
+    except ImportError:
+        return
+    defaults = lc.llama_model_default_params
+    if getattr(defaults, "_kvcompile_plain", False):
+        return
+    if "use_extra_bufts" not in {f[0] for f in lc.llama_model_params._fields_}:
+        return
+
+    def plain():
+        p = defaults()
+        p.use_extra_bufts = False
+        return p
+    plain._kvcompile_plain = True
+    lc.llama_model_default_params = plain
+    import llama_cpp
+    llama_cpp.llama_model_default_params = plain
+
+
 def llama_cpp(path, n_ctx: int = 2048, type_k: int = 0, type_v: int = 0):
     """f32 KV unless told (ggml type ids; smaller types need flash attention), logits of
     every row. One thread: the 2 cores are shared with other test

@@ -115,11 +115,13 @@ def test_load_weights(smollm2_path, capsys):
         "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
         "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")} | {"token_embd.weight", "output_norm.weight"}
     assert set(w.tensors) == names
-    assert all(t.dtype == torch.bfloat16 for t in w.tensors.values())
+    # matrices in the asked dtype; vectors (norms) stay fp32, as the models apply them
+    assert all(t.dtype == (torch.float32 if t.dim() == 1 else torch.bfloat16)
+               for t in w.tensors.values())
     load_weights(smollm2_path, progress=True)
     err = capsys.readouterr().err
     print("progress bar tail:", err.strip().splitlines()[-1][-80:] if err.strip() else err)
-    assert "loading SmolLM2" in err and "/272" in err
+    assert "loading SmolLM2" in err and "MB/" in err        # a bar in bytes
 
 
 def test_f32_export_is_exact(smollm2_path, smollm2_f32_path):

@@ -27,12 +27,15 @@ from kvcompile.gguf.synthetic_vocab import add_tokenizer
 __all__ = ["SyntheticConfig", "PlannedTensor", "preset_config", "tensor_plan",
            "write_synthetic_gguf", "WEIGHT_TYPES"]
 
-# weight types the gguf package can quantize to, with the matching general.file_type
+# weight types of the matrices, with the general.file_type written (the K mixes' labels:
+# every matrix whose rows fit the blocks takes the one type, like llama.cpp's --pure)
+_F = gguf.LlamaFileType
 WEIGHT_TYPES = {
-    "f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-    "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-    "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
-    "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0, "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
+    "f32": _F.ALL_F32, "f16": _F.MOSTLY_F16, "bf16": _F.MOSTLY_BF16, "q8_0": _F.MOSTLY_Q8_0,
+    "q4_0": _F.MOSTLY_Q4_0, "q4_1": _F.MOSTLY_Q4_1, "q5_0": _F.MOSTLY_Q5_0,
+    "q5_1": _F.MOSTLY_Q5_1, "q2_k": _F.MOSTLY_Q2_K, "q3_k": _F.MOSTLY_Q3_K_M,
+    "q4_k": _F.MOSTLY_Q4_K_M, "q5_k": _F.MOSTLY_Q5_K_M, "q6_k": _F.MOSTLY_Q6_K,
+    "iq4_nl": _F.MOSTLY_IQ4_NL, "iq4_xs": _F.MOSTLY_IQ4_XS,
 }
 
 

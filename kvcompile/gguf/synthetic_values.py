@@ -17,9 +17,15 @@ import gguf
 import numpy as np
 import torch
 
+from kvcompile.gguf.quantize import quantize
+
 CHUNK_ELEMENTS = 1 << 22   # ~16 MiB of float32 per chunk
 _T = gguf.GGMLQuantizationType
 _TORCH_FLOATS = {_T.F32: torch.float32, _T.F16: torch.float16, _T.BF16: torch.bfloat16}
+# types the gguf package cannot quantize go through our torch quantizer, on the GPU when
+# there is one (its bytes do not depend on the device); the legacy types keep gguf's
+# quantizer, llama.cpp's reference one
+_OURS = {_T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_NL, _T.IQ4_XS}
 
 
 def chunk_rows(t) -> list[tuple[int, int]]:
@@ -38,6 +44,9 @@ def make_chunk(t, seed: int, index: int, n_rows: int) -> np.ndarray:
         # torch rounds to nearest even like gguf.quants, and is several times faster
         y = torch.from_numpy(x).to(_TORCH_FLOATS[t.ggml_type])
         return (y.view(torch.int16) if y.dtype == torch.bfloat16 else y).numpy()
+    if t.ggml_type in _OURS:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return quantize(torch.from_numpy(x).to(device), t.ggml_type.name).cpu().numpy()
     return gguf.quants.quantize(x, t.ggml_type)
 
 

@@ -16,6 +16,7 @@ import kvcompile.ops  # noqa: F401  (registers torch.ops.kvcompile.*)
 from kvcompile.ops import rows
 from kvcompile.ops.rope_rotate.naive import rope_f32
 from kvcompile.errors import ContextLengthError, UnsupportedModelError
+from kvcompile.quant_weight import QuantWeight, cat_rows, join_rows
 
 
 class RMSNorm(nn.Module):
@@ -82,30 +83,117 @@ def apply_rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 class Linear(nn.Linear):
     """nn.Linear whose decode calls (a few rows, f16 / bf16, CUDA) take the gemv op, which
-    streams the weight closer to HBM bandwidth than cuBLAS does for them (ops/gemv)."""
+    streams the weight closer to HBM bandwidth than cuBLAS does for them (ops/gemv). A
+    weight kept in its GGUF block format (`set_quantized`) goes through the qlinear op
+    instead, for every row count (ops/qlinear)."""
+
+    qtype = 0                     # ggml type id of a quantized weight; 0: dense `weight`
+
+    def set_quantized(self, w: QuantWeight) -> None:
+        """Take a quantized weight in place of the dense one (which is dropped)."""
+        if tuple(w.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"weight {tuple(w.shape)} for a Linear "
+                             f"{(self.out_features, self.in_features)}")
+        self.weight = None
+        self.register_buffer("qweight", w.planar)
+        self.qtype = w.ggml_id
+        self.qtype_name = w.type_name
+
+    def quant_weight(self) -> QuantWeight | None:
+        if not self.qtype:
+            return None
+        return QuantWeight(self.qweight, self.qtype_name, (self.out_features, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qtype:
+            return torch.ops.kvcompile.qlinear(x, self.qweight, self.qtype, self.in_features,
+                                               self.bias)
         return rows.linear(x, self.weight, self.bias)
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this fused [gate; up] projection (one kernel on the GEMV
+        paths, ops/gemv and ops/qlinear)."""
+        if self.qtype:
+            if x.shape[0] <= 8 and x.is_cuda:
+                return torch.ops.kvcompile.qlinear(x, self.qweight, self.qtype,
+                                                   self.in_features, self.bias, True)
+            return rows.silu_mul(self(x))
+        return rows.linear_silu_mul(x, self.weight, self.bias)
 
-def fuse_linears(*linears: nn.Linear) -> nn.Linear:
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose table may stay in its GGUF block format: the rows asked for are
+    dequantized by the qembedding op into `dtype` (set with the weight)."""
+
+    qtype = 0
+
+    def set_quantized(self, w: QuantWeight, dtype: torch.dtype) -> None:
+        if tuple(w.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"table {tuple(w.shape)} for an Embedding "
+                             f"{(self.num_embeddings, self.embedding_dim)}")
+        self.weight = None
+        self.register_buffer("qweight", w.planar)
+        self.qtype, self.qtype_name, self.out_dtype = w.ggml_id, w.type_name, dtype
+
+    def quant_weight(self) -> QuantWeight | None:
+        if not self.qtype:
+            return None
+        return QuantWeight(self.qweight, self.qtype_name,
+                           (self.num_embeddings, self.embedding_dim))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.qtype:
+            return torch.ops.kvcompile.qembedding(self.qweight, self.qtype, self.embedding_dim,
+                                                  tokens, self.out_dtype)
+        return super().forward(tokens)
+
+
+def tie_head(head: Linear, embed: Embedding) -> None:
+    """The LM head reads the token embedding's table (dense or quantized)."""
+    q = embed.quant_weight()
+    if q is None:
+        head.weight = embed.weight
+    else:
+        head.set_quantized(q)
+
+
+def fuse_linears(*linears: Linear) -> Linear | None:
     """One Linear computing all of `linears` (outputs concatenated), for one GEMM instead of
     several: a decode step reads every weight once, and small GEMMs reach a much smaller
     share of HBM bandwidth than one large one. The originals' weights (and biases) become
-    views of the fused ones, so nothing is stored twice and they keep working."""
-    w = torch.cat([m.weight for m in linears])
+    views of the fused ones, so nothing is stored twice and they keep working. Quantized
+    weights fuse when their types agree (rows are independent in every GGUF format);
+    otherwise None: the projections stay separate."""
     has_bias = linears[0].bias is not None
-    fused = Linear(w.shape[1], w.shape[0], bias=has_bias, device="meta")
-    fused.weight = nn.Parameter(w, requires_grad=False)
+    quant = [m.quant_weight() for m in linears]
+    if any(q is not None for q in quant):
+        fused_q = None if any(q is None for q in quant) else cat_rows(quant)
+        if fused_q is None:
+            return None
+        fused = Linear(fused_q.shape[1], fused_q.shape[0], bias=has_bias, device="meta")
+        fused.set_quantized(fused_q)
+        start = 0
+        for m in linears:
+            n = m.out_features
+            m.qweight = fused.qweight[start:start + n]
+            start += n
+    else:
+        w = join_rows([m.weight for m in linears])
+        fused = Linear(w.shape[1], w.shape[0], bias=has_bias, device="meta")
+        fused.weight = nn.Parameter(w, requires_grad=False)
+        start = 0
+        for m in linears:
+            n = m.weight.shape[0]
+            m.weight = nn.Parameter(fused.weight[start:start + n], requires_grad=False)
+            start += n
     if has_bias:
-        fused.bias = nn.Parameter(torch.cat([m.bias for m in linears]), requires_grad=False)
-    start = 0
-    for m in linears:
-        n = m.weight.shape[0]
-        m.weight = nn.Parameter(fused.weight[start:start + n], requires_grad=False)
-        if has_bias:
+        fused.bias = nn.Parameter(join_rows([m.bias[:, None] for m in linears])[:, 0],
+                                  requires_grad=False)
+        start = 0
+        for m in linears:
+            n = m.out_features
             m.bias = nn.Parameter(fused.bias[start:start + n], requires_grad=False)
-        start += n
+            start += n
     return fused
 
 
@@ -118,12 +206,13 @@ class SwiGLU(nn.Module):
         self.gate_up: nn.Linear | None = None     # set by fuse()
 
     def fuse(self) -> None:
-        """gate and up as one GEMM (after the weights are loaded)."""
+        """gate and up as one GEMM (after the weights are loaded; None when their
+        quantized types differ)."""
         self.gate_up = fuse_linears(self.gate, self.up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            return self.down(rows.linear_silu_mul(x, self.gate_up.weight, self.gate_up.bias))
+            return self.down(self.gate_up.silu_mul(x))
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 

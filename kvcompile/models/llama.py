@@ -9,8 +9,9 @@ from torch import nn
 
 from kvcompile.config import ModelConfig
 from kvcompile.errors import ModelFileError, UnsupportedModelError
-from kvcompile.models.layers import (Linear, PagedAttention, RMSNorm, SwiGLU, check_rope_range,
-                                     rope_rows, rope_tables)
+from kvcompile.models.layers import (Embedding, Linear, PagedAttention, RMSNorm, SwiGLU,
+                                     check_rope_range, rope_rows, rope_tables, tie_head)
+from kvcompile.quant_weight import QuantWeight
 
 # GGUF tensor name (after "blk.{i}.") -> parameter name inside LlamaBlock
 _BLOCK_NAMES = {
@@ -54,7 +55,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, qkv_bias: bool = False):
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden)
+        self.embed = Embedding(config.vocab_size, config.hidden)
         self.blocks = nn.ModuleList(LlamaBlock(config, qkv_bias) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.hidden, config.rms_eps)
         self.lm_head = Linear(config.hidden, config.vocab_size, bias=False)
@@ -68,8 +69,9 @@ class LlamaModel(nn.Module):
     @classmethod
     def from_weights(cls, config: ModelConfig, tensors: dict[str, torch.Tensor],
                      dtype=torch.float32, device="cpu") -> "LlamaModel":
-        """Build from tensors keyed by GGUF names (weights [out, in]); output.weight absent
-        means the head is tied to token_embd."""
+        """Build from tensors keyed by GGUF names (weights [out, in], dense tensors or
+        QuantWeights kept in their block format); output.weight absent means the head is
+        tied to token_embd."""
         tied = "output.weight" not in tensors
         if tied != config.tie_embeddings:
             config = replace(config, tie_embeddings=tied)
@@ -96,12 +98,14 @@ class LlamaModel(nn.Module):
                 raise ModelFileError(f"tensor {key} has shape {tuple(state[key].shape)}, the "
                                      f"config expects {tuple(param.shape)}; the file's metadata "
                                      f"and tensors disagree")
+        set_quantized(model, state, dtype)
         # norm weights stay f32 (as GGUF stores them and llama.cpp applies them)
         model.load_state_dict({k: state[k].to(device=device, dtype=torch.float32 if
                                               k.endswith("norm.weight") else dtype)
-                               for k in expected}, strict=False, assign=True)
+                               for k in expected if not isinstance(state[k], QuantWeight)},
+                              strict=False, assign=True)
         if tied:
-            model.lm_head.weight = model.embed.weight
+            tie_head(model.lm_head, model.embed)
         cos, sin = rope_tables(config.rotary_dim, config.context_length, config.rope_theta,
                                config.rope_scaling)
         model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
@@ -137,6 +141,23 @@ class LlamaModel(nn.Module):
         once, a sync, so the compiled graph skips it)."""
         return check_rope_range(cache.check_positions(positions), self.rope_cos.shape[0])
 
+
+
+def set_quantized(model: nn.Module, state: dict, dtype: torch.dtype) -> None:
+    """Hand each QuantWeight of `state` (keyed by parameter name) to the Linear or
+    Embedding that owns it; `dtype`: the activations' (a quantized embedding's output)."""
+    for key, w in state.items():
+        if isinstance(w, QuantWeight):
+            owner, _, leaf = key.rpartition(".")
+            module = model.get_submodule(owner)
+            if leaf != "weight" or not hasattr(module, "set_quantized"):
+                raise ModelFileError(f"tensor {key} is stored quantized ({w.type_name}) but "
+                                     f"its layer takes only dense weights; convert the file "
+                                     f"with that tensor in F16 / F32")
+            if isinstance(module, Embedding):
+                module.set_quantized(w, dtype)
+            else:
+                module.set_quantized(w)
 
 
 def _module_name(gguf_name: str) -> str | None:

@@ -20,9 +20,12 @@ from torch import nn
 from kvcompile.config import ModelConfig
 from kvcompile.errors import ModelFileError, UnsupportedModelError
 from kvcompile.kv_cache import PagedKvCache
-from kvcompile.models.layers import Linear, RMSNorm, check_rope_range, rope_rows, rope_tables
+from kvcompile.models.layers import (Embedding, Linear, RMSNorm, check_rope_range, rope_rows,
+                                     rope_tables, tie_head)
+from kvcompile.models.llama import set_quantized
 from kvcompile.models.qwen35_layers import HybridBlock, NextNLayer
 from kvcompile.models.recurrent_state import RecurrentState
+from kvcompile.quant_weight import QuantWeight
 
 _COMMON = {"attn_norm.weight": "attn_norm.weight", "post_attention_norm.weight": "post_norm.weight",
            "ffn_gate.weight": "mlp.gate.weight", "ffn_up.weight": "mlp.up.weight",
@@ -50,15 +53,15 @@ class Qwen35Model(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden)
+        self.embed = Embedding(config.vocab_size, config.hidden)
         self.blocks = nn.ModuleList(HybridBlock(config, config.is_attention_layer(i))
                                     for i in range(config.n_layers))
         self.norm = RMSNorm(config.hidden, config.rms_eps)
         self.lm_head = Linear(config.hidden, config.vocab_size, bias=False)
         self.mtp = NextNLayer(config) if config.nextn_layers else None
         # the MTP layer's own embedding / LM head when the file has them (else shared)
-        self.mtp_embed_weight: torch.Tensor | None = None
-        self.mtp_head_weight: torch.Tensor | None = None
+        self.mtp_embed: Embedding | None = None
+        self.mtp_head: Linear | None = None
         self._set_rope(config)
 
     def _set_rope(self, c: ModelConfig, device=None):
@@ -139,11 +142,9 @@ class Qwen35Model(nn.Module):
             self._check_positions(positions, cache)
         kv = cache.layer(layer)
         cos, sin = rope_rows(self.rope_cos[positions], self.rope_sin[positions], neox=True)
-        emb = (self.embed(tokens) if self.mtp_embed_weight is None
-               else F.embedding(tokens, self.mtp_embed_weight))
+        emb = (self.embed if self.mtp_embed is None else self.mtp_embed)(tokens)
         h = self.mtp(emb, hidden.to(emb.dtype), cos, sin, positions.to(torch.int32), kv)
-        head = self.lm_head.weight if self.mtp_head_weight is None else self.mtp_head_weight
-        logits = F.linear(h, head).float()
+        logits = (self.lm_head if self.mtp_head is None else self.mtp_head)(h).float()
         return (logits, h) if return_hidden else logits
 
     def _check_positions(self, positions, cache) -> tuple[int, int]:
@@ -179,18 +180,32 @@ class Qwen35Model(nn.Module):
                 raise ModelFileError(
                     f"tensor {gguf_name} has shape {tuple(state[key].shape)} but the "
                     f"metadata implies {want}; the file's metadata and tensors disagree")
+        set_quantized(model, {k: state[k] for k in expected}, dtype)
         # vectors (norms, GDN decay/bias) and the conv kernel stay fp32, as GGUF stores them
         model.load_state_dict({k: state[k].to(device=device, dtype=_param_dtype(k, state[k], dtype))
-                               for k in expected}, strict=True, assign=True)
+                               for k in expected if not isinstance(state[k], QuantWeight)},
+                              strict=False, assign=True)
         if tied:
-            model.lm_head.weight = model.embed.weight
+            tie_head(model.lm_head, model.embed)
         mtp = f"blk.{config.n_layers}.nextn."
-        for suffix, attr in (("embed_tokens.weight", "mtp_embed_weight"),
-                             ("shared_head_head.weight", "mtp_head_weight")):
-            if mtp + suffix in shared:
-                setattr(model, attr, shared[mtp + suffix].to(device=device, dtype=dtype))
+        if mtp + "embed_tokens.weight" in shared:
+            model.mtp_embed = _own(Embedding, shared[mtp + "embed_tokens.weight"], device, dtype)
+        if mtp + "shared_head_head.weight" in shared:
+            model.mtp_head = _own(Linear, shared[mtp + "shared_head_head.weight"], device, dtype)
         model._set_rope(config, device)
         return model.eval()
+
+
+def _own(cls, w, device, dtype):
+    """The MTP layer's own embedding or LM head (Embedding / Linear) from a file tensor."""
+    rows, cols = w.shape
+    module = (cls(rows, cols, device="meta") if cls is Embedding
+              else cls(cols, rows, bias=False, device="meta"))
+    if isinstance(w, QuantWeight):
+        module.set_quantized(*((w, dtype) if cls is Embedding else (w,)))
+    else:
+        module.weight = nn.Parameter(w.to(device=device, dtype=dtype), requires_grad=False)
+    return module.requires_grad_(False)
 
 
 def _param_dtype(key: str, t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:

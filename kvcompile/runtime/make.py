@@ -14,11 +14,15 @@ from kvcompile.runtime.streaming_cache import StreamingKvCache
 
 
 def check_arena_mib(arena_mib) -> None:
-    """0 / None (everything on the device) or a positive size in MiB; ArenaError otherwise."""
+    """0 / None (everything on the device), "auto" (what the memory budget leaves:
+    kvcompile/memory_budget.py) or a positive size in MiB; ArenaError otherwise."""
+    if arena_mib == "auto":
+        return
     if arena_mib is not None and (not isinstance(arena_mib, (int, float))
                                   or isinstance(arena_mib, bool) or not arena_mib >= 0):
         raise ArenaError(f"kv_stream_arena_mib (--kv-stream-arena-mib) must be 0 (everything "
-                         f"on the device) or a positive size in MiB, got {arena_mib!r}")
+                         f"on the device), auto (what --gpu-memory-gib leaves) or a positive "
+                         f"size in MiB, got {arena_mib!r}")
 
 
 def make_kv_cache(config, max_tokens: int, arena_mib: float = 0, k_type="f32", v_type="f32",

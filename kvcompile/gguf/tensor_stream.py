@@ -1,0 +1,98 @@
+"""Read a GGUF tensor's bytes in row chunks through a few reusable staging buffers.
+
+Plain file reads (not a memory map): a mapped file's pages count toward the process's
+resident memory as they are touched, so mapping a 15 GB model would grow it to 15 GB; here
+the bytes go from the page cache straight into a staging buffer (pinned host memory when
+the destination is a GPU, so the copy to the device is asynchronous) and host memory stays
+at a few chunks whatever the model's size. Buffers rotate; each is reused only once the
+device copy that read it has finished (an event a buffer).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvcompile.errors import ModelFileError
+
+CHUNK_BYTES = 64 << 20
+
+
+class TensorStream:
+    def __init__(self, path: str | os.PathLike, device: torch.device,
+                 chunk_bytes: int = CHUNK_BYTES, buffers: int = 3):
+        self.path = Path(path)
+        self.fd = os.open(self.path, os.O_RDONLY)
+        self.size = os.fstat(self.fd).st_size
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.chunk_bytes = chunk_bytes
+        self.buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=self.cuda)
+                        for _ in range(buffers)]
+        self.events = [None] * buffers
+        self.turn = 0
+        self.bytes_read = 0
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        self.close()
+
+    def row_chunks(self, offset: int, rows: int, row_bytes: int):
+        """Yield (first row, host uint8 [n, row_bytes]) covering the tensor's rows in
+        order. A chunk is valid until the caller has queued its use (a device copy or a
+        host read) and asked for the next one: the caller copies out of it before then."""
+        per = max(1, self.chunk_bytes // max(row_bytes, 1))
+        if row_bytes > self.chunk_bytes:
+            self._grow(row_bytes)
+            per = 1
+        for r0 in range(0, rows, per):
+            n = min(per, rows - r0)
+            buf = self._next_buffer()
+            view = buf[:n * row_bytes]
+            self._read_into(view.numpy(), offset + r0 * row_bytes)
+            yield r0, view.view(n, row_bytes)
+            if self.cuda:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(self.device))
+                self.events[self.turn] = ev
+
+    def _grow(self, row_bytes: int) -> None:
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        self.chunk_bytes = row_bytes
+        self.buffers = [torch.empty(row_bytes, dtype=torch.uint8, pin_memory=self.cuda)
+                        for _ in self.buffers]
+        self.events = [None] * len(self.buffers)
+
+    def _next_buffer(self) -> torch.Tensor:
+        self.turn = (self.turn + 1) % len(self.buffers)
+        ev = self.events[self.turn]
+        if ev is not None:
+            ev.synchronize()          # the device copy that last read this buffer is done
+            self.events[self.turn] = None
+        return self.buffers[self.turn]
+
+    def _read_into(self, out: np.ndarray, offset: int) -> None:
+        mv = memoryview(out).cast("B")
+        done = 0
+        while done < len(mv):
+            n = os.preadv(self.fd, [mv[done:]], offset + done)
+            if n <= 0:
+                raise ModelFileError(f"{self.path} ended at byte {offset + done} while a "
+                                     f"tensor was read (the header says more); the file is "
+                                     f"truncated: re-download or re-convert it")
+            done += n
+        self.bytes_read += len(mv)

@@ -1,0 +1,273 @@
+"""Triton kernels of the quantized linear: y = x @ dequant(W)^T (+ bias) with W in planar
+GGUF rows (formats.py), dequantized tile by tile in registers (dequant.py).
+
+- one row (`_qgemv_row`): CUDA-core FMAs into a [BN, G, S] fp32 accumulator, the weight
+  bytes streamed once; x is read at the tile's element indices (dequant.part_elems).
+- 2..8 rows (`_qgemv_rows`): one tensor-core dot per part of a tile, x^T padded to 16
+  columns.
+- more rows (`_qgemm`): [BM, BN] output tiles, each weight tile dequantized once for BM
+  rows of x (prefill ubatches).
+- `_dequant_rows`: whole rows in element order (the quantized embedding lookup).
+fp32 accumulation; the dots take the weight tile rounded to bf16 (x is bf16 or fp16: x is
+rounded to the weights' dot dtype, fp16 inputs stay fp16); one rounding to x's dtype.
+SILU: the fused [gate; up] projection of a SwiGLU (same pairing as ops/gemv): program
+rows 2c and 2c + 1 are gate row c and up row N / 2 + c, and the epilogue stores
+silu(gate) * up of the rounded pair.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcompile.ops.cast import TL_DTYPES, round_to
+from kvcompile.ops.launching import interpreting, launchable
+from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
+from kvcompile.ops.qlinear.dequant import (FIELD_ORDER, geometry, iq4_table, load_codes,
+                                           part_elems, part_values)
+from kvcompile.ops.qlinear.formats import weight_format
+
+
+@triton.jit
+def _rows_of_program(BLOCK_N: tl.constexpr, N, SILU: tl.constexpr):
+    j = tl.arange(0, BLOCK_N)
+    if SILU:
+        return tl.program_id(0) * (BLOCK_N // 2) + j // 2 + (j % 2) * (N // 2)
+    else:
+        return tl.program_id(0) * BLOCK_N + j
+
+
+@triton.jit
+def _silu_pairs(y, DTYPE: tl.constexpr, EXACT: tl.constexpr, ROWS: tl.constexpr):
+    """fp32 y with (gate, up) in row pairs -> silu(gate) * up of the pair rounded to DTYPE."""
+    y = round_to(y, DTYPE, EXACT).to(tl.float32)
+    if not ROWS:
+        g, u = tl.split(tl.reshape(y, (y.shape[0] // 2, 2)))
+    else:
+        g, u = tl.split(tl.permute(tl.reshape(y, (y.shape[0] // 2, 2, y.shape[1])),
+                                   (0, 2, 1)))
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
+def _tile_masks(QT: tl.constexpr, n, N, kb0, nb, K, G: tl.constexpr, S: tl.constexpr,
+                GPB: tl.constexpr, BLOCK: tl.constexpr):
+    """[BN, G, S] mask of real rows and values (the code bytes), [BN, G, 1] of real rows
+    and blocks (their scales)."""
+    g = tl.arange(0, G)[None, :, None]
+    rows = n[:, None, None] < N
+    okg = rows & (kb0 + g // GPB < nb)
+    ok = rows & ((kb0 * BLOCK + part_elems(QT, 0, G, S))[None] < K)
+    return ok, okg
+
+
+@triton.jit
+def _qgemv_row(x_ptr, w_ptr, b_ptr, y_ptr, table, N, K, nb, stride_w, OA, OB, OC, OD, OE,
+               QT: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
+               S: tl.constexpr, GPB: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
+               HAS_BIAS: tl.constexpr, SILU: tl.constexpr, DTYPE: tl.constexpr,
+               EXACT: tl.constexpr, PDL: tl.constexpr):
+    n = _rows_of_program(BLOCK_N, N, SILU)
+    row = w_ptr + n[:, None, None].to(tl.int64) * stride_w
+    wait_for_producers(PDL)
+    acc = tl.zeros([BLOCK_N, G, S], tl.float32)
+    for kb0 in range(0, nb, NB):
+        ok, okg = _tile_masks(QT, n, N, kb0, nb, K, G, S, GPB, BLOCK)
+        q = load_codes(QT, row, kb0, OA, ok, G, S, GPB)
+        for p in tl.static_range(PARTS):
+            e = kb0 * BLOCK + part_elems(QT, p, G, S)
+            xv = tl.load(x_ptr + e, mask=e < K, other=0.0).to(tl.float32)
+            w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, table, okg, G, S)
+            acc += w * xv[None]
+    y = tl.sum(tl.sum(acc, 2), 1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+    if SILU:
+        c = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(y_ptr + c, round_to(_silu_pairs(y, DTYPE, EXACT, False), DTYPE, EXACT),
+                 mask=c < N // 2)
+    else:
+        tl.store(y_ptr + n, round_to(y, DTYPE, EXACT), mask=n < N)
+
+
+@triton.jit
+def _dot(a, b, acc, EXACT: tl.constexpr):
+    if EXACT:
+        return tl.dot(a, b, acc)
+    else:  # the interpreter's bf16 dot is wrong: the (exact) fp32 products instead
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+
+
+@triton.jit
+def _qgemv_rows(x_ptr, w_ptr, b_ptr, y_ptr, table, M, N, K, nb, stride_w, stride_xm,
+                OA, OB, OC, OD, OE, QT: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
+               S: tl.constexpr, GPB: tl.constexpr, G: tl.constexpr, NB: tl.constexpr,
+                BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                DTYPE: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr):
+    n = _rows_of_program(BLOCK_N, N, SILU)
+    m = tl.arange(0, 16)
+    row = w_ptr + n[:, None, None].to(tl.int64) * stride_w
+    wait_for_producers(PDL)
+    acc = tl.zeros([BLOCK_N, 16], tl.float32)
+    for kb0 in range(0, nb, NB):
+        ok, okg = _tile_masks(QT, n, N, kb0, nb, K, G, S, GPB, BLOCK)
+        q = load_codes(QT, row, kb0, OA, ok, G, S, GPB)
+        for p in tl.static_range(PARTS):
+            e = tl.reshape(kb0 * BLOCK + part_elems(QT, p, G, S), (G * S,))
+            xt = tl.load(x_ptr + m[None, :] * stride_xm + e[:, None],
+                         mask=(m[None, :] < M) & (e[:, None] < K), other=0.0)
+            w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, table, okg, G, S)
+            w = tl.reshape(w, (BLOCK_N, G * S)).to(xt.dtype)
+            acc = _dot(w, xt, acc, EXACT)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
+    if SILU:
+        c = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(y_ptr + m[None, :] * (N // 2) + c[:, None],
+                 round_to(_silu_pairs(acc, DTYPE, EXACT, True), DTYPE, EXACT),
+                 mask=(m[None, :] < M) & (c[:, None] < N // 2))
+    else:
+        tl.store(y_ptr + m[None, :] * N + n[:, None], round_to(acc, DTYPE, EXACT),
+                 mask=(m[None, :] < M) & (n[:, None] < N))
+
+
+@triton.jit
+def _qgemm(x_ptr, w_ptr, b_ptr, y_ptr, table, M, N, K, nb, stride_w, stride_xm,
+           OA, OB, OC, OD, OE, QT: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
+               S: tl.constexpr, GPB: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+           DTYPE: tl.constexpr, EXACT: tl.constexpr):
+    # grouped ordering: programs that run together share weight tiles in L2
+    pid = tl.program_id(0)
+    n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * n_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    pm = first_m + (pid % (GROUP_M * n_n)) % size_m
+    pn = (pid % (GROUP_M * n_n)) // size_m
+    m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = w_ptr + n[:, None, None].to(tl.int64) * stride_w
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb0 in range(0, nb, NB):
+        ok, okg = _tile_masks(QT, n, N, kb0, nb, K, G, S, GPB, BLOCK)
+        q = load_codes(QT, row, kb0, OA, ok, G, S, GPB)
+        for p in tl.static_range(PARTS):
+            e = tl.reshape(kb0 * BLOCK + part_elems(QT, p, G, S), (G * S,))
+            xs = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + e[None, :],
+                         mask=(m[:, None] < M) & (e[None, :] < K), other=0.0)
+            w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, table, okg, G, S)
+            w = tl.reshape(w, (BLOCK_N, G * S)).to(xs.dtype)
+            acc = _dot(xs, tl.trans(w), acc, EXACT)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + m[:, None].to(tl.int64) * N + n[None, :], round_to(acc, DTYPE, EXACT),
+             mask=(m[:, None] < M) & (n[None, :] < N))
+
+
+@triton.jit
+def _dequant_rows(idx_ptr, w_ptr, y_ptr, table, K, nb, stride_w, OA, OB, OC, OD, OE,
+                  QT: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
+               S: tl.constexpr, GPB: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, DTYPE: tl.constexpr,
+                  EXACT: tl.constexpr):
+    """Program (i, t): tile t of weight row idx[i], stored in element order into y[i]."""
+    i = tl.program_id(0)
+    kb0 = tl.program_id(1) * NB
+    r = tl.load(idx_ptr + i).to(tl.int64)
+    n = tl.full([1], 0, tl.int32)
+    row = w_ptr + r * stride_w + n[:, None, None].to(tl.int64)
+    ok, okg = _tile_masks(QT, n, 1, kb0, nb, K, G, S, GPB, BLOCK)
+    q = load_codes(QT, row, kb0, OA, ok, G, S, GPB)
+    for p in tl.static_range(PARTS):
+        e = kb0 * BLOCK + part_elems(QT, p, G, S)[None]
+        w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, table, okg, G, S)
+        tl.store(y_ptr + i.to(tl.int64) * K + e, round_to(w, DTYPE, EXACT), mask=e < K)
+
+
+# ---- launchers -------------------------------------------------------------------------------
+
+def _field_args(type_name: str, k: int) -> dict:
+    offs = weight_format(type_name).field_offsets(k)
+    names = FIELD_ORDER[type_name]
+    vals = [offs[f] for f in names] + [0] * (5 - len(names))
+    return dict(zip(("OA", "OB", "OC", "OD", "OE"), vals))
+
+
+def _geometry_args(type_name: str, k: int, nb_tile: int) -> dict:
+    """The kernels' constexpr geometry (dequant.geometry) for tiles of nb_tile blocks, and
+    the row's block count."""
+    block, parts, s, gpb = geometry(type_name)
+    return dict(nb=-(-k // block), QT=weight_format(type_name).ggml_id, BLOCK=block,
+                PARTS=parts, S=s, GPB=gpb, G=nb_tile * gpb, NB=nb_tile)
+
+
+def row_config(type_name: str, n: int, k: int) -> dict:
+    """One row: 256 values a tile (8 blocks of 32 or one of 256), 8 rows a program."""
+    return dict(NB=max(1, 256 // geometry(type_name)[0]), BLOCK_N=8, num_warps=4)
+
+
+def rows_config(type_name: str, n: int, k: int) -> dict:
+    """2..8 rows: 256 values a tile, 32 rows a program (a dot's M side)."""
+    return dict(NB=max(1, 256 // geometry(type_name)[0]), BLOCK_N=32, num_warps=4,
+                num_stages=2)
+
+
+def gemm_config(type_name: str, m: int, n: int, k: int) -> dict:
+    """Prefill: 64 or 128 rows of x by 128 weight rows, 256 values a tile (64 for the
+    32-value block types)."""
+    nb_tile = 1 if geometry(type_name)[0] == 256 else 2
+    return dict(NB=nb_tile, BLOCK_M=64 if m <= 64 else 128, BLOCK_N=128, GROUP_M=8,
+                num_warps=8, num_stages=3)
+
+
+def qlinear_triton(x: torch.Tensor, weight: torch.Tensor, type_name: str, k: int,
+                   bias: torch.Tensor | None = None, silu_mul: bool = False,
+                   config: dict | None = None) -> torch.Tensor:
+    """x [M, K] (last dim dense) @ dequant(weight)^T (+ bias): weight planar uint8 rows
+    [N, planar_row_bytes(K)]; silu_mul pairs gate and up rows (M <= 8 only); `config`
+    overrides the launch defaults (benchmarks, tests)."""
+    m, n = x.shape[0], weight.shape[0]
+    assert weight.dtype == torch.uint8 and weight.stride(1) == 1 and x.stride(1) == 1, \
+        "qlinear needs dense rows"
+    assert not silu_mul or (n % 2 == 0 and m <= 8), "silu_mul: even N, at most 8 rows"
+    y = torch.empty((m, n // 2 if silu_mul else n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    if m == 1:
+        kernel, cfg, extra = _qgemv_row, dict(config or row_config(type_name, n, k)), ()
+    elif m <= 8:
+        kernel, cfg, extra = _qgemv_rows, dict(config or rows_config(type_name, n, k)), (m,)
+    else:
+        kernel, cfg = _qgemm, dict(config or gemm_config(type_name, m, n, k))
+        extra = (m,)
+    geo = _geometry_args(type_name, k, cfg.pop("NB"))
+    common = dict(HAS_BIAS=bias is not None, DTYPE=TL_DTYPES[x.dtype], EXACT=not interpreting(),
+                  **_field_args(type_name, k), **{k_: v for k_, v in geo.items() if k_ != "nb"})
+    b = y if bias is None else bias
+    table = iq4_table(x.device)
+    if kernel is _qgemm:
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+        launchable(kernel)[grid](x, weight, b, y, table, m, n, k, geo["nb"], weight.stride(0),
+                                 x.stride(0), **common, **cfg)
+    else:
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
+        strides = (weight.stride(0),) if m == 1 else (weight.stride(0), x.stride(0))
+        launchable(kernel)[grid](x, weight, b, y, table, *extra, n, k, geo["nb"], *strides,
+                                 SILU=silu_mul, **common, **cfg, **pdl_launch(x.device))
+    return y
+
+
+def dequant_rows_triton(weight: torch.Tensor, type_name: str, k: int, rows: torch.Tensor,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """Rows `rows` of the planar weight, dequantized in element order: [len(rows), K]."""
+    y = torch.empty((rows.numel(), k), dtype=dtype, device=weight.device)
+    if rows.numel() == 0:
+        return y
+    geo = _geometry_args(type_name, k, max(1, 256 // geometry(type_name)[0]))
+    nb = geo.pop("nb")
+    grid = (rows.numel(), triton.cdiv(nb, geo["NB"]))
+    launchable(_dequant_rows)[grid](rows.reshape(-1), weight, y, iq4_table(weight.device), k,
+                                    nb, weight.stride(0), DTYPE=TL_DTYPES[dtype],
+                                    EXACT=not interpreting(), **_field_args(type_name, k),
+                                    **geo, num_warps=4)
+    return y
