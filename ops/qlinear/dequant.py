@@ -15,12 +15,13 @@ type's fields in the order `FIELD_ORDER` gives. F16 / BF16 rows are values: tile
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 1, 2, 3, 6, 7, 8
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16 = 10, 11, 12, 13, 14, 20, 23, 30
+# ggml type ids, as constexprs the kernels compare QT with
+F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = (tl.constexpr(i) for i in (1, 2, 3, 6, 7, 8))
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = (tl.constexpr(i) for i in (10, 11, 12, 13, 14))
+IQ4_NL, IQ4_XS, BF16 = (tl.constexpr(i) for i in (20, 23, 30))
 
 # which planar fields the kernels' offsets OA, OB, ... point at, per type
 FIELD_ORDER = {
@@ -32,16 +33,16 @@ FIELD_ORDER = {
     "IQ4_XS": ("qs", "scales_l", "scales_h", "d"),
 }
 
-# the IQ4 codebook (ggml's kvalues_iq4nl), read by the kernels from a small device tensor
-IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-_tables: dict = {}
 
-
-def iq4_table(device) -> torch.Tensor:
-    key = str(device)
-    if key not in _tables:
-        _tables[key] = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=device)
-    return _tables[key]
+@triton.jit
+def iq4_value(nib):
+    """ggml's IQ4 codebook entry (kvalues_iq4nl: -127, -104, .., 113) of a nibble, exactly:
+    a quartic through the 16 entries lies within 0.48 of each, so it rounds to them. No
+    table load: a gather inside the loop, which the pipeliner staged through shared memory
+    (320 KB for the GEMM)."""
+    x = nib.to(tl.float32)
+    p = (((0.0013247202 * x + 0.0412168242) * x - 1.5001835823) * x + 24.7432460785) * x
+    return tl.floor(p - 126.5436019897)
 
 
 def geometry(type_name: str) -> tuple[int, int, int, int]:
@@ -126,7 +127,7 @@ def _k4_scale_min(row, OB, blk, j, ok):
 
 
 @triton.jit
-def part_values(QT: tl.constexpr, P: tl.constexpr, q, row, kb0, OB, OC, OD, OE, table,
+def part_values(QT: tl.constexpr, P: tl.constexpr, q, row, kb0, OB, OC, OD, OE,
                 okg, G: tl.constexpr, S: tl.constexpr):
     """fp32 values [BN, G, S] of part P from the code bytes q (load_codes). okg: [BN, G, 1]
     mask of real rows and blocks (scale loads)."""
@@ -145,7 +146,7 @@ def part_values(QT: tl.constexpr, P: tl.constexpr, q, row, kb0, OB, OC, OD, OE, 
         if QT == Q4_0:
             return d * (nib - 8).to(tl.float32)
         elif QT == IQ4_NL:
-            return d * tl.load(table + nib)
+            return d * iq4_value(nib)
         else:
             return d * nib.to(tl.float32) + _f16(row, OC, blk, okg)
     elif QT == Q5_0 or QT == Q5_1:
@@ -214,4 +215,4 @@ def part_values(QT: tl.constexpr, P: tl.constexpr, q, row, kb0, OB, OC, OD, OE, 
                      other=0).to(tl.int32)
         ls = lo | (((sh >> (2 * ib)) & 3) << 4)
         d = _f16(row, OD, blk, okg) * (ls - 32).to(tl.float32)
-        return d * tl.load(table + ((q >> (4 * P)) & 15))
+        return d * iq4_value((q >> (4 * P)) & 15)

@@ -23,7 +23,7 @@ import triton.language as tl
 from kvcompile.ops.cast import TL_DTYPES, round_to
 from kvcompile.ops.launching import interpreting, launchable
 from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
-from kvcompile.ops.qlinear.dequant import (FIELD_ORDER, geometry, iq4_table, load_codes,
+from kvcompile.ops.qlinear.dequant import (FIELD_ORDER, geometry, load_codes,
                                            part_elems, part_values)
 from kvcompile.ops.qlinear.formats import weight_format
 
@@ -62,7 +62,7 @@ def _tile_masks(QT: tl.constexpr, n, N, kb0, nb, K, G: tl.constexpr, S: tl.const
 
 
 @triton.jit
-def _qgemv_row(x_ptr, w_ptr, b_ptr, y_ptr, table, N, K, nb, stride_w, OA, OB, OC, OD, OE,
+def _qgemv_row(x_ptr, w_ptr, b_ptr, y_ptr, N, K, nb, stride_w, OA, OB, OC, OD, OE,
                QT: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
                S: tl.constexpr, GPB: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
                HAS_BIAS: tl.constexpr, SILU: tl.constexpr, DTYPE: tl.constexpr,
@@ -77,7 +77,7 @@ def _qgemv_row(x_ptr, w_ptr, b_ptr, y_ptr, table, N, K, nb, stride_w, OA, OB, OC
         for p in tl.static_range(PARTS):
             e = kb0 * BLOCK + part_elems(QT, p, G, S)
             xv = tl.load(x_ptr + e, mask=e < K, other=0.0).to(tl.float32)
-            w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, table, okg, G, S)
+            w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, okg, G, S)
             acc += w * xv[None]
     y = tl.sum(tl.sum(acc, 2), 1)
     if HAS_BIAS:
@@ -99,7 +99,7 @@ def _dot(a, b, acc, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _qgemv_rows(x_ptr, w_ptr, b_ptr, y_ptr, table, M, N, K, nb, stride_w, stride_xm,
+def _qgemv_rows(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, nb, stride_w, stride_xm,
                 OA, OB, OC, OD, OE, QT: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
                S: tl.constexpr, GPB: tl.constexpr, G: tl.constexpr, NB: tl.constexpr,
                 BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
@@ -116,7 +116,7 @@ def _qgemv_rows(x_ptr, w_ptr, b_ptr, y_ptr, table, M, N, K, nb, stride_w, stride
             e = tl.reshape(kb0 * BLOCK + part_elems(QT, p, G, S), (G * S,))
             xt = tl.load(x_ptr + m[None, :] * stride_xm + e[:, None],
                          mask=(m[None, :] < M) & (e[:, None] < K), other=0.0)
-            w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, table, okg, G, S)
+            w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, okg, G, S)
             w = tl.reshape(w, (BLOCK_N, G * S)).to(xt.dtype)
             acc = _dot(w, xt, acc, EXACT)
     if HAS_BIAS:
@@ -132,7 +132,7 @@ def _qgemv_rows(x_ptr, w_ptr, b_ptr, y_ptr, table, M, N, K, nb, stride_w, stride
 
 
 @triton.jit
-def _qgemm(x_ptr, w_ptr, b_ptr, y_ptr, table, M, N, K, nb, stride_w, stride_xm,
+def _qgemm(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, nb, stride_w, stride_xm,
            OA, OB, OC, OD, OE, QT: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
                S: tl.constexpr, GPB: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr,
            BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -156,7 +156,7 @@ def _qgemm(x_ptr, w_ptr, b_ptr, y_ptr, table, M, N, K, nb, stride_w, stride_xm,
             e = tl.reshape(kb0 * BLOCK + part_elems(QT, p, G, S), (G * S,))
             xs = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + e[None, :],
                          mask=(m[:, None] < M) & (e[None, :] < K), other=0.0)
-            w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, table, okg, G, S)
+            w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, okg, G, S)
             w = tl.reshape(w, (BLOCK_N, G * S)).to(xs.dtype)
             acc = _dot(xs, tl.trans(w), acc, EXACT)
     if HAS_BIAS:
@@ -166,7 +166,7 @@ def _qgemm(x_ptr, w_ptr, b_ptr, y_ptr, table, M, N, K, nb, stride_w, stride_xm,
 
 
 @triton.jit
-def _dequant_rows(idx_ptr, w_ptr, y_ptr, table, K, nb, stride_w, OA, OB, OC, OD, OE,
+def _dequant_rows(idx_ptr, w_ptr, y_ptr, K, nb, stride_w, OA, OB, OC, OD, OE,
                   QT: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
                S: tl.constexpr, GPB: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, DTYPE: tl.constexpr,
                   EXACT: tl.constexpr):
@@ -180,7 +180,7 @@ def _dequant_rows(idx_ptr, w_ptr, y_ptr, table, K, nb, stride_w, OA, OB, OC, OD,
     q = load_codes(QT, row, kb0, OA, ok, G, S, GPB)
     for p in tl.static_range(PARTS):
         e = kb0 * BLOCK + part_elems(QT, p, G, S)[None]
-        w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, table, okg, G, S)
+        w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, okg, G, S)
         tl.store(y_ptr + i.to(tl.int64) * K + e, round_to(w, DTYPE, EXACT), mask=e < K)
 
 
@@ -244,15 +244,14 @@ def qlinear_triton(x: torch.Tensor, weight: torch.Tensor, type_name: str, k: int
     common = dict(HAS_BIAS=bias is not None, DTYPE=TL_DTYPES[x.dtype], EXACT=not interpreting(),
                   **_field_args(type_name, k), **{k_: v for k_, v in geo.items() if k_ != "nb"})
     b = y if bias is None else bias
-    table = iq4_table(x.device)
     if kernel is _qgemm:
         grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-        launchable(kernel)[grid](x, weight, b, y, table, m, n, k, geo["nb"], weight.stride(0),
+        launchable(kernel)[grid](x, weight, b, y, m, n, k, geo["nb"], weight.stride(0),
                                  x.stride(0), **common, **cfg)
     else:
         grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
         strides = (weight.stride(0),) if m == 1 else (weight.stride(0), x.stride(0))
-        launchable(kernel)[grid](x, weight, b, y, table, *extra, n, k, geo["nb"], *strides,
+        launchable(kernel)[grid](x, weight, b, y, *extra, n, k, geo["nb"], *strides,
                                  SILU=silu_mul, **common, **cfg, **pdl_launch(x.device))
     return y
 
@@ -266,7 +265,7 @@ def dequant_rows_triton(weight: torch.Tensor, type_name: str, k: int, rows: torc
     geo = _geometry_args(type_name, k, max(1, 256 // geometry(type_name)[0]))
     nb = geo.pop("nb")
     grid = (rows.numel(), triton.cdiv(nb, geo["NB"]))
-    launchable(_dequant_rows)[grid](rows.reshape(-1), weight, y, iq4_table(weight.device), k,
+    launchable(_dequant_rows)[grid](rows.reshape(-1), weight, y, k,
                                     nb, weight.stride(0), DTYPE=TL_DTYPES[dtype],
                                     EXACT=not interpreting(), **_field_args(type_name, k),
                                     **geo, num_warps=4)

@@ -1,0 +1,61 @@
+"""The quantized-linear kernels compile for Hopper (sm_90) without a GPU: Triton's own
+front end and ptxas, for every type and every kernel at its launch defaults, within the
+SM's shared memory. The interpreter (test_kernels_qlinear) runs the kernels as Python and
+accepts code the compiler rejects (a non-constexpr global, a pipelined gather that needs
+more shared memory than an SM has); this catches those on the CPU."""
+from __future__ import annotations
+
+import pytest
+import triton
+import triton.language as tl
+
+from kvcompile.ops.qlinear import triton_kernel as K
+from kvcompile.ops.qlinear.dequant import geometry
+from kvcompile.ops.qlinear.formats import FORMATS, weight_format
+
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:                                   # pragma: no cover
+    GPUTarget = None
+
+SM90_SHARED = 232448          # bytes of shared memory a block may use on an H100 / H200
+_ARGS = {
+    "row": ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "N", "K", "nb", "stride_w"],
+    "rows": ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "M", "N", "K", "nb", "stride_w", "stride_xm"],
+    "gemm": ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "M", "N", "K", "nb", "stride_w", "stride_xm"],
+    "rows_deq": ["idx_ptr", "w_ptr", "y_ptr", "K", "nb", "stride_w"],
+}
+_PTR = {"x_ptr": "*bf16", "w_ptr": "*u8", "b_ptr": "*bf16", "y_ptr": "*bf16", "idx_ptr": "*i64"}
+
+
+def compile_for_sm90(kind: str, name: str):
+    block, parts, s, gpb = geometry(name)
+    fn, cfg = {"row": (K._qgemv_row, K.row_config(name, 4096, 4096)),
+               "rows": (K._qgemv_rows, K.rows_config(name, 4096, 4096)),
+               "gemm": (K._qgemm, K.gemm_config(name, 512, 4096, 4096)),
+               "rows_deq": (K._dequant_rows, dict(NB=max(1, 256 // block), num_warps=4))}[kind]
+    cfg = dict(cfg)
+    nb_tile, warps, stages = cfg.pop("NB"), cfg.pop("num_warps"), cfg.pop("num_stages", 3)
+    sig = {a: _PTR.get(a, "i32") for a in _ARGS[kind]}
+    sig.update({o: "i32" for o in ("OA", "OB", "OC", "OD", "OE")})
+    ce = dict(QT=weight_format(name).ggml_id, BLOCK=block, PARTS=parts, S=s, GPB=gpb,
+              G=nb_tile * gpb, NB=nb_tile, DTYPE=tl.bfloat16, EXACT=True, **cfg)
+    if kind != "rows_deq":
+        ce["HAS_BIAS"] = False
+    if kind in ("row", "rows"):
+        ce.update(SILU=False, PDL=True)
+    sig.update({k: "constexpr" for k in ce})
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=ce),
+                          target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+
+
+@pytest.mark.skipif(GPUTarget is None, reason="this Triton has no offline compile API")
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_kernels_compile_for_sm90(name):
+    for kind in _ARGS:
+        kernel = compile_for_sm90(kind, name)
+        assert kernel.asm.get("cubin"), f"{name} {kind}: no machine code"
+        assert kernel.metadata.shared <= SM90_SHARED, \
+            f"{name} {kind}: {kernel.metadata.shared} bytes of shared memory"
