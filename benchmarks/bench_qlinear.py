@@ -4,8 +4,10 @@
 
 Rows, for the Llama-3-8B decode shapes (qkv 6144 x 4096, o 4096 x 4096, gate/up 28672 x
 4096, down 4096 x 14336, the LM head 128256 x 4096):
-  gemv      1 and 8 rows: microseconds and the fraction of the HBM bandwidth measured in
-            this run that reading the weight's bytes once at that time amounts to
+  gemv      1 and 8 rows: microseconds (calls captured in a CUDA graph and replayed, as a
+            decode step runs them: no host time) and the fraction of the HBM bandwidth
+            measured in this run that reading the weight's bytes once at that time amounts to
+  sweep     (--sweep) the same over launch configurations, to pick the defaults
   gemm      a 512- and 4096-row ubatch: TFLOP/s, beside cuBLAS on the same weights
             dequantized to bf16 (same process)
 Every row records the git commit and date (bench_util.run_meta).
@@ -35,11 +37,57 @@ def weight(type_name: str, n: int, k: int, gen) -> torch.Tensor:
     return to_planar(quantize(x, type_name), type_name, k)
 
 
+def graph_us(fn, calls: int = 20, reps: int = 5) -> float:
+    """Microseconds a call of fn, replayed from a CUDA graph of `calls` calls."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return 1e3 * events_ms(g.replay, reps) / calls
+
+
+def sweep(types, shapes, hbm, meta, gen) -> list:
+    from kvcompile.ops.qlinear.dequant import geometry
+    from kvcompile.ops.qlinear.triton_kernel import qlinear_triton
+    rows = []
+    for name in types:
+        block = geometry(name)[0]
+        for shape in shapes:
+            n, k = SHAPES[shape]
+            w = weight(name, n, k, gen)
+            for m in (1, 8):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                best = None
+                cfgs = ([dict(BLOCK_N=bn, NB=max(1, bk // block), num_warps=4)
+                         for bn in (4, 8, 16) for bk in (1024, 2048)]
+                        if m == 1 else
+                        [dict(BLOCK_N=bn, NB=max(1, bk // block), num_warps=4, num_stages=st)
+                         for bn in (16, 32) for bk in (256, 512) for st in (2, 3)])
+                for cfg in cfgs:
+                    try:
+                        us = graph_us(lambda: qlinear_triton(x, w, name, k, config=cfg))
+                    except Exception as e:          # out of resources: not a candidate
+                        log(f"  {name} {shape} m{m} {cfg}: {type(e).__name__}")
+                        continue
+                    frac = w.numel() / (us * 1e-6) / 1e9 / hbm
+                    rows.append(dict(kind="sweep", type=name, shape=shape, rows=m, us=us,
+                                     hbm_fraction=frac, config=cfg, **meta))
+                    if best is None or us < best[0]:
+                        best = (us, frac, cfg)
+                log(f"sweep {name:6s} {shape:7s} m{m}: best {best[0]:.1f} us {best[1]:.2f} of "
+                    f"HBM with {best[2]}")
+            del w
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default=",".join(FORMATS))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--gemm-rows", default="512,4096")
+    ap.add_argument("--sweep", action="store_true", help="time launch configurations")
     ap.add_argument("--out", default="benchmarks/results/qlinear.json")
     args = ap.parse_args()
     meta = run_meta()
@@ -47,6 +95,8 @@ def main() -> None:
     log(f"HBM {hbm:.0f} GB/s")
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
+    if args.sweep:
+        rows += sweep(args.types.split(","), args.shapes.split(","), hbm, meta, gen)
     for name in args.types.split(","):
         qt = weight_format(name).ggml_id
         for shape in args.shapes.split(","):
@@ -54,7 +104,7 @@ def main() -> None:
             w = weight(name, n, k, gen)
             for m in (1, 8):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                us = 1e3 * events_ms(lambda: torch.ops.kvcompile.qlinear(x, w, qt, k), 50)
+                us = graph_us(lambda: torch.ops.kvcompile.qlinear(x, w, qt, k))
                 frac = w.numel() / (us * 1e-6) / 1e9 / hbm
                 rows.append(dict(kind="gemv", type=name, shape=shape, n=n, k=k, rows=m,
                                  us=us, weight_bytes=w.numel(), hbm_fraction=frac, **meta))

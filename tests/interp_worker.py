@@ -29,7 +29,8 @@ ROW_KERNELS = {"rms_norm": _row_kernel("rms_norm", "rms_norm_triton"),
                "silu_mul": _row_kernel("silu_mul", "silu_mul_triton"),
                "gemv": _row_kernel("gemv", "gemv_triton"),
                "qlinear": _row_kernel("qlinear", "qlinear_triton"),
-               "qembedding": _row_kernel("qlinear", "dequant_rows_triton")}
+               "qembedding": _row_kernel("qlinear", "dequant_rows_triton"),
+               "qlinear_dense": _row_kernel("qlinear", "qlinear_dense")}
 
 
 def run(job: dict) -> dict:

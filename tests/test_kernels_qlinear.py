@@ -73,9 +73,10 @@ def small_k(name: str) -> int:
 
 
 def test_kernels_interpreted_match_gguf_dequantized_products():
-    """Every type: one row (FMAs), 3 rows (tensor-core GEMV), 20 rows (GEMM), the fused
-    SwiGLU GEMV at 1 and 3 rows, and the embedding rows (dequantized exactly), N = 37 (off
-    every row tile) and K off the 256-value tiles."""
+    """Every type: one row (FMAs), 3 rows (tensor-core GEMV), 20 rows (GEMM), 70 rows
+    (prefill: dequantized in chunks of 16 rows, then a dense product), the fused SwiGLU GEMV
+    at 1 and 3 rows, and the embedding rows (dequantized exactly), N = 38 (off every row
+    tile) and K off the 256-value tiles."""
     from kvcompile.ops.silu_mul.naive import silu_mul_naive
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
@@ -93,6 +94,10 @@ def test_kernels_interpreted_match_gguf_dequantized_products():
             jobs.append(dict(kind="qlinear", args=dict(x=x, weight=w, type_name=name, k=k,
                                                        silu_mul=True)))
             refs.append((f"{name} m{m} silu", "silu", silu_mul_naive(x.float() @ deq.t())))
+        x = torch.randn(70, k, generator=gen).bfloat16()
+        jobs.append(dict(kind="qlinear_dense", args=dict(x=x, weight=w, type_name=name, k=k,
+                                                         chunk_bytes=16 * k * 2)))
+        refs.append((f"{name} m70 dense", "linear", x.float() @ deq.t()))
         rows = torch.tensor([37, 0, 5, 37])
         jobs.append(dict(kind="qembedding", args=dict(weight=w, type_name=name, k=k, rows=rows,
                                                       dtype=torch.float32)))

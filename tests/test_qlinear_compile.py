@@ -24,7 +24,7 @@ _ARGS = {
     "row": ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "N", "K", "nb", "stride_w"],
     "rows": ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "M", "N", "K", "nb", "stride_w", "stride_xm"],
     "gemm": ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "M", "N", "K", "nb", "stride_w", "stride_xm"],
-    "rows_deq": ["idx_ptr", "w_ptr", "y_ptr", "K", "nb", "stride_w"],
+    "rows_deq": ["idx_ptr", "w_ptr", "y_ptr", "R", "K", "nb", "stride_w"],
 }
 _PTR = {"x_ptr": "*bf16", "w_ptr": "*u8", "b_ptr": "*bf16", "y_ptr": "*bf16", "idx_ptr": "*i64"}
 
@@ -34,7 +34,8 @@ def compile_for_sm90(kind: str, name: str):
     fn, cfg = {"row": (K._qgemv_row, K.row_config(name, 4096, 4096)),
                "rows": (K._qgemv_rows, K.rows_config(name, 4096, 4096)),
                "gemm": (K._qgemm, K.gemm_config(name, 512, 4096, 4096)),
-               "rows_deq": (K._dequant_rows, dict(NB=max(1, 256 // block), num_warps=4))}[kind]
+               "rows_deq": (K._dequant_rows, dict(NB=max(1, 256 // block), BLOCK_R=16,
+                                                  num_warps=4))}[kind]
     cfg = dict(cfg)
     nb_tile, warps, stages = cfg.pop("NB"), cfg.pop("num_warps"), cfg.pop("num_stages", 3)
     sig = {a: _PTR.get(a, "i32") for a in _ARGS[kind]}

@@ -16,6 +16,8 @@ silu(gate) * up of the rounded pair.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -166,26 +168,32 @@ def _qgemm(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, nb, stride_w, stride_xm,
 
 
 @triton.jit
-def _dequant_rows(idx_ptr, w_ptr, y_ptr, K, nb, stride_w, OA, OB, OC, OD, OE,
+def _dequant_rows(idx_ptr, w_ptr, y_ptr, R, K, nb, stride_w, OA, OB, OC, OD, OE,
                   QT: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
-               S: tl.constexpr, GPB: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, DTYPE: tl.constexpr,
-                  EXACT: tl.constexpr):
-    """Program (i, t): tile t of weight row idx[i], stored in element order into y[i]."""
-    i = tl.program_id(0)
+                  S: tl.constexpr, GPB: tl.constexpr, G: tl.constexpr, NB: tl.constexpr,
+                  BLOCK_R: tl.constexpr, DTYPE: tl.constexpr, EXACT: tl.constexpr):
+    """Program (b, t): tile t of weight rows idx[b * BLOCK_R ..] (R of them in all), stored
+    in element order into y's rows b * BLOCK_R .."""
+    i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     kb0 = tl.program_id(1) * NB
-    r = tl.load(idx_ptr + i).to(tl.int64)
-    n = tl.full([1], 0, tl.int32)
-    row = w_ptr + r * stride_w + n[:, None, None].to(tl.int64)
-    ok, okg = _tile_masks(QT, n, 1, kb0, nb, K, G, S, GPB, BLOCK)
+    r = tl.load(idx_ptr + i, mask=i < R, other=0).to(tl.int64)
+    row = w_ptr + r[:, None, None] * stride_w
+    ok, okg = _tile_masks(QT, i, R, kb0, nb, K, G, S, GPB, BLOCK)
     q = load_codes(QT, row, kb0, OA, ok, G, S, GPB)
+    out = y_ptr + i[:, None, None].to(tl.int64) * K
     for p in tl.static_range(PARTS):
         e = kb0 * BLOCK + part_elems(QT, p, G, S)[None]
         w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, okg, G, S)
-        tl.store(y_ptr + i.to(tl.int64) * K + e, round_to(w, DTYPE, EXACT), mask=e < K)
+        tl.store(out + e, round_to(w, DTYPE, EXACT), mask=ok)
+
+
+DENSE_CHUNK_BYTES = 64 << 20
+DENSE_MIN_ROWS = 64            # from this many rows of x: dequantize + cuBLAS (qlinear_dense)
 
 
 # ---- launchers -------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
 def _field_args(type_name: str, k: int) -> dict:
     offs = weight_format(type_name).field_offsets(k)
     names = FIELD_ORDER[type_name]
@@ -193,6 +201,7 @@ def _field_args(type_name: str, k: int) -> dict:
     return dict(zip(("OA", "OB", "OC", "OD", "OE"), vals))
 
 
+@functools.lru_cache(maxsize=None)
 def _geometry_args(type_name: str, k: int, nb_tile: int) -> dict:
     """The kernels' constexpr geometry (dequant.geometry) for tiles of nb_tile blocks, and
     the row's block count."""
@@ -230,6 +239,8 @@ def qlinear_triton(x: torch.Tensor, weight: torch.Tensor, type_name: str, k: int
     assert weight.dtype == torch.uint8 and weight.stride(1) == 1 and x.stride(1) == 1, \
         "qlinear needs dense rows"
     assert not silu_mul or (n % 2 == 0 and m <= 8), "silu_mul: even N, at most 8 rows"
+    if m >= DENSE_MIN_ROWS and config is None and not interpreting():
+        return qlinear_dense(x, weight, type_name, k, bias)
     y = torch.empty((m, n // 2 if silu_mul else n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
@@ -257,16 +268,45 @@ def qlinear_triton(x: torch.Tensor, weight: torch.Tensor, type_name: str, k: int
 
 
 def dequant_rows_triton(weight: torch.Tensor, type_name: str, k: int, rows: torch.Tensor,
-                        dtype: torch.dtype) -> torch.Tensor:
+                        dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows `rows` of the planar weight, dequantized in element order: [len(rows), K]."""
-    y = torch.empty((rows.numel(), k), dtype=dtype, device=weight.device)
+    y = out if out is not None else torch.empty((rows.numel(), k), dtype=dtype,
+                                                device=weight.device)
     if rows.numel() == 0:
         return y
-    geo = _geometry_args(type_name, k, max(1, 256 // geometry(type_name)[0]))
+    geo = dict(_geometry_args(type_name, k, max(1, 256 // geometry(type_name)[0])))
     nb = geo.pop("nb")
-    grid = (rows.numel(), triton.cdiv(nb, geo["NB"]))
-    launchable(_dequant_rows)[grid](rows.reshape(-1), weight, y, k,
-                                    nb, weight.stride(0), DTYPE=TL_DTYPES[dtype],
+    block_r = 1 if rows.numel() < 16 else 16
+    grid = (triton.cdiv(rows.numel(), block_r), triton.cdiv(nb, geo["NB"]))
+    launchable(_dequant_rows)[grid](rows.reshape(-1), weight, y, rows.numel(), k, nb,
+                                    weight.stride(0), BLOCK_R=block_r, DTYPE=TL_DTYPES[dtype],
                                     EXACT=not interpreting(), **_field_args(type_name, k),
                                     **geo, num_warps=4)
     return y
+
+
+
+
+def qlinear_dense(x: torch.Tensor, weight: torch.Tensor, type_name: str, k: int,
+                  bias: torch.Tensor | None = None,
+                  chunk_bytes: int = DENSE_CHUNK_BYTES) -> torch.Tensor:
+    """Prefill ubatches: the weight dequantized to x's dtype in row chunks of at most
+    DENSE_CHUNK_BYTES (a scratch the caching allocator reuses), each multiplied by cuBLAS.
+    For many rows the dequantization is a small share of the product (2 bytes written an
+    element against 2 M flops), and cuBLAS is far ahead of a fused Triton GEMM here."""
+    m, n = x.shape[0], weight.shape[0]
+    per = max(1, chunk_bytes // (k * x.element_size()))
+    if per >= n:
+        w = dequant_rows_triton(weight, type_name, k, torch.arange(n, device=x.device),
+                                x.dtype)
+        return torch.nn.functional.linear(x, w, bias)
+    y_t = torch.empty((n, m), dtype=x.dtype, device=x.device)   # y^T: row chunks contiguous
+    scratch = torch.empty((per, k), dtype=x.dtype, device=x.device)
+    for n0 in range(0, n, per):
+        n1 = min(n, n0 + per)
+        w = dequant_rows_triton(weight, type_name, k, torch.arange(n0, n1, device=x.device),
+                                x.dtype, out=scratch[:n1 - n0])
+        torch.mm(w, x.t(), out=y_t[n0:n1])
+    y = y_t.t().contiguous()
+    return y if bias is None else y + bias
+
