@@ -5,7 +5,10 @@ CPU (tiny geometry, fp32): the reference op is the dequantized product, so logit
 fp32 rounding. Device (marked gpu): the Llama-3-8B geometry in Q4_K, Q6_K, Q8_0 and IQ4_XS
 against the twin in bf16 (cuBLAS and the dense GEMV): over 512 teacher-forced positions
 top-1 agreement >= 99% and mean KL <= 1e-3, and 64 greedy tokens equal except where the
-twin's top two logits lie within 0.05 (a tie either side may break).
+twin's top two logits lie within 0.05 (a tie either side may break). The device model writes
+its residual stream with gain 0.3 (residual_gain): at gain 1 a random 32-layer stack is
+chaotic, and the two bf16 computations (cuBLAS over chunked or whole matrices, GEMV or
+cuBLAS) already differed in 6-7% of top-1s with mean KL 9e-4 on the H200.
 """
 from __future__ import annotations
 
@@ -81,7 +84,7 @@ def test_quantized_tiny_llama_equals_its_dense_twin_on_cpu(weight_type):
 def test_quantized_8b_agrees_with_its_bf16_twin(weight_type):
     seed = fresh_seed() % 10_000
     config, mq, md = build("llama3-8b", weight_type, "cuda", torch.bfloat16, seed,
-                           context_length=4096)
+                           context_length=4096, residual_gain=0.3)
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, config.vocab_size, (512,), generator=gen).cuda()
     top1, kl = compare(teacher_forced(mq, tokens, "bf16"), teacher_forced(md, tokens, "bf16"))

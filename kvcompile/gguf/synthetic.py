@@ -83,7 +83,7 @@ def tensor_plan(cfg: SyntheticConfig, weight_type: str = "f32") -> list[PlannedT
         mat(f"{p}.attn_q.weight", q_rows * (2 if gated else 1), h)
         mat(f"{p}.attn_k.weight", kv_rows, h)
         mat(f"{p}.attn_v.weight", kv_rows, h)
-        mat(f"{p}.attn_output.weight", h, q_rows)
+        mat(f"{p}.attn_output.weight", h, q_rows, gain=cfg.residual_gain)
         if gated:
             vec(f"{p}.attn_q_norm.weight", cfg.head_dim)
             vec(f"{p}.attn_k_norm.weight", cfg.head_dim)
@@ -91,7 +91,7 @@ def tensor_plan(cfg: SyntheticConfig, weight_type: str = "f32") -> list[PlannedT
     def ffn(p):
         mat(f"{p}.ffn_gate.weight", cfg.ffn, h)
         mat(f"{p}.ffn_up.weight", cfg.ffn, h)
-        mat(f"{p}.ffn_down.weight", h, cfg.ffn)
+        mat(f"{p}.ffn_down.weight", h, cfg.ffn, gain=cfg.residual_gain)
 
     for i in range(cfg.n_layers):
         p = f"blk.{i}"
@@ -135,7 +135,7 @@ def _gdn_tensors(cfg, p, mat, vec, plan):
     mat(f"{p}.ssm_beta.weight", cfg.gdn_v_heads, h)
     mat(f"{p}.ssm_alpha.weight", cfg.gdn_v_heads, h, gain=0.5)
     vec(f"{p}.ssm_norm.weight", cfg.gdn_head_dim)
-    mat(f"{p}.ssm_out.weight", h, value_dim)
+    mat(f"{p}.ssm_out.weight", h, value_dim, gain=cfg.residual_gain)
 
 
 def write_synthetic_gguf(cfg: SyntheticConfig, path, weight_type: str = "f32", seed: int = 0,

@@ -21,6 +21,7 @@ class SyntheticConfig:
     rope_dim: int | None = None      # rotated dims per head (None: all)
     rms_eps: float = 1e-6
     logit_gain: float = 2.0          # std of the logits for a unit-RMS final hidden state
+    residual_gain: float = 1.0       # gain of the matrices that write the residual stream
     # qwen35 hybrid
     full_attention_interval: int = 4
     gdn_k_heads: int = 0

@@ -211,14 +211,17 @@ def _geometry_args(type_name: str, k: int, nb_tile: int) -> dict:
 
 
 def row_config(type_name: str, n: int, k: int) -> dict:
-    """One row: 256 values a tile (8 blocks of 32 or one of 256), 8 rows a program."""
-    return dict(NB=max(1, 256 // geometry(type_name)[0]), BLOCK_N=8, num_warps=4)
+    """One row: 4 rows a program, 1024 values a tile (2048 for Q8_0 and Q6_K), from the
+    sweep at the 8B shapes (bench_qlinear.py --sweep, benchmarks/results/qlinear.json)."""
+    block = geometry(type_name)[0]
+    values = 2048 if type_name in ("Q8_0", "Q6_K", "F16", "BF16") else 1024
+    return dict(NB=max(1, values // block), BLOCK_N=4, num_warps=4)
 
 
 def rows_config(type_name: str, n: int, k: int) -> dict:
-    """2..8 rows: 256 values a tile, 32 rows a program (a dot's M side)."""
-    return dict(NB=max(1, 256 // geometry(type_name)[0]), BLOCK_N=32, num_warps=4,
-                num_stages=2)
+    """2..8 rows: 16 rows a program (a dot's M side), 256 values a tile (same sweep)."""
+    return dict(NB=max(1, 256 // geometry(type_name)[0]), BLOCK_N=16, num_warps=4,
+                num_stages=3)
 
 
 def gemm_config(type_name: str, m: int, n: int, k: int) -> dict:
