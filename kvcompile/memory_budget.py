@@ -122,8 +122,9 @@ def device_budget(device: torch.device, gpu_memory_gib: float | None) -> int:
 
 def enforce(device: torch.device, budget: int) -> None:
     """Cap this process's torch allocations on `device` at `budget` bytes."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
 
 
 def planned_weight_bytes(source, device: torch.device, dtype: torch.dtype) -> int:

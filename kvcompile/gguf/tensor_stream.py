@@ -10,6 +10,7 @@ device copy that read it has finished (an event a buffer).
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,8 @@ import torch
 from kvcompile.errors import ModelFileError
 
 CHUNK_BYTES = 64 << 20
+READERS = 4
+READ_PIECE = 4 << 20
 
 
 class TensorStream:
@@ -36,8 +39,10 @@ class TensorStream:
         self.events = [None] * buffers
         self.turn = 0
         self.bytes_read = 0
+        self.pool = ThreadPoolExecutor(READERS)
 
     def close(self) -> None:
+        self.pool.shutdown()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -86,7 +91,20 @@ class TensorStream:
         return self.buffers[self.turn]
 
     def _read_into(self, out: np.ndarray, offset: int) -> None:
+        """Fill `out` from the file at `offset`: large reads in READERS threads at once (a
+        single reader copied from the page cache at a fifth of `cat`'s rate on the H200's
+        host; preadv releases the GIL)."""
         mv = memoryview(out).cast("B")
+        step = -(-len(mv) // READERS)
+        if len(mv) < 2 * READ_PIECE:
+            self._read_range(mv, offset)
+        else:
+            parts = [(mv[i:i + step], offset + i) for i in range(0, len(mv), step)]
+            for f in [self.pool.submit(self._read_range, *p) for p in parts]:
+                f.result()
+        self.bytes_read += len(mv)
+
+    def _read_range(self, mv: memoryview, offset: int) -> None:
         done = 0
         while done < len(mv):
             n = os.preadv(self.fd, [mv[done:]], offset + done)
@@ -95,4 +113,3 @@ class TensorStream:
                                      f"tensor was read (the header says more); the file is "
                                      f"truncated: re-download or re-convert it")
             done += n
-        self.bytes_read += len(mv)
