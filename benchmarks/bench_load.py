@@ -4,7 +4,8 @@ host RSS of the loading process, device bytes of the weights beside the file's t
     python benchmarks/bench_load.py FILE [FILE ...] [--out PATH]
 
 Each load runs in a fresh child process (its peak RSS: resource.getrusage of the children,
-the one before it being `cat`) through kvcompile.loader.load_model(device="cuda"), timed to GPU completion. Targets
+the one before it being `cat`) through kvcompile.loader.load_model(device="cuda"), timed
+to GPU completion. Targets
 (issue 25): weights <= 1.05 x the file's tensor bytes, peak RSS <= 3 GiB + the largest
 tensor, load time <= 2 x the cat time. Rows record the git commit and date.
 """

@@ -72,7 +72,8 @@ def test_quantized_tiny_llama_equals_its_dense_twin_on_cpu(weight_type):
     seed = fresh_seed() % 10_000
     config, mq, md = build("tiny", weight_type, "cpu", torch.float32, seed)
     assert mq.blocks[0].mlp.gate_up.qtype and mq.embed.qtype and mq.lm_head.qtype
-    tokens = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, config.vocab_size, (40,), generator=gen)
     lq, ld = teacher_forced(mq, tokens), teacher_forced(md, tokens)
     torch.testing.assert_close(lq, ld, rtol=1e-4, atol=1e-4)
     assert greedy(mq, tokens[:8], 6)[0] == greedy(md, tokens[:8], 6)[0]

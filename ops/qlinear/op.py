@@ -3,12 +3,12 @@
 qlinear(x, weight, qtype, k, bias=None, silu_mul=False): y = x @ dequant(weight)^T (+ bias)
   x [M, K] f16 / bf16 on CUDA (any float dtype on the CPU: the fp32 reference); weight the
   planar rows uint8 [N, planar_row_bytes(K)] of ggml type `qtype` (formats.py); bias [N] of
-  x's dtype. One row: a CUDA-core GEMV; 2..8 rows: tensor-core GEMV; more: a GEMM, each
-  weight tile dequantized in registers, never written out. fp32 accumulation, one rounding
-  to x's dtype. silu_mul=True (up to 8 rows): weight is a fused [gate; up] projection and
+  x's dtype. One row: a CUDA-core GEMV; 2..8 rows: tensor-core GEMV; 9..63: a Triton GEMM,
+  each weight tile dequantized in registers; 64 and more (prefill ubatches): the weight
+  dequantized to x's dtype in row chunks, then cuBLAS (triton_kernel.qlinear_dense). fp32
+  accumulation, one rounding to x's dtype. silu_mul=True (up to 8 rows): weight is a fused [gate; up] projection and
   the result is silu(gate) * up [M, N / 2], as ops/gemv computes it.
-  With PDL (ops/pdl.py) the GEMVs read nothing before their wait: weights are parameters,
-  but the tile loop starts with the activations' first use.
+  With PDL (ops/pdl.py) the GEMVs wait before their first load.
 qembedding(weight, qtype, k, tokens, dtype): rows `tokens` of the weight dequantized,
   [T, K] in `dtype` (a quantized token embedding).
 """
@@ -36,9 +36,9 @@ def check_qlinear_args(x, weight, qtype, k, bias, silu_mul) -> str:
         problems.append(f"weight as planar uint8 rows [N, bytes]; got {weight.dtype} "
                         f"{tuple(weight.shape)}")
     elif k <= 0 or k % fmt.block or weight.shape[1] != fmt.planar_row_bytes(k):
-        problems.append(f"rows of {fmt.planar_row_bytes(k) if k > 0 and k % fmt.block == 0 else '?'}"
-                        f" bytes for K={k} values of {fmt.name} (K a multiple of {fmt.block}); "
-                        f"got rows of {weight.shape[1]} bytes")
+        want = fmt.planar_row_bytes(k) if k > 0 and k % fmt.block == 0 else "?"
+        problems.append(f"rows of {want} bytes for K={k} values of {fmt.name} (K a multiple of "
+                        f"{fmt.block}); got rows of {weight.shape[1]} bytes")
     if x.dim() != 2 or x.shape[-1] != k:
         problems.append(f"x [M, {k}]; got {tuple(x.shape)}")
     if not x.is_floating_point() or (x.is_cuda and x.dtype not in KERNEL_DTYPES):

@@ -5,8 +5,9 @@ GGUF rows (formats.py), dequantized tile by tile in registers (dequant.py).
   bytes streamed once; x is read at the tile's element indices (dequant.part_elems).
 - 2..8 rows (`_qgemv_rows`): one tensor-core dot per part of a tile, x^T padded to 16
   columns.
-- more rows (`_qgemm`): [BM, BN] output tiles, each weight tile dequantized once for BM
-  rows of x (prefill ubatches).
+- 9..63 rows (`_qgemm`): [BM, BN] output tiles, each weight tile dequantized once for BM
+  rows of x. From DENSE_MIN_ROWS rows (prefill ubatches) `qlinear_dense` instead: this GEMM
+  reached 0.05-0.07 of cuBLAS on the H200 (docs/performance.md).
 - `_dequant_rows`: whole rows in element order (the quantized embedding lookup).
 fp32 accumulation; the dots take the weight tile rounded to bf16 (x is bf16 or fp16: x is
 rounded to the weights' dot dtype, fp16 inputs stay fp16); one rounding to x's dtype.
@@ -23,32 +24,12 @@ import triton
 import triton.language as tl
 
 from kvcompile.ops.cast import TL_DTYPES, round_to
+from kvcompile.ops.gemv.triton_kernel import _dot_rows, _silu_pairs, _weight_rows
 from kvcompile.ops.launching import interpreting, launchable
 from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.qlinear.dequant import (FIELD_ORDER, geometry, load_codes,
                                            part_elems, part_values)
 from kvcompile.ops.qlinear.formats import weight_format
-
-
-@triton.jit
-def _rows_of_program(BLOCK_N: tl.constexpr, N, SILU: tl.constexpr):
-    j = tl.arange(0, BLOCK_N)
-    if SILU:
-        return tl.program_id(0) * (BLOCK_N // 2) + j // 2 + (j % 2) * (N // 2)
-    else:
-        return tl.program_id(0) * BLOCK_N + j
-
-
-@triton.jit
-def _silu_pairs(y, DTYPE: tl.constexpr, EXACT: tl.constexpr, ROWS: tl.constexpr):
-    """fp32 y with (gate, up) in row pairs -> silu(gate) * up of the pair rounded to DTYPE."""
-    y = round_to(y, DTYPE, EXACT).to(tl.float32)
-    if not ROWS:
-        g, u = tl.split(tl.reshape(y, (y.shape[0] // 2, 2)))
-    else:
-        g, u = tl.split(tl.permute(tl.reshape(y, (y.shape[0] // 2, 2, y.shape[1])),
-                                   (0, 2, 1)))
-    return g / (1.0 + tl.exp(-g)) * u
 
 
 @triton.jit
@@ -66,10 +47,11 @@ def _tile_masks(QT: tl.constexpr, n, N, kb0, nb, K, G: tl.constexpr, S: tl.const
 @triton.jit
 def _qgemv_row(x_ptr, w_ptr, b_ptr, y_ptr, N, K, nb, stride_w, OA, OB, OC, OD, OE,
                QT: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
-               S: tl.constexpr, GPB: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
+               S: tl.constexpr, GPB: tl.constexpr, G: tl.constexpr, NB: tl.constexpr,
+               BLOCK_N: tl.constexpr,
                HAS_BIAS: tl.constexpr, SILU: tl.constexpr, DTYPE: tl.constexpr,
                EXACT: tl.constexpr, PDL: tl.constexpr):
-    n = _rows_of_program(BLOCK_N, N, SILU)
+    n = _weight_rows(BLOCK_N, N, SILU)
     row = w_ptr + n[:, None, None].to(tl.int64) * stride_w
     wait_for_producers(PDL)
     acc = tl.zeros([BLOCK_N, G, S], tl.float32)
@@ -93,20 +75,12 @@ def _qgemv_row(x_ptr, w_ptr, b_ptr, y_ptr, N, K, nb, stride_w, OA, OB, OC, OD, O
 
 
 @triton.jit
-def _dot(a, b, acc, EXACT: tl.constexpr):
-    if EXACT:
-        return tl.dot(a, b, acc)
-    else:  # the interpreter's bf16 dot is wrong: the (exact) fp32 products instead
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-
-
-@triton.jit
 def _qgemv_rows(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, nb, stride_w, stride_xm,
                 OA, OB, OC, OD, OE, QT: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
                S: tl.constexpr, GPB: tl.constexpr, G: tl.constexpr, NB: tl.constexpr,
                 BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                 DTYPE: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr):
-    n = _rows_of_program(BLOCK_N, N, SILU)
+    n = _weight_rows(BLOCK_N, N, SILU)
     m = tl.arange(0, 16)
     row = w_ptr + n[:, None, None].to(tl.int64) * stride_w
     wait_for_producers(PDL)
@@ -120,7 +94,7 @@ def _qgemv_rows(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, nb, stride_w, stride_xm,
                          mask=(m[None, :] < M) & (e[:, None] < K), other=0.0)
             w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, okg, G, S)
             w = tl.reshape(w, (BLOCK_N, G * S)).to(xt.dtype)
-            acc = _dot(w, xt, acc, EXACT)
+            acc = _dot_rows(w, xt, acc, EXACT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
     if SILU:
@@ -136,7 +110,8 @@ def _qgemv_rows(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, nb, stride_w, stride_xm,
 @triton.jit
 def _qgemm(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, nb, stride_w, stride_xm,
            OA, OB, OC, OD, OE, QT: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
-               S: tl.constexpr, GPB: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr,
+               S: tl.constexpr, GPB: tl.constexpr, G: tl.constexpr, NB: tl.constexpr,
+           BLOCK_M: tl.constexpr,
            BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
            DTYPE: tl.constexpr, EXACT: tl.constexpr):
     # grouped ordering: programs that run together share weight tiles in L2
@@ -160,7 +135,7 @@ def _qgemm(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, nb, stride_w, stride_xm,
                          mask=(m[:, None] < M) & (e[None, :] < K), other=0.0)
             w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, okg, G, S)
             w = tl.reshape(w, (BLOCK_N, G * S)).to(xs.dtype)
-            acc = _dot(xs, tl.trans(w), acc, EXACT)
+            acc = _dot_rows(xs, tl.trans(w), acc, EXACT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + m[:, None].to(tl.int64) * N + n[None, :], round_to(acc, DTYPE, EXACT),
