@@ -19,7 +19,8 @@ from kvcompile.ops.span_attention.decode_kernel import LOG2E, span_attention_dec
 from kvcompile.ops.span_attention.decode_split import (decode_shape, decode_tile,
                                                        launch_reduce, partial_slot,
                                                        program_rows_and_chunk, split_launch,
-                                                       split_operands, store_partial_stats)
+                                                       split_operands, store_partial_stats,
+                                                       partial_rows_ok)
 from kvcompile.ops.span_attention.decode_transposed import (span_attention_decode_transposed,
                                                             transposed_takes)
 from kvcompile.ops.span_attention.launch import k_split
@@ -86,7 +87,7 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
             acc_a = tl.dot(p16, v_operand(v, V_TYPE), acc_a * alpha[:, None])
         m_i = m_new
     slot = partial_slot(tl.program_id(0), r, h, n_chunks, n_rows, G)
-    ok = (r < n_rows * G) & (start < n_ctx)
+    ok = partial_rows_ok(r, n_rows, G, start, n_ctx)
     store_partial_stats(m_ptr, l_ptr, m_i, l_i, slot, ok)
     base = acc_ptr + slot.to(tl.int64)[:, None] * D
     tl.store(base + value_columns(DA, 0 if V4 else -1)[None, :], acc_a, mask=ok[:, None])

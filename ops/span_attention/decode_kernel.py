@@ -18,7 +18,8 @@ from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.span_attention.decode_split import (decode_shape, decode_tile,
                                                        launch_reduce, partial_slot,
                                                        program_rows_and_chunk, split_launch,
-                                                       split_operands, store_partial_stats)
+                                                       split_operands, store_partial_stats,
+                                                       partial_rows_ok)
 from kvcompile.ops.span_attention.launch import k_split
 from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
                                                      qk_quantized, qk_scores, query_tile,
@@ -72,7 +73,7 @@ def _decode_split(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v_operand(v, V_TYPE))
         m_i = m_new
     slot = partial_slot(tl.program_id(0), r, h, n_chunks, n_rows, G)
-    ok = (r < n_rows * G) & (start < n_ctx)
+    ok = partial_rows_ok(r, n_rows, G, start, n_ctx)
     store_partial_stats(m_ptr, l_ptr, m_i, l_i, slot, ok)
     tl.store(acc_ptr + slot.to(tl.int64)[:, None] * D + d[None, :], acc, mask=ok[:, None])
 

@@ -148,6 +148,14 @@ def partial_slot(chunk, r, h, n_chunks, n_rows, G: tl.constexpr):
 
 
 @triton.jit
+def partial_rows_ok(r, n_rows, G: tl.constexpr, start, n_ctx):
+    """Which tile rows r store partials: real rows of a chunk that starts inside the
+    context. Both sides are tensors: Triton 3.9's interpreter rejects a mask made from a
+    tensor and a scalar comparison ('mask has unsupported dtype')."""
+    return (r < n_rows * G) & (r * 0 + start < n_ctx)
+
+
+@triton.jit
 def store_partial_stats(m_ptr, l_ptr, m_i, l_i, slot, ok):
     """Store the program's running max and sum at `slot` where `ok`."""
     tl.store(m_ptr + slot, m_i, mask=ok)

@@ -26,7 +26,8 @@ from kvcompile.ops.span_attention.decode_kernel import LOG2E
 from kvcompile.ops.span_attention.decode_split import (decode_shape, decode_tile,
                                                        launch_reduce, partial_slot,
                                                        program_rows_and_chunk, split_launch,
-                                                       split_operands, store_partial_stats)
+                                                       split_operands, store_partial_stats,
+                                                       partial_rows_ok)
 from kvcompile.ops.span_attention.paged_tile import online_softmax_along
 from kvcompile.ops.span_attention.quant_blocks import (q4_codes_f16, q8_codes_f16,
                                                        scaled_v_codes_t, v_scales_t,
@@ -145,7 +146,7 @@ def _decode_split_t(q_ptr, k_codes, k_scl, v_codes, v_scl, page_table, q_pos_ptr
         m_i = m_new
         ks, vs = ks_next, vs_next
     slot = partial_slot(tl.program_id(0), r, h, n_chunks, n_rows, G)
-    ok = (r < n_rows * G) & (start < n_ctx)
+    ok = partial_rows_ok(r, n_rows, G, start, n_ctx)
     store_partial_stats(m_ptr, l_ptr, m_i, l_i, slot, ok)
     base = acc_ptr + slot.to(tl.int64)[None, :] * D
     tl.store(base + value_columns(DA, 0 if V4 else -1)[:, None], acc_a, mask=ok[None, :])

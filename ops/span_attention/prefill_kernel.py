@@ -101,7 +101,9 @@ def _prefill(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr, out_ptr
     else:
         end_full = tl.minimum(full_end, end_page * P)
         end_all = tl.minimum(hi, end_page * P)
-    touched = n_begin < end_all                              # some key tile in this piece
+    # some key tile in this piece; a tensor over the rows, since Triton 3.9's interpreter
+    # rejects masks made with a scalar comparison (decode_split.partial_rows_ok)
+    touched = t * 0 + n_begin < end_all
     d = tl.arange(0, D)
     qrow = q_ptr + t.to(tl.int64) * stride_qt + hq * stride_qh
     q = tl.load(qrow[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
