@@ -19,6 +19,8 @@ LOWERINGS = {
     "kvcompile.rope_rotate": "ops/rope_rotate (triton_op: rope + KV Hadamard rotations)",
     "kvcompile.silu_mul": "ops/silu_mul (triton_op: SwiGLU activation)",
     "kvcompile.gemv": "ops/gemv (triton_op: weight-streaming GEMV for <= 8 rows)",
+    "kvcompile.qlinear": "ops/qlinear (triton_op: products with GGUF block-format weights)",
+    "kvcompile.qembedding": "ops/qlinear (triton_op: quantized embedding rows)",
 }
 # namespaces torch itself lowers (inductor / the eager fallback)
 BUILTIN_NAMESPACES = {"aten", "prims", "higher_order", "_c10d_functional", "_dtensor"}

@@ -79,6 +79,40 @@ def test_quantized_tiny_llama_equals_its_dense_twin_on_cpu(weight_type):
     assert greedy(mq, tokens[:8], 6)[0] == greedy(md, tokens[:8], 6)[0]
 
 
+def test_quantized_model_compiles_through_the_pass_pipeline(monkeypatch):
+    """torch.compile with the pass pipeline as backend (whose last pass refuses custom ops
+    without a lowering) takes the qlinear / qembedding ops: prefill and decode of the
+    compiled quantized model equal the model run directly, bitwise."""
+    from kvcompile.passes import pipeline as P
+    from kvcompile.passes import default_pipeline
+    monkeypatch.delenv(P.DISABLE_ENV, raising=False)
+    seed = fresh_seed() % 10_000
+    config, mq, _ = build("tiny", "q4_k", "cpu", torch.float32, seed)
+    prompt = torch.randint(0, config.vocab_size, (12,),
+                           generator=torch.Generator().manual_seed(seed))
+    pipeline, graphs = default_pipeline(distance=1), []
+
+    def backend(gm, example_inputs):
+        gm = pipeline.run(gm, example_inputs)
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(mq, fullgraph=True, backend=backend)
+
+    def generate(fn):
+        cache = PagedKvCache(config, 64, page_size=16)
+        with torch.inference_mode():
+            rows = [fn(prompt[:9], torch.arange(9), cache)]
+            rows += [fn(prompt[i:i + 1], torch.tensor([i]), cache) for i in range(9, 12)]
+        return torch.cat(rows)
+
+    assert torch.equal(generate(compiled), generate(mq))
+    assert len(graphs) == 2
+    assert all("kvcompile.qlinear" in P.call_targets(gm) for gm in graphs)
+    torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("weight_type", ["q4_k", "q6_k", "q8_0", "iq4_xs"])
