@@ -35,7 +35,7 @@ load_s = time.perf_counter() - t
 tensors = [*m.model.parameters(), *m.model.buffers()]
 weights = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                for t in tensors}.values())
-print(json.dumps(dict(load_s=load_s, device_weight_bytes=weights, max_reserved=
+print(json.dumps(dict(load_s=load_s, parts_s=m.seconds, device_weight_bytes=weights, max_reserved=
                       torch.cuda.max_memory_reserved() if dev == "cuda" else 0)))
 """
 

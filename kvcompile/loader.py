@@ -1,7 +1,8 @@
 """Model file -> (config, tokenizer, nn.Module): picks the model class by architecture."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +18,7 @@ class LoadedModel:
     metadata: dict
     tokenizer: object
     model: torch.nn.Module
+    seconds: dict = field(default_factory=dict)   # wall time of each part of the load
 
 
 @dataclass
@@ -71,8 +73,15 @@ def load_model(model=None, *, device: str | torch.device = "cpu",
 
     source = model if isinstance(model, ModelSource) else None
     path = source.path if source else resolve_model_path(model)
+    clock = [time.perf_counter()]
+
+    def lap() -> float:
+        clock.append(time.perf_counter())
+        return clock[-1] - clock[-2]
+
     weights = load_weights(path, dtype=dtype, progress=progress, device=device,
                            opened=source.gguf if source else None)
+    seconds = {"weights": lap()}
     classes = _model_classes()
     cls = classes.get(weights.config.arch)
     if cls is None:
@@ -87,5 +96,7 @@ def load_model(model=None, *, device: str | torch.device = "cpu",
         folder = Path(path) if Path(path).is_dir() else Path(path).parent
         meta = hf_tokenizer_metadata(folder)
     tokenizer = Tokenizer.from_metadata(meta)
+    seconds["tokenizer"] = lap()
     module = cls.from_weights(weights.config, weights.tensors, dtype=dtype, device=device)
-    return LoadedModel(path, weights.config, meta, tokenizer, module.eval())
+    seconds["model"] = lap()
+    return LoadedModel(path, weights.config, meta, tokenizer, module.eval(), seconds)
