@@ -98,7 +98,7 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
 def blocks_config(head_dim: int, block_m: int, k_quantized: bool) -> dict:
     """Launch defaults. Quantized K with all query rows of a KV head in one 16-row tile
     (decode, narrow verify): the best of a sweep at 8K-256K (H200, 1 query row, 2026-11-30,
-    benchmarks/probe_overhead.py --only sweep; docs/performance.md): small programs, many an
+    the overhead probe's sweep; docs/performance.md): small programs, many an
     SM (the loop is latency bound): 64 positions, 1 warp, 8 programs an SM for D <= 128
     (0.58 of HBM at 256K in that sweep, 0.44 with the old defaults of 128 positions x 4 warps
     x 2 programs); 64 positions, 2 warps, 4 programs an SM for D = 256 (0.45, old defaults
