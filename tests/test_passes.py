@@ -356,6 +356,20 @@ def test_default_pipeline_on_a_clean_graph(monkeypatch):
 
 # ---------------------------------------------------------------- end to end
 
+def compiled_through_pipeline(model, distance: int = 1):
+    """torch.compile(model) with the default pass pipeline as its backend: (the compiled
+    model, the list its graphs are appended to as they compile, the pipeline)."""
+    graphs, pipeline = [], default_pipeline(distance=distance)
+
+    def backend(gm, example_inputs):
+        gm = pipeline.run(gm, example_inputs)
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    return torch.compile(model, fullgraph=True, backend=backend), graphs, pipeline
+
+
 def test_tiny_llama_compiled_through_the_pipeline_equals_eager(monkeypatch):
     from test_kv_cache import TINY, tiny_weights
     from kvcompile.kv_cache import PagedKvCache
@@ -365,16 +379,7 @@ def test_tiny_llama_compiled_through_the_pipeline_equals_eager(monkeypatch):
     g = torch.Generator().manual_seed(1234)
     model = LlamaModel.from_weights(TINY, tiny_weights(TINY, g))
     prompt = torch.randint(0, TINY.vocab_size, (12,), generator=g)
-    graphs = []
-    pipeline = default_pipeline(distance=1)
-
-    def backend(gm, example_inputs):
-        gm = pipeline.run(gm, example_inputs)
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    compiled, graphs, pipeline = compiled_through_pipeline(model)
 
     def generate(fn):
         cache = PagedKvCache(TINY, 64, page_size=16)

@@ -84,21 +84,13 @@ def test_quantized_model_compiles_through_the_pass_pipeline(monkeypatch):
     without a lowering) takes the qlinear / qembedding ops: prefill and decode of the
     compiled quantized model equal the model run directly, bitwise."""
     from kvcompile.passes import pipeline as P
-    from kvcompile.passes import default_pipeline
+    from test_passes import compiled_through_pipeline
     monkeypatch.delenv(P.DISABLE_ENV, raising=False)
     seed = fresh_seed() % 10_000
     config, mq, _ = build("tiny", "q4_k", "cpu", torch.float32, seed)
     prompt = torch.randint(0, config.vocab_size, (12,),
                            generator=torch.Generator().manual_seed(seed))
-    pipeline, graphs = default_pipeline(distance=1), []
-
-    def backend(gm, example_inputs):
-        gm = pipeline.run(gm, example_inputs)
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(mq, fullgraph=True, backend=backend)
+    compiled, graphs, _ = compiled_through_pipeline(mq)
 
     def generate(fn):
         cache = PagedKvCache(config, 64, page_size=16)

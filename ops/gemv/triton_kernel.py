@@ -83,6 +83,38 @@ def _silu_pairs(y, DTYPE: tl.constexpr, EXACT: tl.constexpr, ROWS: tl.constexpr)
 
 
 @triton.jit
+def store_row(y, n, b_ptr, y_ptr, N, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+              SILU: tl.constexpr, DTYPE: tl.constexpr, EXACT: tl.constexpr):
+    """One-row epilogue (shared with ops/qlinear): fp32 y of weight rows n, plus the bias,
+    stored rounded to DTYPE; with SILU silu(gate) * up of the program's row pairs."""
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+    if SILU:
+        c = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(y_ptr + c, round_to(_silu_pairs(y, DTYPE, EXACT, False), DTYPE, EXACT),
+                 mask=c < N // 2)
+    else:
+        tl.store(y_ptr + n, round_to(y, DTYPE, EXACT), mask=n < N)
+
+
+@triton.jit
+def store_rows(acc, n, m, b_ptr, y_ptr, M, N, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+               SILU: tl.constexpr, DTYPE: tl.constexpr, EXACT: tl.constexpr):
+    """Epilogue of 2..8 rows (shared with ops/qlinear): acc [BLOCK_N, 16] of weight rows n
+    and x rows m, as store_row."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
+    if SILU:
+        c = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(y_ptr + m[None, :] * (N // 2) + c[:, None],
+                 round_to(_silu_pairs(acc, DTYPE, EXACT, True), DTYPE, EXACT),
+                 mask=(m[None, :] < M) & (c[:, None] < N // 2))
+    else:
+        tl.store(y_ptr + m[None, :] * N + n[:, None], round_to(acc, DTYPE, EXACT),
+                 mask=(m[None, :] < M) & (n[:, None] < N))
+
+
+@triton.jit
 def _gemv_row(x_ptr, w_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
               DTYPE: tl.constexpr, EXACT: tl.constexpr, SILU: tl.constexpr,
@@ -99,14 +131,7 @@ def _gemv_row(x_ptr, w_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr,
         w = _weight_tile(rows, n, k, N, K, EVEN)
         acc += w.to(tl.float32) * _x_tile(x_ptr, k, K, EVEN).to(tl.float32)[None, :]
     y = tl.sum(acc, 1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
-    if SILU:
-        c = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(y_ptr + c, round_to(_silu_pairs(y, DTYPE, EXACT, False), DTYPE, EXACT),
-                 mask=c < N // 2)
-    else:
-        tl.store(y_ptr + n, round_to(y, DTYPE, EXACT), mask=n < N)
+    store_row(y, n, b_ptr, y_ptr, N, BLOCK_N, HAS_BIAS, SILU, DTYPE, EXACT)
 
 
 @triton.jit
@@ -126,16 +151,7 @@ def _gemv_rows(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, HAS_BIAS: tl.cons
         k = k0 + kk
         w = _weight_tile(rows, n, k, N, K, EVEN)
         acc = _dot_rows(w, _xt_tile(x_ptr, m, k, M, K, stride_xm, EVEN), acc, EXACT)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
-    if SILU:
-        c = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(y_ptr + m[None, :] * (N // 2) + c[:, None],
-                 round_to(_silu_pairs(acc, DTYPE, EXACT, True), DTYPE, EXACT),
-                 mask=(m[None, :] < M) & (c[:, None] < N // 2))
-    else:
-        tl.store(y_ptr + m[None, :] * N + n[:, None], round_to(acc, DTYPE, EXACT),
-                 mask=(m[None, :] < M) & (n[:, None] < N))
+    store_rows(acc, n, m, b_ptr, y_ptr, M, N, BLOCK_N, HAS_BIAS, SILU, DTYPE, EXACT)
 
 
 def row_config(n: int, k: int) -> dict:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kvcompile.ops.cast import TL_DTYPES, round_to
-from kvcompile.ops.gemv.triton_kernel import _dot_rows, _silu_pairs, _weight_rows
+from kvcompile.ops.gemv.triton_kernel import _dot_rows, _weight_rows, store_row, store_rows
 from kvcompile.ops.launching import interpreting, launchable
 from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.qlinear.dequant import (FIELD_ORDER, geometry, load_codes,
@@ -64,14 +64,7 @@ def _qgemv_row(x_ptr, w_ptr, b_ptr, y_ptr, N, K, nb, stride_w, OA, OB, OC, OD, O
             w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, okg, G, S)
             acc += w * xv[None]
     y = tl.sum(tl.sum(acc, 2), 1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
-    if SILU:
-        c = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(y_ptr + c, round_to(_silu_pairs(y, DTYPE, EXACT, False), DTYPE, EXACT),
-                 mask=c < N // 2)
-    else:
-        tl.store(y_ptr + n, round_to(y, DTYPE, EXACT), mask=n < N)
+    store_row(y, n, b_ptr, y_ptr, N, BLOCK_N, HAS_BIAS, SILU, DTYPE, EXACT)
 
 
 @triton.jit
@@ -95,16 +88,7 @@ def _qgemv_rows(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, nb, stride_w, stride_xm,
             w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, okg, G, S)
             w = tl.reshape(w, (BLOCK_N, G * S)).to(xt.dtype)
             acc = _dot_rows(w, xt, acc, EXACT)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
-    if SILU:
-        c = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(y_ptr + m[None, :] * (N // 2) + c[:, None],
-                 round_to(_silu_pairs(acc, DTYPE, EXACT, True), DTYPE, EXACT),
-                 mask=(m[None, :] < M) & (c[:, None] < N // 2))
-    else:
-        tl.store(y_ptr + m[None, :] * N + n[:, None], round_to(acc, DTYPE, EXACT),
-                 mask=(m[None, :] < M) & (n[:, None] < N))
+    store_rows(acc, n, m, b_ptr, y_ptr, M, N, BLOCK_N, HAS_BIAS, SILU, DTYPE, EXACT)
 
 
 @triton.jit
