@@ -6,6 +6,7 @@ how to interpret them (notably `rope_neox` for the Q/K row layout).
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -94,7 +95,7 @@ def layout(plan: list["PlannedWeight"]) -> tuple[dict[str, int], int]:
         if name in offsets:
             continue
         group = [name]
-        prefix, _, leaf = _split_block(name)
+        prefix, leaf = _split_block(name)
         for names in FUSED:
             if leaf in names:
                 group = [g for g in (f"{prefix}{n}" for n in names) if g in by_name]
@@ -106,12 +107,12 @@ def layout(plan: list["PlannedWeight"]) -> tuple[dict[str, int], int]:
     return offsets, -(-at // ALIGN) * ALIGN
 
 
-def _split_block(name: str) -> tuple[str, str, str]:
-    """'blk.3.attn_q.weight' -> ('blk.3.', '', 'attn_q.weight'); others: ('', '', name)."""
+def _split_block(name: str) -> tuple[str, str]:
+    """'blk.3.attn_q.weight' -> ('blk.3.', 'attn_q.weight'); others: ('', name)."""
     parts = name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk":
-        return f"blk.{parts[1]}.", "", parts[2]
-    return "", "", name
+        return f"blk.{parts[1]}.", parts[2]
+    return "", name
 
 
 @dataclass
@@ -173,16 +174,14 @@ def warn_dequantized(plan: list[PlannedWeight]) -> None:
 
 
 def _rows_cols(shape: tuple) -> tuple[int, int]:
-    cols = shape[-1]
-    rows = 1
-    for d in shape[:-1]:
-        rows *= d
-    return rows, cols
+    """A tensor as rows of its last dimension (vectors: one row)."""
+    return math.prod(shape[:-1]), shape[-1]
 
 
 def _read(stream, p: PlannedWeight, place: torch.Tensor, bar):
     """One tensor, chunk by chunk, into its place (uint8 bytes of the weight buffer)."""
-    from kvcompile.ops.qlinear.formats import FORMATS, weight_format
+    from kvcompile.ops.qlinear.formats import FORMATS, to_planar, weight_format
+    from kvcompile.ops.qlinear.triton_kernel import dequant_rows_triton
     from kvcompile.quant_weight import QuantWeight
     info, device = p.info, place.device
     rows, cols = _rows_cols(info.shape)
@@ -195,18 +194,15 @@ def _read(stream, p: PlannedWeight, place: torch.Tensor, bar):
     for r0, chunk in stream.row_chunks(info.data_offset, rows, row_bytes):
         n = chunk.shape[0]
         if p.quantized:
-            from kvcompile.ops.qlinear.formats import to_planar
             to_planar(chunk.to(device, non_blocking=True), info.ggml_type, cols,
                       out=out[r0:r0 + n])
         elif info.ggml_type in _FLOAT_VIEWS:
             vals = chunk.view(_FLOAT_VIEWS[info.ggml_type])
             out[r0:r0 + n].copy_(vals.to(device, non_blocking=True))
         elif on_device:       # a kernel type read dense (f32 activations): dequantize there
-            from kvcompile.ops.qlinear.formats import to_planar
-            from kvcompile.ops.qlinear.triton_kernel import dequant_rows_triton
             planar = to_planar(chunk.to(device, non_blocking=True), info.ggml_type, cols)
-            idx = torch.arange(n, device=device)
-            out[r0:r0 + n] = dequant_rows_triton(planar, info.ggml_type, cols, idx, p.dtype)
+            dequant_rows_triton(planar, info.ggml_type, cols, torch.arange(n, device=device),
+                                p.dtype, out=out[r0:r0 + n])
         else:
             vals = _dequantize_host(info, chunk)
             out[r0:r0 + n].copy_(vals.view(n, cols).to(device, non_blocking=True))
