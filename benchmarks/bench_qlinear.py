@@ -50,7 +50,7 @@ def graph_us(fn, calls: int = 20, reps: int = 5) -> float:
 
 def sweep(types, shapes, hbm, meta, gen) -> list:
     from kvcompile.ops.qlinear.dequant import geometry
-    from kvcompile.ops.qlinear.triton_kernel import qlinear_triton
+    from kvcompile.ops.qlinear.triton_kernel import qlinear_triton, row_config
     rows = []
     for name in types:
         block = geometry(name)[0]
@@ -60,8 +60,8 @@ def sweep(types, shapes, hbm, meta, gen) -> list:
             for m in (1, 8):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 best = None
-                cfgs = ([dict(BLOCK_N=bn, NB=max(1, bk // block), num_warps=4)
-                         for bn in (4, 8, 16) for bk in (1024, 2048)]
+                cfgs = ([row_config(name, n, k, bn, warps) for bn in (2, 4, 8)
+                         for warps in (1, 2, 4)]
                         if m == 1 else
                         [dict(BLOCK_N=bn, NB=max(1, bk // block), num_warps=4, num_stages=st)
                          for bn in (16, 32) for bk in (256, 512) for st in (2, 3)])
@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--gemm-rows", default="512,4096")
     ap.add_argument("--sweep", action="store_true", help="time launch configurations")
+    ap.add_argument("--sweep-only", action="store_true", help="no default rows after it")
     ap.add_argument("--out", default="benchmarks/results/qlinear.json")
     args = ap.parse_args()
     meta = run_meta()
@@ -97,7 +98,7 @@ def main() -> None:
     rows = []
     if args.sweep:
         rows += sweep(args.types.split(","), args.shapes.split(","), hbm, meta, gen)
-    for name in args.types.split(","):
+    for name in [] if args.sweep_only else args.types.split(","):
         qt = weight_format(name).ggml_id
         for shape in args.shapes.split(","):
             n, k = SHAPES[shape]

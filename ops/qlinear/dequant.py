@@ -34,15 +34,66 @@ FIELD_ORDER = {
 }
 
 
+MAGIC = tl.constexpr(8388608.0)        # 2^23: the fp32 whose bits are 0x4B000000
+
+
 @triton.jit
-def iq4_value(nib):
-    """ggml's IQ4 codebook entry (kvalues_iq4nl: -127, -104, .., 113) of a nibble, exactly:
-    a quartic through the 16 entries lies within 0.48 of each, so it rounds to them. No
+def small_f32(v):
+    """int32 v (0 <= v < 2^23) as fp32 without a conversion instruction: the bits of 2^23
+    with v in the mantissa are 2^23 + v exactly, less 2^23. (I2F issues at an eighth of the
+    FMA rate on Hopper; it limited the GEMV.)"""
+    return (v | 0x4B000000).to(tl.float32, bitcast=True) - MAGIC
+
+
+# bytes 0..3 of t into outputs 0..3 as 0x4B0000bb (selector: t's byte k, two zero bytes
+# and the 0x4B of the second operand)
+_PUT_BYTES = ("prmt.b32 $0, t, 0x4b000000, 0x7540; prmt.b32 $1, t, 0x4b000000, 0x7541; "
+              "prmt.b32 $2, t, 0x4b000000, 0x7542; prmt.b32 $3, t, 0x4b000000, 0x7543; }")
+_LOW_NIBBLE_ASM = tl.constexpr("{ .reg .b32 t; and.b32 t, $4, 0x0f0f0f0f; " + _PUT_BYTES)
+_HIGH_NIBBLE_ASM = tl.constexpr("{ .reg .b32 t; shr.b32 t, $4, 4; and.b32 t, t, 0x0f0f0f0f; "
+                                + _PUT_BYTES)
+_INT8_ASM = tl.constexpr("{ .reg .b32 t; xor.b32 t, $4, 0x80808080; " + _PUT_BYTES)
+
+
+@triton.jit
+def nibble_f32(q, P: tl.constexpr, EXACT: tl.constexpr):
+    """fp32 nibble P (0: low, 1: high) of each uint8 code byte. Compiled (EXACT): four
+    bytes a register, one mask for the four and a byte permute each, putting the nibble
+    under the 2^23 exponent (small_f32) without a shift; the interpreter computes the same."""
+    if EXACT:
+        if P == 0:
+            v = tl.inline_asm_elementwise(_LOW_NIBBLE_ASM, "=r,=r,=r,=r,r", [q], dtype=tl.int32,
+                                          is_pure=True, pack=4)
+        else:
+            v = tl.inline_asm_elementwise(_HIGH_NIBBLE_ASM, "=r,=r,=r,=r,r", [q], dtype=tl.int32,
+                                          is_pure=True, pack=4)
+        return v.to(tl.float32, bitcast=True) - MAGIC
+    else:
+        return small_f32((q.to(tl.int32) >> (4 * P)) & 15)
+
+
+@triton.jit
+def int8_f32(q, EXACT: tl.constexpr):
+    """fp32 of each uint8 code byte read as int8 (Q8_0): the sign bit flipped (byte + 128)
+    under the 2^23 exponent, less 2^23 + 128."""
+    if EXACT:
+        v = tl.inline_asm_elementwise(_INT8_ASM, "=r,=r,=r,=r,r", [q], dtype=tl.int32,
+                                      is_pure=True, pack=4)
+    else:
+        v = (q.to(tl.int32) ^ 128) | 0x4B000000
+    return v.to(tl.float32, bitcast=True) - (MAGIC + 128.0)
+
+
+@triton.jit
+def iq4_value(x):
+    """ggml's IQ4 codebook entry (kvalues_iq4nl: -127, -104, .., 113) of a nibble x (fp32
+    0..15), exactly: a quartic through the 16 entries lies within 0.48 of each, so rounding
+    it (1.5 * 2^23 added and taken away: fp32 adds round to integers there) gives them. No
     table load: a gather inside the loop, which the pipeliner staged through shared memory
     (320 KB for the GEMM)."""
-    x = nib.to(tl.float32)
-    p = (((0.0013247202 * x + 0.0412168242) * x - 1.5001835823) * x + 24.7432460785) * x
-    return tl.floor(p - 126.5436019897)
+    p = (((0.0013247202 * x + 0.0412168242) * x - 1.5001835823) * x + 24.7432460785) * x \
+        - 127.0436019897
+    return (p + 12582912.0) - 12582912.0
 
 
 def geometry(type_name: str) -> tuple[int, int, int, int]:
@@ -86,7 +137,7 @@ def part_elems(QT: tl.constexpr, P: tl.constexpr, G: tl.constexpr, S: tl.constex
 @triton.jit
 def load_codes(QT: tl.constexpr, row, kb0, OA, ok, G: tl.constexpr, S: tl.constexpr,
                GPB: tl.constexpr):
-    """The tile's code bytes [BN, G, S] (uint8 as int32; F16 / BF16: the fp32 values).
+    """The tile's code bytes [BN, G, S] (uint8; F16 / BF16: the fp32 values).
     row: [BN, 1, 1] uint8 pointers to the rows; kb0: the tile's first block; ok: [BN, G, S]
     mask of real rows and blocks."""
     g, s = _gs(G, S)
@@ -97,8 +148,7 @@ def load_codes(QT: tl.constexpr, row, kb0, OA, ok, G: tl.constexpr, S: tl.conste
         p = (row + OA).to(tl.pointer_type(tl.bfloat16)) + kb0 * 32 + (32 * g + s)[None]
         return tl.load(p, mask=ok, other=0.0).to(tl.float32)
     else:
-        return tl.load(row + OA + kb0 * (S * GPB) + (S * g + s)[None], mask=ok,
-                       other=0).to(tl.int32)
+        return tl.load(row + OA + kb0 * (S * GPB) + (S * g + s)[None], mask=ok, other=0)
 
 
 @triton.jit
@@ -123,90 +173,108 @@ def _k4_scale_min(row, OB, blk, j, ok):
     c = _u8(row, OB, base + tl.where(lo, j, j - 4), ok)          # bytes j - 4 (j >= 4)
     sc = tl.where(lo, a & 63, (b & 15) | ((c >> 6) << 4))
     mn = tl.where(lo, b & 63, (b >> 4) | ((a >> 6) << 4))
-    return sc.to(tl.float32), mn.to(tl.float32)
+    return small_f32(sc), small_f32(mn)
 
 
 @triton.jit
 def part_values(QT: tl.constexpr, P: tl.constexpr, q, row, kb0, OB, OC, OD, OE,
-                okg, G: tl.constexpr, S: tl.constexpr):
+                okg, G: tl.constexpr, S: tl.constexpr, EXACT: tl.constexpr):
     """fp32 values [BN, G, S] of part P from the code bytes q (load_codes). okg: [BN, G, 1]
     mask of real rows and blocks (scale loads)."""
+    v = part_codes(QT, P, q, row, kb0, OB, OC, OD, okg, G, S, EXACT)
+    sc, mn = part_affine(QT, P, row, kb0, OB, OC, OD, OE, okg, G)
+    return sc * v - mn
+
+
+@triton.jit
+def part_codes(QT: tl.constexpr, P: tl.constexpr, q, row, kb0, OB, OC, OD, okg,
+               G: tl.constexpr, S: tl.constexpr, EXACT: tl.constexpr):
+    """Part P's codes as fp32 [BN, G, S], before their group's scale: value = scale * code
+    - offset (part_affine). Small integers (the IQ4 codebook's entries, F16 / BF16: the
+    values themselves)."""
     g, s = _gs(G, S)
     g = g[None]                                   # [1, G, 1]
     s = s[None]                                   # [1, 1, S]
     if QT == F16 or QT == BF16:
         return q
     elif QT == Q8_0:
-        d = _f16(row, OB, kb0 + g, okg)
-        return d * (q - ((q & 128) << 1)).to(tl.float32)       # int8 from its byte
-    elif QT == Q4_0 or QT == IQ4_NL or QT == Q4_1:
-        blk = kb0 + g
-        nib = (q >> (4 * P)) & 15
-        d = _f16(row, OB, blk, okg)
-        if QT == Q4_0:
-            return d * (nib - 8).to(tl.float32)
-        elif QT == IQ4_NL:
-            return d * iq4_value(nib)
-        else:
-            return d * nib.to(tl.float32) + _f16(row, OC, blk, okg)
+        return int8_f32(q, EXACT)
+    elif QT == Q4_0 or QT == Q4_1 or QT == Q4_K:
+        return nibble_f32(q, P, EXACT)
+    elif QT == IQ4_NL or QT == IQ4_XS:
+        return iq4_value(nibble_f32(q, P, EXACT))
     elif QT == Q5_0 or QT == Q5_1:
-        blk = kb0 + g
         if QT == Q5_0:
             qh_off = OC
         else:
             qh_off = OD
-        qh = tl.load((row + qh_off).to(tl.pointer_type(tl.uint32)) + blk, mask=okg, other=0)
+        qh = tl.load((row + qh_off).to(tl.pointer_type(tl.uint32)) + kb0 + g, mask=okg, other=0)
         hi = ((qh >> (s + 16 * P).to(tl.uint32)) & 1).to(tl.int32)
-        v = ((q >> (4 * P)) & 15) | (hi << 4)
-        d = _f16(row, OB, blk, okg)
-        if QT == Q5_0:
-            return d * (v - 16).to(tl.float32)
-        else:
-            return d * v.to(tl.float32) + _f16(row, OC, blk, okg)
+        return small_f32(((q.to(tl.int32) >> (4 * P)) & 15) | (hi << 4))
+    elif QT == Q5_K:
+        j = 2 * (g % 4) + P
+        h = (_u8(row, OB, (kb0 + g // 4) * 32 + s, okg) >> j) & 1
+        return small_f32(((q.to(tl.int32) >> (4 * P)) & 15) | (h << 4))
+    elif QT == Q6_K:
+        r = g % 8
+        h = _u8(row, OB, (kb0 + g // 8) * 64 + 32 * (r // 4) + 16 * (r % 2) + s, okg)
+        h = (h >> (2 * ((r % 4) // 2) + 4 * P)) & 3
+        return small_f32(((q.to(tl.int32) >> (4 * P)) & 15) | (h << 4))
+    elif QT == Q2_K:
+        return small_f32((q.to(tl.int32) >> (2 * P)) & 3)
+    else:  # Q3_K: 2 low bits and the hmask bit, offset by 4 (part_affine takes 4 away)
+        m = _u8(row, OB, (kb0 + g // 4) * 32 + 16 * (g % 2) + s, okg)
+        m = (m >> (4 * ((g % 4) // 2) + P)) & 1
+        return small_f32(((q.to(tl.int32) >> (2 * P)) & 3) | (m << 2))
+
+
+@triton.jit
+def part_affine(QT: tl.constexpr, P: tl.constexpr, row, kb0, OB, OC, OD, OE, okg,
+                G: tl.constexpr):
+    """(scale, offset) fp32 [BN, G, 1] of part P's groups: value = scale * code - offset
+    (part_codes). The plane offsets follow FIELD_ORDER (the codes' plane is OA)."""
+    g = tl.arange(0, G)[None, :, None]            # [1, G, 1]
+    if QT == F16 or QT == BF16:
+        return tl.full(okg.shape, 1.0, tl.float32), tl.zeros(okg.shape, tl.float32)
+    elif QT == Q8_0 or QT == IQ4_NL:
+        return _f16(row, OB, kb0 + g, okg), tl.zeros(okg.shape, tl.float32)
+    elif QT == Q4_0:
+        d = _f16(row, OB, kb0 + g, okg)
+        return d, 8.0 * d
+    elif QT == Q5_0:
+        d = _f16(row, OB, kb0 + g, okg)
+        return d, 16.0 * d
+    elif QT == Q4_1 or QT == Q5_1:                # value = d * code + m
+        return _f16(row, OB, kb0 + g, okg), -_f16(row, OC, kb0 + g, okg)
     elif QT == Q4_K or QT == Q5_K:
         blk = kb0 + g // 4
         j = 2 * (g % 4) + P
         if QT == Q4_K:
             sc, mn = _k4_scale_min(row, OB, blk, j, okg)
             d, dmin = _f16(row, OC, blk, okg), _f16(row, OD, blk, okg)
-            v = (q >> (4 * P)) & 15
         else:
             sc, mn = _k4_scale_min(row, OC, blk, j, okg)
             d, dmin = _f16(row, OD, blk, okg), _f16(row, OE, blk, okg)
-            h = (_u8(row, OB, blk * 32 + s, okg) >> j) & 1
-            v = ((q >> (4 * P)) & 15) | (h << 4)
-        return (d * sc) * v.to(tl.float32) - dmin * mn
+        return d * sc, dmin * mn
     elif QT == Q6_K:
         blk = kb0 + g // 8
         r = g % 8
-        hf = r // 4
-        a = (r % 4) // 2
-        u = r % 2
-        h = (_u8(row, OB, blk * 64 + 32 * hf + 16 * u + s, okg) >> (2 * a + 4 * P)) & 3
-        v = ((q >> (4 * P)) & 15) | (h << 4)
-        sc = _u8(row, OC, blk * 16 + 8 * hf + 2 * a + u + 4 * P, okg)
-        sc = sc - ((sc & 128) << 1)                               # int8
-        d = _f16(row, OD, blk, okg)
-        return (d * sc.to(tl.float32)) * (v - 32).to(tl.float32)
+        sc = _u8(row, OC, blk * 16 + 8 * (r // 4) + 2 * ((r % 4) // 2) + r % 2 + 4 * P, okg)
+        sc = small_f32(sc ^ 128) - 128.0                           # int8
+        d = _f16(row, OD, blk, okg) * sc
+        return d, 32.0 * d
     elif QT == Q2_K:
         blk = kb0 + g // 4
-        hf = (g % 4) // 2
-        u = g % 2
-        b = _u8(row, OB, blk * 16 + 8 * hf + 2 * P + u, okg)
+        b = _u8(row, OB, blk * 16 + 8 * ((g % 4) // 2) + 2 * P + g % 2, okg)
         d, dmin = _f16(row, OC, blk, okg), _f16(row, OD, blk, okg)
-        v = (q >> (2 * P)) & 3
-        return (d * (b & 15).to(tl.float32)) * v.to(tl.float32) - dmin * (b >> 4).to(tl.float32)
+        return d * small_f32(b & 15), dmin * small_f32(b >> 4)
     elif QT == Q3_K:
         blk = kb0 + g // 4
-        hf = (g % 4) // 2
-        u = g % 2
-        i = 8 * hf + 2 * P + u                                    # scale number 0..15
+        i = 8 * ((g % 4) // 2) + 2 * P + g % 2                    # scale number 0..15
         low = (_u8(row, OC, blk * 12 + i % 8, okg) >> (4 * (i // 8))) & 15
         high = (_u8(row, OC, blk * 12 + 8 + i % 4, okg) >> (2 * (i // 4))) & 3
-        sc = (low | (high << 4)) - 32
-        m = (_u8(row, OB, blk * 32 + 16 * u + s, okg) >> (4 * hf + P)) & 1
-        v = ((q >> (2 * P)) & 3) - 4 * (1 - m)
-        return (_f16(row, OD, blk, okg) * sc.to(tl.float32)) * v.to(tl.float32)
+        d = _f16(row, OD, blk, okg) * (small_f32(low | (high << 4)) - 32.0)
+        return d, 4.0 * d
     else:  # IQ4_XS
         blk = kb0 + g // 8
         ib = g % 8
@@ -214,5 +282,5 @@ def part_values(QT: tl.constexpr, P: tl.constexpr, q, row, kb0, OB, OC, OD, OE,
         sh = tl.load((row + OC).to(tl.pointer_type(tl.uint16)) + blk, mask=okg,
                      other=0).to(tl.int32)
         ls = lo | (((sh >> (2 * ib)) & 3) << 4)
-        d = _f16(row, OD, blk, okg) * (ls - 32).to(tl.float32)
-        return d * iq4_value((q >> (4 * P)) & 15)
+        d = _f16(row, OD, blk, okg) * (small_f32(ls) - 32.0)
+        return d, tl.zeros(okg.shape, tl.float32)

@@ -27,8 +27,8 @@ from kvcompile.ops.cast import TL_DTYPES, round_to
 from kvcompile.ops.gemv.triton_kernel import _dot_rows, _weight_rows, store_row, store_rows
 from kvcompile.ops.launching import interpreting, launchable
 from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
-from kvcompile.ops.qlinear.dequant import (FIELD_ORDER, geometry, load_codes,
-                                           part_elems, part_values)
+from kvcompile.ops.qlinear.dequant import (FIELD_ORDER, geometry, load_codes, part_affine,
+                                           part_codes, part_elems, part_values)
 from kvcompile.ops.qlinear.formats import weight_format
 
 
@@ -45,26 +45,72 @@ def _tile_masks(QT: tl.constexpr, n, N, kb0, nb, K, G: tl.constexpr, S: tl.const
 
 
 @triton.jit
+def _x_part(x_ptr, QT: tl.constexpr, P: tl.constexpr, kb0, K, BLOCK: tl.constexpr,
+            G: tl.constexpr, S: tl.constexpr):
+    """Part P's activations of a tile, fp32 [1, G, S], and their sum a group [1, G]."""
+    e = kb0 * BLOCK + part_elems(QT, P, G, S)[None]
+    xv = tl.load(x_ptr + e, mask=e < K, other=0.0).to(tl.float32)
+    return xv, tl.sum(xv, 2)
+
+
+@triton.jit
+def _row_part(QT: tl.constexpr, P: tl.constexpr, q, xv, sx, row, kb0, OB, OC, OD, OE, okg,
+              G: tl.constexpr, S: tl.constexpr, EXACT: tl.constexpr):
+    """[1, G]: each group's sum(value * x) over part P. A group's products are summed
+    before its scale, sum(scale * code - offset) * x = scale * sum(code * x) - offset *
+    sum(x): one FMA an element."""
+    v = part_codes(QT, P, q, row, kb0, OB, OC, OD, okg, G, S, EXACT)
+    sc, off = part_affine(QT, P, row, kb0, OB, OC, OD, OE, okg, G)
+    return tl.sum(sc, 2) * tl.sum(v * xv, 2) - tl.sum(off, 2) * sx
+
+
+@triton.jit
 def _qgemv_row(x_ptr, w_ptr, b_ptr, y_ptr, N, K, nb, stride_w, OA, OB, OC, OD, OE,
                QT: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
                S: tl.constexpr, GPB: tl.constexpr, G: tl.constexpr, NB: tl.constexpr,
                BLOCK_N: tl.constexpr,
                HAS_BIAS: tl.constexpr, SILU: tl.constexpr, DTYPE: tl.constexpr,
                EXACT: tl.constexpr, PDL: tl.constexpr):
-    n = _weight_rows(BLOCK_N, N, SILU)
-    row = w_ptr + n[:, None, None].to(tl.int64) * stride_w
+    """BLOCK_N weight rows one after another over each tile of NB blocks: a tile is [G, S]
+    code bytes a row spread over all threads, so every thread holds the same columns of
+    each row and converts (and sums) the activations of a tile once for all of them."""
+    j = tl.arange(0, BLOCK_N)
+    g = tl.arange(0, G)[None, :, None]
     wait_for_producers(PDL)
-    acc = tl.zeros([BLOCK_N, G, S], tl.float32)
+    acc = tl.zeros([BLOCK_N, G], tl.float32)
     for kb0 in range(0, nb, NB):
-        ok, okg = _tile_masks(QT, n, N, kb0, nb, K, G, S, GPB, BLOCK)
-        q = load_codes(QT, row, kb0, OA, ok, G, S, GPB)
-        for p in tl.static_range(PARTS):
-            e = kb0 * BLOCK + part_elems(QT, p, G, S)
-            xv = tl.load(x_ptr + e, mask=e < K, other=0.0).to(tl.float32)
-            w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, okg, G, S)
-            acc += w * xv[None]
-    y = tl.sum(tl.sum(acc, 2), 1)
-    store_row(y, n, b_ptr, y_ptr, N, BLOCK_N, HAS_BIAS, SILU, DTYPE, EXACT)
+        okb = kb0 + g // GPB < nb                                        # [1, G, 1]
+        oke = (kb0 * BLOCK + part_elems(QT, 0, G, S))[None] < K          # [1, G, S]
+        x0, s0 = _x_part(x_ptr, QT, 0, kb0, K, BLOCK, G, S)
+        x1, s1 = x0, s0
+        x2, s2 = x0, s0
+        x3, s3 = x0, s0
+        if PARTS > 1:
+            x1, s1 = _x_part(x_ptr, QT, 1, kb0, K, BLOCK, G, S)
+        if PARTS > 2:
+            x2, s2 = _x_part(x_ptr, QT, 2, kb0, K, BLOCK, G, S)
+            x3, s3 = _x_part(x_ptr, QT, 3, kb0, K, BLOCK, G, S)
+        for r in tl.static_range(BLOCK_N):
+            if SILU:
+                nr = tl.program_id(0) * (BLOCK_N // 2) + r // 2 + (r % 2) * (N // 2)
+            else:
+                nr = tl.program_id(0) * BLOCK_N + r
+            row = w_ptr + nr.to(tl.int64) * stride_w
+            okg = okb & (nr < N)
+            q = load_codes(QT, row, kb0, OA, oke & (nr < N), G, S, GPB)
+            part = _row_part(QT, 0, q, x0, s0, row, kb0, OB, OC, OD, OE, okg, G, S, EXACT)
+            if PARTS > 1:
+                part += _row_part(QT, 1, q, x1, s1, row, kb0, OB, OC, OD, OE, okg, G, S,
+                                  EXACT)
+            if PARTS > 2:
+                part += _row_part(QT, 2, q, x2, s2, row, kb0, OB, OC, OD, OE, okg, G, S,
+                                  EXACT)
+                part += _row_part(QT, 3, q, x3, s3, row, kb0, OB, OC, OD, OE, okg, G, S,
+                                  EXACT)
+            acc = tl.where(j[:, None] == r, acc + part, acc)
+    y = tl.sum(acc, 1)
+    store_row(y, _weight_rows(BLOCK_N, N, SILU), b_ptr, y_ptr, N, BLOCK_N, HAS_BIAS, SILU,
+              DTYPE, EXACT)
 
 
 @triton.jit
@@ -85,7 +131,7 @@ def _qgemv_rows(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, nb, stride_w, stride_xm,
             e = tl.reshape(kb0 * BLOCK + part_elems(QT, p, G, S), (G * S,))
             xt = tl.load(x_ptr + m[None, :] * stride_xm + e[:, None],
                          mask=(m[None, :] < M) & (e[:, None] < K), other=0.0)
-            w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, okg, G, S)
+            w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, okg, G, S, EXACT)
             w = tl.reshape(w, (BLOCK_N, G * S)).to(xt.dtype)
             acc = _dot_rows(w, xt, acc, EXACT)
     store_rows(acc, n, m, b_ptr, y_ptr, M, N, BLOCK_N, HAS_BIAS, SILU, DTYPE, EXACT)
@@ -117,7 +163,7 @@ def _qgemm(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, nb, stride_w, stride_xm,
             e = tl.reshape(kb0 * BLOCK + part_elems(QT, p, G, S), (G * S,))
             xs = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + e[None, :],
                          mask=(m[:, None] < M) & (e[None, :] < K), other=0.0)
-            w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, okg, G, S)
+            w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, okg, G, S, EXACT)
             w = tl.reshape(w, (BLOCK_N, G * S)).to(xs.dtype)
             acc = _dot_rows(xs, tl.trans(w), acc, EXACT)
     if HAS_BIAS:
@@ -142,7 +188,7 @@ def _dequant_rows(idx_ptr, w_ptr, y_ptr, R, K, nb, stride_w, OA, OB, OC, OD, OE,
     out = y_ptr + i[:, None, None].to(tl.int64) * K
     for p in tl.static_range(PARTS):
         e = kb0 * BLOCK + part_elems(QT, p, G, S)[None]
-        w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, okg, G, S)
+        w = part_values(QT, p, q, row, kb0, OB, OC, OD, OE, okg, G, S, EXACT)
         tl.store(out + e, round_to(w, DTYPE, EXACT), mask=ok)
 
 
@@ -169,12 +215,13 @@ def _geometry_args(type_name: str, k: int, nb_tile: int) -> dict:
                 PARTS=parts, S=s, GPB=gpb, G=nb_tile * gpb, NB=nb_tile)
 
 
-def row_config(type_name: str, n: int, k: int) -> dict:
-    """One row: 4 rows a program, 1024 values a tile (2048 for Q8_0 and Q6_K), from the
-    sweep at the 8B shapes (bench_qlinear.py --sweep, benchmarks/results/qlinear.json)."""
-    block = geometry(type_name)[0]
-    values = 2048 if type_name in ("Q8_0", "Q6_K", "F16", "BF16") else 1024
-    return dict(NB=max(1, values // block), BLOCK_N=4, num_warps=4)
+def row_config(type_name: str, n: int, k: int, block_n: int = 4, num_warps: int = 2) -> dict:
+    """One row: `block_n` rows a program; a tile is as many blocks as put 16 code bytes
+    in each thread of a row (one vector load)."""
+    block, _, s, gpb = geometry(type_name)
+    code_bytes = block * 2 if type_name in ("F16", "BF16") else s * gpb
+    return dict(NB=max(1, 16 * 32 * num_warps // code_bytes), BLOCK_N=block_n,
+                num_warps=num_warps)
 
 
 def rows_config(type_name: str, n: int, k: int) -> dict:
