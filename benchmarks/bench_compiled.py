@@ -4,10 +4,14 @@ rows merged into benchmarks/results/streaming.json (meta under "compiled").
     python benchmarks/bench_compiled.py [--resident-contexts 8192] [--streamed-contexts 131072]
         [--systems ours-compiled,ours-captured,ours-captured-nopdl,ours-resident,ours-graphs,ours]
         [--kv q8_0/q4_0]
-        [--arena-mib 2048] [--decode-steps 32] [--trials 1] [--out PATH]
+        [--arena-mib 2048] [--decode-steps 32] [--trials 1] [--weights bf16,q4_k,q8_0]
+        [--out PATH]
     python benchmarks/bench_compiled.py --device cpu --tiny      # the logic, seconds
 
-Llama-3-8B geometry, random bf16 weights made on the device (bench_streaming's builder).
+Llama-3-8B geometry, random bf16 weights made on the device (bench_streaming's builder);
+`--weights` lists weight types to run every row with: bf16, or a GGUF block type (the same
+random matrices quantized on the device by kvcompile.gguf.quantize, kept quantized: the
+qlinear kernels and the quantized embedding), one model after the other in this process.
 
   ours-compiled   all resident, run by the PhaseManager: the forward compiled through the
                   pass pipeline and lowered by inductor (opt-in lower="inductor"), decode
@@ -57,10 +61,30 @@ def weight_read_bytes(model) -> int:
     """Bytes of weights one decode step reads: every parameter once, the embedding table as
     the one row looked up (unless the LM head is the same tensor and reads it all)."""
     total = param_bytes(model)
-    emb = model.embed.weight
-    if model.lm_head.weight is not emb:
+    emb = model.embed.qweight if model.embed.qtype else model.embed.weight
+    head = model.lm_head.qweight if model.lm_head.qtype else model.lm_head.weight
+    if head is not emb:
         total += emb[0].nbytes - emb.nbytes
     return total
+
+
+def quantize_model(model, type_name: str) -> None:
+    """Every matrix of the model (projections, head, embedding) replaced by its `type_name`
+    blocks, quantized on its device (fused projections quantized as their whole matrix)."""
+    from kvcompile.gguf.quantize import quantize
+    from kvcompile.models.layers import Embedding, Linear
+    from kvcompile.quant_weight import QuantWeight
+    name = type_name.upper()
+    for module in list(model.modules()):
+        if isinstance(module, (Linear, Embedding)) and not module.qtype:
+            w = module.weight
+            q = QuantWeight.from_gguf_rows(quantize(w.float(), name), name, w.shape[1])
+            if isinstance(module, Embedding):
+                module.set_quantized(q, w.dtype)
+            else:
+                module.set_quantized(q)
+            del w
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
 def timed_compiled(model, ctx: int, kv: str, args, device, ids: torch.Tensor,
@@ -105,6 +129,8 @@ def parse_args(argv=None):
     ap.add_argument("--streamed-contexts", default="131072")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--kv", default="q8_0/q4_0")
+    ap.add_argument("--weights", default="bf16",
+                    help="comma separated: bf16 and / or GGUF block types (q4_k, q8_0, ...)")
     ap.add_argument("--arena-mib", type=float, default=None, help="default 2048 (tiny: 0.9)")
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--trials", type=int, default=1,
@@ -144,26 +170,33 @@ def main(argv=None) -> list[dict]:
     pcie = S.measure_h2d_gbps(device, args.pcie_mib << 20)
     hbm = hbm_bandwidth() if device.type == "cuda" else {"hbm_gbps_measured": None}
     log(f"PCIe {pcie['pcie_gbps_measured']:.1f} GB/s, HBM {S.fmt(hbm['hbm_gbps_measured'], '.0f')} GB/s")
-    model = S.build_models(g, ctx_len, dtype, device, args.seed, want_hf=False)[0]
-    w_read = weight_read_bytes(model)
-    meta = dict(geometry=g.name, weights_dtype=str(dtype).replace("torch.", ""),
-                weight_read_bytes=w_read, ubatch=args.ubatch, decode_steps=args.decode_steps,
-                torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                **pcie, **hbm)
     rows: list[dict] = []
-    for ctx in contexts:
-        ids = S.random_ids(ctx, g.vocab, args.seed + ctx, device)
-        systems = [s for s in args.systems
-                   if (s in RESIDENT) == (ctx in args.resident_contexts)]
-        for system in systems:
-            for kv in args.kv:
-                rows.append(measure(system, model, g, ctx, kv, args, device, ids, meta))
-                S.save(rows, meta, args.out, section="compiled")
-                free_memory(device)
+    for weights in args.weights.split(","):
+        model = S.build_models(g, ctx_len, dtype, device, args.seed, want_hf=False)[0]
+        if weights != "bf16":
+            quantize_model(model, weights)
+        w_read = weight_read_bytes(model)
+        meta = dict(geometry=g.name, weights_dtype=weights, weight_read_bytes=w_read,
+                    ubatch=args.ubatch, decode_steps=args.decode_steps,
+                    torch=torch.__version__,
+                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    device=torch.cuda.get_device_name(device) if device.type == "cuda"
+                    else "cpu", **pcie, **hbm)
+        for ctx in contexts:
+            ids = S.random_ids(ctx, g.vocab, args.seed + ctx, device)
+            systems = [s for s in args.systems
+                       if (s in RESIDENT) == (ctx in args.resident_contexts)]
+            for system in systems:
+                for kv in args.kv:
+                    rows.append(measure(system, model, g, ctx, kv, args, device, ids, meta))
+                    S.save(rows, meta, args.out, section="compiled")
+                    free_memory(device)
+        del model
+        free_memory(device)
     for r in rows:
         twin = [t for t in rows if t["system"] == EAGER_TWIN.get(r["system"])
                 and t["context"] == r["context"] and t["kv_type"] == r["kv_type"]
+                and t["weights"] == r["weights"]
                 and t.get("status") == "ok"]
         if twin and r.get("status") == "ok":
             r["speedup_vs_eager"] = r["decode_tok_s"] / twin[0]["decode_tok_s"]
@@ -182,7 +215,7 @@ def measure(system, model, g, ctx, kv, args, device, ids, meta) -> dict:
     arena = args.arena_mib if streamed else 0
     hbm = meta["hbm_gbps_measured"]
     row = dict(system=system, run="compiled", context=ctx, kv_type=kv, arena_mib=arena,
-               geometry=g.name,
+               geometry=g.name, weights=meta["weights_dtype"],
                kv_bytes=kv_bytes, pcie_gbps_measured=meta["pcie_gbps_measured"],
                pcie_bound_tok_s=S.pcie_bound(meta["pcie_gbps_measured"], kv_bytes,
                                              int(arena * 2**20)) if streamed else None,
@@ -212,12 +245,12 @@ def measure(system, model, g, ctx, kv, args, device, ids, meta) -> dict:
 
 
 def report(rows: list[dict]) -> None:
-    hdr = (f"{'system':14} {'context':>8} {'kv':>10} {'arena MiB':>9} {'decode t/s':>10} "
+    hdr = (f"{'system':14} {'weights':>7} {'context':>8} {'kv':>10} {'arena MiB':>9} {'decode t/s':>10} "
            f"{'x eager':>7} {'= eager':>7} {'roofline':>8} {'x roof':>6} {'bound':>7} {'x bound':>7}  status")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['system']:14} {r['context']:>8} {r['kv_type']:>10} {r['arena_mib']:>9g} "
+        print(f"{r['system']:14} {r.get('weights', 'bf16'):>7} {r['context']:>8} {r['kv_type']:>10} {r['arena_mib']:>9g} "
               f"{S.fmt(r.get('decode_tok_s'), '10.2f')} {S.fmt(r.get('speedup_vs_eager'), '7.2f')} "
               f"{str(r.get('tokens_equal_eager', '-')):>7} "
               f"{S.fmt(r.get('hbm_roofline_tok_s'), '8.1f')} "

@@ -139,14 +139,14 @@ class Engine:
                              device=self.device, layers=layers)
 
     # ---- requests ---------------------------------------------------------------------------
-    def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+    def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
                  **params) -> GenerationResult:
         stream = self.stream(prompt, messages=messages, **params)
         for _ in stream:
             pass
         return stream.result
 
-    def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+    def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
                **params) -> TokenStream:
         # Everything that can reject the request runs before any state changes.
         sampling = SamplingParams.from_options(**params)
@@ -163,13 +163,23 @@ class Engine:
         stream._pieces = self._run(prompt_ids, sampling, stream, self._request)
         return stream
 
-    def encode_prompt(self, prompt: str | None, messages: list[dict] | None) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
         if (prompt is None) == (messages is None):
             raise KvcompileError("pass either a prompt string or chat messages, not both or neither")
         if messages is not None:
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        elif isinstance(prompt, (list, tuple)):           # token ids, as they are
+            vocab = self.config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+                raise KvcompileError(f"a prompt of token ids takes ints in [0, {vocab}) "
+                                     f"(this model's vocabulary)")
+            prompt = list(prompt)
+            if not prompt:
+                raise KvcompileError("the prompt is empty; give at least one token")
+            return prompt
         elif not isinstance(prompt, str):
-            raise KvcompileError(f"prompt must be a string, got {type(prompt).__name__}")
+            raise KvcompileError(f"prompt must be a string or a list of token ids, got "
+                                 f"{type(prompt).__name__}")
         ids = self.tokenizer.encode(prompt)
         if not ids:
             raise KvcompileError("the prompt is empty; give at least one token of text")

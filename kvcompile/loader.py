@@ -81,7 +81,7 @@ def load_model(model=None, *, device: str | torch.device = "cpu",
 
     weights = load_weights(path, dtype=dtype, progress=progress, device=device,
                            opened=source.gguf if source else None)
-    seconds = {"weights": lap()}
+    seconds = {"weights": lap(), **{f"weights.{k}": v for k, v in (weights.seconds or {}).items()}}
     classes = _model_classes()
     cls = classes.get(weights.config.arch)
     if cls is None:

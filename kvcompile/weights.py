@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ class LoadedWeights:
     tensors: dict[str, torch.Tensor]
     metadata: dict
     source: str  # "gguf" or "hf"
+    seconds: dict | None = None   # GGUF: header, read (file bytes not hidden), wait (copies)
 
 
 def is_hf_checkpoint(path: str | os.PathLike) -> bool:
@@ -59,8 +61,10 @@ def load_gguf_weights(path: str | os.PathLike, dtype: torch.dtype = torch.float3
     from kvcompile.gguf.tensor_stream import TensorStream
 
     device = torch.device(device)
+    t0 = time.perf_counter()
     # another family is refused before its vocabulary is read
     f = opened if opened is not None else open_gguf(path, archs=ARCH_BUILDERS)
+    header_s = time.perf_counter() - t0
     config = config_from_metadata(f.metadata, f.tensors, path=str(path))
     for info in f.tensors.values():
         check_dequantizable(info.name, info.ggml_type)
@@ -75,7 +79,9 @@ def load_gguf_weights(path: str | os.PathLike, dtype: torch.dtype = torch.float3
         for p in plan:          # file order: sequential reads
             at = offsets[p.info.name]
             tensors[p.info.name] = _read(stream, p, store[at:at + p.device_bytes], bar)
-    return LoadedWeights(config=config, tensors=tensors, metadata=f.metadata, source="gguf")
+    seconds = dict(header=header_s, read=stream.read_seconds, wait=stream.wait_seconds)
+    return LoadedWeights(config=config, tensors=tensors, metadata=f.metadata, source="gguf",
+                         seconds=seconds)
 
 
 # Projections the models fuse into one matrix (layers.fuse_linears): the loader puts their

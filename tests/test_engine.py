@@ -81,15 +81,24 @@ def test_context_fills_up_with_length_finish(engine):
     (dict(prompt=PROMPT, top_k=-2), SamplingError, "top_k"),
     (dict(prompt=""), KvcompileError, "empty"),
     (dict(messages=[{"content": "no role"}]), KvcompileError, "role"),
+    (dict(prompt=[1, 2, 10**7]), KvcompileError, "token ids"),
+    (dict(prompt=[]), KvcompileError, "empty"),
     (dict(prompt=PROMPT, max_token=3), SamplingError, "unknown option.*max_token"),
 ], ids=["too-long", "neg-temperature", "top-p", "top-k", "empty", "bad-message",
-        "unknown-option"])
+        "id-out-of-vocab", "no-ids", "unknown-option"])
 def test_bad_request_raises_then_engine_keeps_serving(engine, bad, error, words):
     before = engine.generate(PROMPT, max_tokens=8, temperature=0).token_ids
     with pytest.raises(error, match=words) as info:
         engine.generate(**bad)
     print(type(info.value).__name__, info.value)
     assert engine.generate(PROMPT, max_tokens=8, temperature=0).token_ids == before
+
+
+def test_prompt_of_token_ids_equals_the_same_text(engine):
+    ids = engine.tokenizer.encode(PROMPT)
+    by_ids = engine.generate(ids, max_tokens=8, temperature=0)
+    assert by_ids.prompt_tokens == len(ids)
+    assert by_ids.token_ids == engine.generate(PROMPT, max_tokens=8, temperature=0).token_ids
 
 
 def test_ctx_size_beyond_model_limit_is_refused(monkeypatch):

@@ -5,11 +5,14 @@ resident memory as they are touched, so mapping a 15 GB model would grow it to 1
 the bytes go from the page cache straight into a staging buffer (pinned host memory when
 the destination is a GPU, so the copy to the device is asynchronous) and host memory stays
 at a few chunks whatever the model's size. Buffers rotate; each is reused only once the
-device copy that read it has finished (an event a buffer).
+device copy that read it has finished (an event a buffer). While the caller copies one
+chunk out, the bytes after it are already being read into the next buffer (tensors lie in
+file order, so the next request is almost always there).
 """
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,8 +22,9 @@ import torch
 from kvcompile.errors import ModelFileError
 
 CHUNK_BYTES = 64 << 20
-READERS = 4
+READERS = max(4, min(16, os.cpu_count() or 4))
 READ_PIECE = 4 << 20
+SLACK = 4096          # a read-ahead covers the next tensor's first chunk past its padding
 
 
 class TensorStream:
@@ -34,14 +38,22 @@ class TensorStream:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.chunk_bytes = chunk_bytes
-        self.buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=self.cuda)
-                        for _ in range(buffers)]
+        self.buffers = [torch.empty(chunk_bytes + SLACK, dtype=torch.uint8,
+                                    pin_memory=self.cuda) for _ in range(buffers)]
         self.events = [None] * buffers
         self.turn = 0
         self.bytes_read = 0
+        self.read_seconds = 0.0       # waiting for file bytes (not hidden behind other work)
+        self.wait_seconds = 0.0       # waiting for a buffer's device copy to finish
         self.pool = ThreadPoolExecutor(READERS)
+        self.ahead_pool = ThreadPoolExecutor(1)
+        self.ahead = None             # (turn, offset, length, future) of the read-ahead
 
     def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead[3].exception()
+            self.ahead = None
+        self.ahead_pool.shutdown()
         self.pool.shutdown()
         if self.fd >= 0:
             os.close(self.fd)
@@ -65,30 +77,64 @@ class TensorStream:
             per = 1
         for r0 in range(0, rows, per):
             n = min(per, rows - r0)
-            buf = self._next_buffer()
-            view = buf[:n * row_bytes]
-            self._read_into(view.numpy(), offset + r0 * row_bytes)
+            view = self._fetch(offset + r0 * row_bytes, n * row_bytes)
             yield r0, view.view(n, row_bytes)
             if self.cuda:
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(self.device))
                 self.events[self.turn] = ev
 
+    def _fetch(self, offset: int, length: int) -> torch.Tensor:
+        """The file's bytes [offset, offset + length) in a staging buffer (the read-ahead's,
+        when it holds them), and the read-ahead of the bytes after them started."""
+        t = time.perf_counter()
+        hit = None
+        if self.ahead is not None:
+            turn, at, n, fut = self.ahead
+            fut.result()
+            self.ahead = None
+            if at <= offset and offset + length <= at + n:
+                hit = turn, offset - at
+        if hit is None:
+            buf = self._next_buffer()
+            self._read_into(buf[:length].numpy(), offset)
+            hit = self.turn, 0
+        else:
+            self.turn = hit[0]
+        self.read_seconds += time.perf_counter() - t
+        end = offset + length
+        if end < self.size:
+            nxt = self._next_buffer(advance=False)
+            n = min(self.chunk_bytes + SLACK, self.size - end)
+            self.ahead = (nxt[0], end, n, self.ahead_pool.submit(
+                self._read_into, nxt[1][:n].numpy(), end))
+        return self.buffers[hit[0]][hit[1]:hit[1] + length]
+
     def _grow(self, row_bytes: int) -> None:
+        if self.ahead is not None:
+            self.ahead[3].result()
+            self.ahead = None
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
         self.chunk_bytes = row_bytes
-        self.buffers = [torch.empty(row_bytes, dtype=torch.uint8, pin_memory=self.cuda)
-                        for _ in self.buffers]
+        self.buffers = [torch.empty(row_bytes + SLACK, dtype=torch.uint8,
+                                    pin_memory=self.cuda) for _ in self.buffers]
         self.events = [None] * len(self.buffers)
 
-    def _next_buffer(self) -> torch.Tensor:
-        self.turn = (self.turn + 1) % len(self.buffers)
-        ev = self.events[self.turn]
+    def _next_buffer(self, advance: bool = True):
+        """The buffer after the current one, once free (advance: it becomes current; else
+        (its turn, the buffer), for the read-ahead)."""
+        turn = (self.turn + 1) % len(self.buffers)
+        ev = self.events[turn]
         if ev is not None:
+            t = time.perf_counter()
             ev.synchronize()          # the device copy that last read this buffer is done
-            self.events[self.turn] = None
-        return self.buffers[self.turn]
+            self.wait_seconds += time.perf_counter() - t
+            self.events[turn] = None
+        if not advance:
+            return turn, self.buffers[turn]
+        self.turn = turn
+        return self.buffers[turn]
 
     def _read_into(self, out: np.ndarray, offset: int) -> None:
         """Fill `out` from the file at `offset`: large reads in READERS threads at once (a

@@ -1,0 +1,102 @@
+"""The seed's workload through the Engine: a quantized 27B hybrid at 256K inside a 16 GiB
+device-memory budget, beside the same model all resident without a budget.
+
+    python benchmarks/bench_seed.py FILE [--context 262144] [--decode-steps 32]
+        [--gpu-memory-gib 16] [--kv q8_0/q4_0] [--ubatch 512] [--out PATH]
+
+FILE: a GGUF of the seed-27b geometry (`kvcompile make-model --arch qwen35 --preset seed-27b
+--type iq4_xs`). One process, one prompt of --context random token ids:
+  budget    Engine(gpu_memory_gib=G, kv_stream_arena_mib="auto", cuda_graphs=True): the
+            arena the budget left, peak torch.cuda.max_memory_reserved() (<= G), decode
+            tok/s over --decode-steps greedy steps (each step ends in the sampler's read of
+            its logits: timed to GPU completion) against the PCIe bound measured in this run,
+            pcie_gbps / (KV bytes of the context - arena bytes)
+  resident  the same file, no budget, the whole KV on the device: its greedy tokens
+Both run --ubatch-token prefill chunks (the budget's workspace is planned for it). Targets
+(issue 25): peak reserved <= G, decode >= 0.8 x the bound, tokens equal. The row (commit,
+date) is appended to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
+from bench_streaming import measure_h2d_gbps  # noqa: E402
+from bench_util import log, run_meta  # noqa: E402
+
+GIB = 1 << 30
+
+
+def run(path, ids, args, **options) -> tuple[dict, list[int]]:
+    import kvcompile
+    torch.cuda.reset_peak_memory_stats()
+    k, v = args.kv.split("/")
+    e = kvcompile.Engine(path, device="cuda", ctx_size=len(ids) + args.decode_steps + 8,
+                         cache_type_k=k, cache_type_v=v, ubatch=args.ubatch, cuda_graphs=True,
+                         progress=False, **options)
+    r = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
+    out = dict(prefill_tok_s=r.prefill_tok_s, decode_tok_s=r.decode_tok_s,
+               decode_steps=r.completion_tokens - 1,
+               max_memory_reserved=torch.cuda.max_memory_reserved(),
+               plan=e.memory.describe() if e.memory else None,
+               arena_bytes=e.memory.arena if e.memory else 0,
+               kv_bytes=e.memory.kv_all if e.memory else None, kv=r.kv)
+    del e
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out, r.token_ids
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("file")
+    ap.add_argument("--context", type=int, default=262144)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--gpu-memory-gib", type=float, default=16)
+    ap.add_argument("--kv", default="q8_0/q4_0")
+    ap.add_argument("--ubatch", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="benchmarks/results/quantized_weights.json")
+    args = ap.parse_args()
+    meta = run_meta()
+    pcie = measure_h2d_gbps(torch.device("cuda"), 256 << 20)["pcie_gbps_measured"]
+    from kvcompile.loader import open_model
+    vocab = open_model(args.file).config.vocab_size
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, vocab, (args.context,), generator=gen).tolist()
+    log(f"PCIe {pcie:.1f} GB/s; {args.context} prompt tokens")
+    budget, tokens = run(args.file, ids, args, gpu_memory_gib=args.gpu_memory_gib,
+                         kv_stream_arena_mib="auto")
+    streamed = budget["kv_bytes"] - budget["arena_bytes"]
+    bound = pcie * 1e9 / streamed if streamed > 0 else None
+    log(f"budget: {budget['plan']}; decode {budget['decode_tok_s']:.2f} tok/s, bound "
+        f"{bound or float('nan'):.2f}; peak reserved {budget['max_memory_reserved'] / GIB:.2f} GiB")
+    resident, ref = run(args.file, ids, args)
+    row = dict(kind="seed_workload", file=os.path.basename(args.file), context=args.context,
+               kv_type=args.kv, ubatch=args.ubatch, gpu_memory_gib=args.gpu_memory_gib,
+               pcie_gbps_measured=pcie, pcie_bound_tok_s=bound,
+               decode_vs_bound=budget["decode_tok_s"] / bound if bound else None,
+               budget=budget, resident=resident, tokens_equal_resident=tokens == ref,
+               first_difference=next((i for i, (a, b) in enumerate(zip(tokens, ref))
+                                      if a != b), None), **meta)
+    row["ok"] = bool(budget["max_memory_reserved"] <= args.gpu_memory_gib * GIB
+                     and (row["decode_vs_bound"] or 0) >= 0.8 and row["tokens_equal_resident"])
+    log(f"resident decode {resident['decode_tok_s']:.2f} tok/s; tokens equal "
+        f"{row['tokens_equal_resident']}; decode {row['decode_vs_bound'] or 0:.2f} x bound; "
+        f"ok={row['ok']}")
+    rows = []
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            rows = json.load(f).get("rows", [])
+    with open(args.out, "w") as f:
+        json.dump(dict(rows=rows + [row]), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
