@@ -2,7 +2,7 @@
 device-memory budget, beside the same model all resident without a budget.
 
     python benchmarks/bench_seed.py FILE [--context 262144] [--decode-steps 32]
-        [--gpu-memory-gib 16] [--kv q8_0/q4_0] [--ubatch 512] [--out PATH]
+        [--gpu-memory-gib 16] [--kv q8_0/q4_0] [--ubatch 1024,512,256] [--out PATH]
 
 FILE: a GGUF of the seed-27b geometry (`kvcompile make-model --arch qwen35 --preset seed-27b
 --type iq4_xs`). One process, one prompt of --context random token ids:
@@ -12,7 +12,8 @@ FILE: a GGUF of the seed-27b geometry (`kvcompile make-model --arch qwen35 --pre
             its logits: timed to GPU completion) against the PCIe bound measured in this run,
             pcie_gbps / (KV bytes of the context - arena bytes)
   resident  the same file, no budget, the whole KV on the device: its greedy tokens
-Both run --ubatch-token prefill chunks (the budget's workspace is planned for it). Targets
+Both run prefill chunks of the first --ubatch size whose workspace the budget leaves room
+for beside the smallest arena (BudgetError: the next one). Targets
 (issue 25): peak reserved <= G, decode >= 0.8 x the bound, tokens equal. The row (commit,
 date) is appended to --out.
 """
@@ -60,7 +61,7 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--gpu-memory-gib", type=float, default=16)
     ap.add_argument("--kv", default="q8_0/q4_0")
-    ap.add_argument("--ubatch", type=int, default=512)
+    ap.add_argument("--ubatch", default="1024,512,256", help="sizes to try, largest first")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/quantized_weights.json")
     args = ap.parse_args()
@@ -71,8 +72,17 @@ def main() -> None:
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, vocab, (args.context,), generator=gen).tolist()
     log(f"PCIe {pcie:.1f} GB/s; {args.context} prompt tokens")
-    budget, tokens = run(args.file, ids, args, gpu_memory_gib=args.gpu_memory_gib,
-                         kv_stream_arena_mib="auto")
+    from kvcompile.memory_budget import BudgetError
+    for ubatch in map(int, args.ubatch.split(",")):
+        args.ubatch = ubatch
+        try:
+            budget, tokens = run(args.file, ids, args, gpu_memory_gib=args.gpu_memory_gib,
+                                 kv_stream_arena_mib="auto")
+            break
+        except BudgetError as e:
+            log(f"ubatch {ubatch}: {e}")
+    else:
+        raise SystemExit("no ubatch fits the budget")
     streamed = budget["kv_bytes"] - budget["arena_bytes"]
     bound = pcie * 1e9 / streamed if streamed > 0 else None
     log(f"budget: {budget['plan']}; decode {budget['decode_tok_s']:.2f} tok/s, bound "

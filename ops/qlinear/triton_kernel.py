@@ -215,10 +215,15 @@ def _geometry_args(type_name: str, k: int, nb_tile: int) -> dict:
                 PARTS=parts, S=s, GPB=gpb, G=nb_tile * gpb, NB=nb_tile)
 
 
-def row_config(type_name: str, n: int, k: int, block_n: int = 4, num_warps: int = 2) -> dict:
+def row_config(type_name: str, n: int, k: int, block_n: int = 4,
+               num_warps: int | None = None) -> dict:
     """One row: `block_n` rows a program; a tile is as many blocks as put 16 code bytes
-    in each thread of a row (one vector load)."""
+    in each thread of a row (one vector load). Warps from the sweep at the 8B shapes
+    (bench_qlinear.py --sweep): one for the byte-a-value types (four from K > 8192, so a
+    long row takes fewer, wider tiles), two for the others."""
     block, _, s, gpb = geometry(type_name)
+    if num_warps is None:
+        num_warps = (4 if k > 8192 else 1) if type_name in ("Q8_0", "F16", "BF16") else 2
     code_bytes = block * 2 if type_name in ("F16", "BF16") else s * gpb
     return dict(NB=max(1, 16 * 32 * num_warps // code_bytes), BLOCK_N=block_n,
                 num_warps=num_warps)
