@@ -24,14 +24,21 @@ from bench_util import log, run_meta  # noqa: E402
 
 GIB = 1 << 30
 CHILD = r"""
-import json, sys, time, torch
+import cProfile, io, json, pstats, sys, time, torch
 from kvcompile.loader import load_model
-dev = sys.argv[2]
+dev, profile = sys.argv[2], sys.argv[3] == "1"
+prof = cProfile.Profile() if profile else None
 t = time.perf_counter()
+prof and prof.enable()
 m = load_model(sys.argv[1], device=dev, dtype=torch.bfloat16, progress=False)
 if dev == "cuda":
     torch.cuda.synchronize()
 load_s = time.perf_counter() - t
+if prof:
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(40)
+    print(out.getvalue(), file=sys.stderr)
 tensors = [*m.model.parameters(), *m.model.buffers()]
 weights = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                for t in tensors}.values())
@@ -40,7 +47,7 @@ print(json.dumps(dict(load_s=load_s, parts_s=m.seconds, device_weight_bytes=weig
 """
 
 
-def measure(path: str, device: str) -> dict:
+def measure(path: str, device: str, profile: bool = False) -> dict:
     from kvcompile.gguf.reader import open_gguf
     infos = open_gguf(path).tensors.values()
     tensor_bytes = sum(i.n_bytes for i in infos)
@@ -48,10 +55,12 @@ def measure(path: str, device: str) -> dict:
     t = time.perf_counter()
     subprocess.run(f"cat '{path}' > /dev/null", shell=True, check=True)
     cat_s = time.perf_counter() - t
-    proc = subprocess.run([sys.executable, "-c", CHILD, path, device], capture_output=True,
-                          text=True)
+    proc = subprocess.run([sys.executable, "-c", CHILD, path, device, str(int(profile))],
+                          capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
+    if profile:
+        print(proc.stderr, file=sys.stderr)
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     child = json.loads(proc.stdout.strip().splitlines()[-1])
     row = dict(file=os.path.basename(path), file_bytes=os.path.getsize(path),
@@ -69,10 +78,14 @@ def main() -> None:
     ap.add_argument("files", nargs="+")
     ap.add_argument("--device", default="cuda", help="cuda (the target) or cpu (a smoke run)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="also print the load's cProfile (cumulative), which slows it a little")
     args = ap.parse_args()
     meta, rows = run_meta(), []
     for path in args.files:
         row = dict(measure(path, args.device), **meta)
+        if args.profile:
+            measure(path, args.device, profile=True)
         rows.append(row)
         log(f"{row['file']}: load {row['load_s']:.1f} s vs cat {row['cat_s']:.1f} s "
             f"({row['load_over_cat']:.2f}x); weights {row['device_weight_bytes'] / GIB:.2f} GiB "

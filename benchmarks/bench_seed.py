@@ -5,7 +5,8 @@ device-memory budget, beside the same model all resident without a budget.
         [--gpu-memory-gib 16] [--kv q8_0/q4_0] [--ubatch 1024,512,256] [--out PATH]
 
 FILE: a GGUF of the seed-27b geometry (`kvcompile make-model --arch qwen35 --preset seed-27b
---type iq4_xs`). One process, one prompt of --context random token ids:
+--type iq4_xs`). One process, ctx_size --context, one prompt of random token ids filling it
+but for the decode steps:
   budget    Engine(gpu_memory_gib=G, kv_stream_arena_mib="auto", cuda_graphs=True): the
             arena the budget left, peak torch.cuda.max_memory_reserved() (<= G), decode
             tok/s over --decode-steps greedy steps (each step ends in the sampler's read of
@@ -38,7 +39,7 @@ def run(path, ids, args, **options) -> tuple[dict, list[int]]:
     import kvcompile
     torch.cuda.reset_peak_memory_stats()
     k, v = args.kv.split("/")
-    e = kvcompile.Engine(path, device="cuda", ctx_size=len(ids) + args.decode_steps + 8,
+    e = kvcompile.Engine(path, device="cuda", ctx_size=args.context,
                          cache_type_k=k, cache_type_v=v, ubatch=args.ubatch, cuda_graphs=True,
                          progress=False, **options)
     r = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
@@ -70,8 +71,9 @@ def main() -> None:
     from kvcompile.loader import open_model
     vocab = open_model(args.file).config.vocab_size
     gen = torch.Generator().manual_seed(args.seed)
-    ids = torch.randint(0, vocab, (args.context,), generator=gen).tolist()
-    log(f"PCIe {pcie:.1f} GB/s; {args.context} prompt tokens")
+    ids = torch.randint(0, vocab, (args.context - args.decode_steps - 2,),
+                        generator=gen).tolist()
+    log(f"PCIe {pcie:.1f} GB/s; {len(ids)} prompt tokens")
     from kvcompile.memory_budget import BudgetError
     for ubatch in map(int, args.ubatch.split(",")):
         args.ubatch = ubatch
@@ -89,6 +91,7 @@ def main() -> None:
         f"{bound or float('nan'):.2f}; peak reserved {budget['max_memory_reserved'] / GIB:.2f} GiB")
     resident, ref = run(args.file, ids, args)
     row = dict(kind="seed_workload", file=os.path.basename(args.file), context=args.context,
+               prompt_tokens=len(ids),
                kv_type=args.kv, ubatch=args.ubatch, gpu_memory_gib=args.gpu_memory_gib,
                pcie_gbps_measured=pcie, pcie_bound_tok_s=bound,
                decode_vs_bound=budget["decode_tok_s"] / bound if bound else None,

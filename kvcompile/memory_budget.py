@@ -120,11 +120,11 @@ def device_budget(device: torch.device, gpu_memory_gib: float | None) -> int:
     return free + torch.cuda.memory_reserved(device)
 
 
-def enforce(device: torch.device, budget: int) -> None:
-    """Cap this process's torch allocations on `device` at `budget` bytes."""
+def enforce(device: torch.device, budget: int | None) -> None:
+    """Cap this process's torch allocations on `device` at `budget` bytes (None: no cap)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (budget or total) / total), index)
 
 
 def planned_weight_bytes(source, device: torch.device, dtype: torch.dtype) -> int:
@@ -142,7 +142,8 @@ def plan_engine_memory(source, device: torch.device, dtype: torch.dtype, ctx: in
                        k_type: str, v_type: str, arena_mib, gpu_memory_gib) -> BudgetPlan | None:
     """The Engine's split of the device budget for the model of `source` (loader.ModelSource;
     None on the CPU: no budget there). With gpu_memory_gib given, torch's allocator is capped
-    at it (enforce)."""
+    at it (enforce); without, an earlier Engine's cap in this process is lifted (the cap is
+    per process: the newest Engine's budget holds)."""
     if device.type != "cuda":
         if gpu_memory_gib is not None:
             raise BudgetError("--gpu-memory-gib bounds a GPU's memory: use it with --device "
@@ -158,6 +159,5 @@ def plan_engine_memory(source, device: torch.device, dtype: torch.dtype, ctx: in
         kv_all=kv_bytes(config, n_kv, ctx, k_type, v_type),
         min_arena=min_arena_bytes(config, ctx, k_type, v_type),
         arena="auto" if arena_mib == "auto" else int((arena_mib or 0) * MIB))
-    if gpu_memory_gib is not None:
-        enforce(device, plan.budget)
+    enforce(device, plan.budget if gpu_memory_gib is not None else None)
     return plan
