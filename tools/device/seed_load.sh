@@ -11,7 +11,7 @@ cd "$R"
 [ -f "$F" ] || { s=$(date +%s); timeout 300 python3 -m kvcompile make-model --arch qwen35 \
     --preset seed-27b --type iq4_xs --out "$F" 2>&1 | tail -3 | tee "$O/make.log";
     echo "make-model $(( $(date +%s) - s )) s" | tee -a "$O/make.log"; }
-timeout 120 python3 benchmarks/bench_load.py "$F" --out "$O/load.json" 2>&1 | tee "$O/load.log"
+timeout 120 python3 benchmarks/bench_load.py "$F" ${LOAD_ARGS:-} --out "$O/load.json" 2>&1 | tee "$O/load.log"
 cd /tmp
 timeout ${SEED_LIMIT:-420} python3 "$R/benchmarks/bench_seed.py" "$F" --out "$O/seed.json" \
     ${SEED_ARGS:-} 2>&1 | grep -v "Warn\|it/s" | tee "$O/seed.log"
