@@ -70,21 +70,40 @@ def weight_read_bytes(model) -> int:
 
 def quantize_model(model, type_name: str) -> None:
     """Every matrix of the model (projections, head, embedding) replaced by its `type_name`
-    blocks, quantized on its device (fused projections quantized as their whole matrix)."""
+    blocks, quantized on its device. A fused projection is quantized whole and the Linears
+    of its parts (views of its rows, as the builder made them) take views of its rows:
+    the bytes are held once, as the loader holds them."""
     from kvcompile.gguf.quantize import quantize
     from kvcompile.models.layers import Embedding, Linear
     from kvcompile.quant_weight import QuantWeight
     name = type_name.upper()
-    for module in list(model.modules()):
-        if isinstance(module, (Linear, Embedding)) and not module.qtype:
-            w = module.weight
-            q = QuantWeight.from_gguf_rows(quantize(w.float(), name), name, w.shape[1])
-            if isinstance(module, Embedding):
-                module.set_quantized(q, w.dtype)
-            else:
-                module.set_quantized(q)
-            del w
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    mats = [m for m in model.modules() if isinstance(m, (Linear, Embedding)) and not m.qtype]
+    # a part: a Linear whose weight lies inside a larger one's storage (the fused matrix)
+    whole = {}
+    for m in mats:
+        key = m.weight.untyped_storage().data_ptr()
+        if key not in whole or m.weight.shape[0] > whole[key].weight.shape[0]:
+            whole[key] = m
+    parts = []
+    for m in mats:
+        fused = whole[m.weight.untyped_storage().data_ptr()]
+        if fused is not m:
+            r0 = (m.weight.storage_offset() - fused.weight.storage_offset()) // m.weight.stride(0)
+            parts.append((m, fused, r0, m.weight.shape[0]))
+    for m in mats:
+        if any(m is p[0] for p in parts):
+            continue
+        w = m.weight
+        q = QuantWeight.from_gguf_rows(quantize(w.float(), name), name, w.shape[1])
+        if isinstance(m, Embedding):
+            m.set_quantized(q, w.dtype)
+        else:
+            m.set_quantized(q)
+        del w
+    for m, fused, r0, rows in parts:
+        m.set_quantized(QuantWeight(fused.qweight[r0:r0 + rows], name, (rows, m.in_features)))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def timed_compiled(model, ctx: int, kv: str, args, device, ids: torch.Tensor,
