@@ -58,3 +58,32 @@ def test_weight_read_bytes_counts_one_embedding_row():
     tied = LlamaModel(cfg.__class__(**{**cfg.__dict__, "tie_embeddings": True}))
     assert B.weight_read_bytes(tied) == sum(p.nbytes for p in tied.parameters())
     del torch
+
+
+def test_quantized_model_holds_fused_bytes_once_and_runs():
+    """--weights: a fused projection quantized whole, its parts views of its rows; the bytes
+    a step reads are the planar rows of every matrix once (the embedding one row)."""
+    torch = pytest.importorskip("torch")
+    from kvcompile.config import ModelConfig
+    from kvcompile.kv_cache import PagedKvCache
+    from kvcompile.models.llama import LlamaModel
+    from kvcompile.ops.qlinear.formats import weight_format
+    cfg = ModelConfig(arch="llama", n_layers=1, hidden=64, ffn=128, n_heads=2, n_kv_heads=1,
+                      head_dim=32, vocab_size=1000, context_length=64)
+    m = LlamaModel(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.05)
+    m.fuse_projections()
+    B.quantize_model(m, "q8_0")
+    row = weight_format("Q8_0").planar_row_bytes
+    attn = m.blocks[0].attn
+    assert attn.wk.qweight.untyped_storage().data_ptr() == \
+        attn.wqkv.qweight.untyped_storage().data_ptr()
+    mats = (64 + 32 + 32) * row(64) + 64 * row(64) + 2 * 128 * row(64) + 64 * row(128)
+    vectors = sum(p.nbytes for p in m.parameters())          # norms stay dense
+    assert B.weight_read_bytes(m) == mats + 1000 * row(64) + row(64) + vectors
+    with torch.inference_mode():
+        logits = m(torch.tensor([1, 5, 7]), torch.arange(3), PagedKvCache(cfg, 16))
+    assert torch.isfinite(logits).all()
+    del torch
