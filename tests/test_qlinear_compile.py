@@ -48,6 +48,8 @@ def compile_for_sm90(kind: str, name: str, aligned: bool = False):
         ce["HAS_BIAS"] = False
     if kind in ("row", "rows"):
         ce.update(SILU=False, PDL=True)
+    if kind == "row":
+        ce["EVEN_K"] = aligned          # the 8B shapes' tiles cover K
     sig.update({k: "constexpr" for k in ce})
     names = list(fn.arg_names)
     attrs = {(names.index(a),): [["tt.divisibility", 16]]

@@ -90,10 +90,24 @@ def test_planar_round_trip_and_padding(name, n, k, gen):
     f = FORMATS[name]
     raw = random_rows(name, n, k, gen)
     planar = to_planar(raw, name, k)
-    assert planar.shape == (n, -(-f.row_bytes(k) // ROW_ALIGN) * ROW_ALIGN)
-    assert planar.shape[1] % ROW_ALIGN == 0 and planar.shape[1] - f.row_bytes(k) < ROW_ALIGN
-    assert not planar[:, f.row_bytes(k):].any()
+    data = f.blocks_per_row(k) * f.planar_block_bytes     # the GGUF bytes, scales unpacked
+    extra = 4 * f.blocks_per_row(k) if name in ("Q4_K", "Q5_K") else 0
+    assert data == f.row_bytes(k) + extra
+    assert planar.shape == (n, -(-data // ROW_ALIGN) * ROW_ALIGN)
+    assert planar.shape[1] % ROW_ALIGN == 0 and planar.shape[1] - data < ROW_ALIGN
+    assert not planar[:, data:].any()
     assert torch.equal(from_planar(planar, name, k), raw)
+
+
+def test_k_scales_unpack_to_bytes_and_back(gen):
+    """Q4_K / Q5_K's packed 6-bit scales and mins: every 12-byte pattern unpacks to 16
+    values below 64 that pack back to it, sub-blocks 0-3 straight from bytes 0-7."""
+    from kvcompile.ops.qlinear.formats import pack_k_scales, unpack_k_scales
+    s = torch.randint(0, 256, (4096, 12), dtype=torch.uint8, generator=gen)
+    u = unpack_k_scales(s)
+    assert u.shape == (4096, 16) and int(u.max()) < 64
+    assert torch.equal(u[:, 0:4], s[:, 0:4] & 63) and torch.equal(u[:, 8:12], s[:, 4:8] & 63)
+    assert torch.equal(pack_k_scales(u), s)
 
 
 @pytest.mark.parametrize("name,n,k", cases())

@@ -28,8 +28,8 @@ FIELD_ORDER = {
     "F16": ("v",), "BF16": ("v",), "Q8_0": ("qs", "d"), "Q4_0": ("qs", "d"),
     "IQ4_NL": ("qs", "d"), "Q4_1": ("qs", "d", "m"), "Q5_0": ("qs", "d", "qh"),
     "Q5_1": ("qs", "d", "m", "qh"), "Q2_K": ("qs", "scales", "d", "dmin"),
-    "Q3_K": ("qs", "hmask", "scales", "d"), "Q4_K": ("qs", "scales", "d", "dmin"),
-    "Q5_K": ("qs", "qh", "scales", "d", "dmin"), "Q6_K": ("ql", "qh", "scales", "d"),
+    "Q3_K": ("qs", "hmask", "scales", "d"), "Q4_K": ("qs", "scale_min", "d", "dmin"),
+    "Q5_K": ("qs", "qh", "scale_min", "d", "dmin"), "Q6_K": ("ql", "qh", "scales", "d"),
     "IQ4_XS": ("qs", "scales_l", "scales_h", "d"),
 }
 
@@ -143,37 +143,39 @@ def load_codes(QT: tl.constexpr, row, kb0, OA, ok, G: tl.constexpr, S: tl.conste
     g, s = _gs(G, S)
     if QT == F16:
         p = (row + OA).to(tl.pointer_type(tl.float16)) + kb0 * 32 + (32 * g + s)[None]
-        return tl.load(p, mask=ok, other=0.0).to(tl.float32)
+        return _load(p, ok).to(tl.float32)
     elif QT == BF16:
         p = (row + OA).to(tl.pointer_type(tl.bfloat16)) + kb0 * 32 + (32 * g + s)[None]
-        return tl.load(p, mask=ok, other=0.0).to(tl.float32)
+        return _load(p, ok).to(tl.float32)
     else:
-        return tl.load(row + OA + kb0 * (S * GPB) + (S * g + s)[None], mask=ok, other=0)
+        return _load(row + OA + kb0 * (S * GPB) + (S * g + s)[None], ok)
+
+
+@triton.jit
+def _load(p, mask):
+    """Load, zeros where `mask` is false; mask None: every lane real (no predicate)."""
+    if mask is None:
+        return tl.load(p)
+    else:
+        return tl.load(p, mask=mask, other=0)
 
 
 @triton.jit
 def _f16(row, off, idx, ok):
-    return tl.load((row + off).to(tl.pointer_type(tl.float16)) + idx, mask=ok,
-                   other=0.0).to(tl.float32)
+    return _load((row + off).to(tl.pointer_type(tl.float16)) + idx, ok).to(tl.float32)
 
 
 @triton.jit
 def _u8(row, off, idx, ok):
-    return tl.load(row + off + idx, mask=ok, other=0).to(tl.int32)
+    return _load(row + off + idx, ok).to(tl.int32)
 
 
 @triton.jit
 def _k4_scale_min(row, OB, blk, j, ok):
-    """Q4_K / Q5_K: the 6-bit scale and min number j (0..7) of block blk (ggml's
-    get_scale_min_k4 over the 12 scale bytes)."""
-    base = blk * 12
-    lo = j < 4
-    a = _u8(row, OB, base + j, ok)                               # bytes j (j < 4)
-    b = _u8(row, OB, base + j + 4, ok)                           # bytes j + 4
-    c = _u8(row, OB, base + tl.where(lo, j, j - 4), ok)          # bytes j - 4 (j >= 4)
-    sc = tl.where(lo, a & 63, (b & 15) | ((c >> 6) << 4))
-    mn = tl.where(lo, b & 63, (b >> 4) | ((a >> 6) << 4))
-    return small_f32(sc), small_f32(mn)
+    """Q4_K / Q5_K: scale and min number j (0..7) of block blk, from the planar scale_min
+    field (formats.unpack_k_scales: a byte each)."""
+    return (small_f32(_u8(row, OB, blk * 16 + j, ok)),
+            small_f32(_u8(row, OB, blk * 16 + 8 + j, ok)))
 
 
 @triton.jit
@@ -208,7 +210,7 @@ def part_codes(QT: tl.constexpr, P: tl.constexpr, q, row, kb0, OB, OC, OD, okg,
             qh_off = OC
         else:
             qh_off = OD
-        qh = tl.load((row + qh_off).to(tl.pointer_type(tl.uint32)) + kb0 + g, mask=okg, other=0)
+        qh = _load((row + qh_off).to(tl.pointer_type(tl.uint32)) + kb0 + g, okg)
         hi = ((qh >> (s + 16 * P).to(tl.uint32)) & 1).to(tl.int32)
         return small_f32(((q.to(tl.int32) >> (4 * P)) & 15) | (hi << 4))
     elif QT == Q5_K:
@@ -231,13 +233,14 @@ def part_codes(QT: tl.constexpr, P: tl.constexpr, q, row, kb0, OB, OC, OD, okg,
 @triton.jit
 def part_affine(QT: tl.constexpr, P: tl.constexpr, row, kb0, OB, OC, OD, OE, okg,
                 G: tl.constexpr):
-    """(scale, offset) fp32 [BN, G, 1] of part P's groups: value = scale * code - offset
-    (part_codes). The plane offsets follow FIELD_ORDER (the codes' plane is OA)."""
+    """(scale, offset) fp32 [BN, G, 1] (or [1, G, 1]) of part P's groups: value = scale *
+    code - offset (part_codes). The plane offsets follow FIELD_ORDER (the codes' plane is
+    OA). okg: mask of the loads, or None (every row and block real)."""
     g = tl.arange(0, G)[None, :, None]            # [1, G, 1]
     if QT == F16 or QT == BF16:
-        return tl.full(okg.shape, 1.0, tl.float32), tl.zeros(okg.shape, tl.float32)
+        return tl.full(g.shape, 1.0, tl.float32), tl.zeros(g.shape, tl.float32)
     elif QT == Q8_0 or QT == IQ4_NL:
-        return _f16(row, OB, kb0 + g, okg), tl.zeros(okg.shape, tl.float32)
+        return _f16(row, OB, kb0 + g, okg), tl.zeros(g.shape, tl.float32)
     elif QT == Q4_0:
         d = _f16(row, OB, kb0 + g, okg)
         return d, 8.0 * d
@@ -279,8 +282,7 @@ def part_affine(QT: tl.constexpr, P: tl.constexpr, row, kb0, OB, OC, OD, OE, okg
         blk = kb0 + g // 8
         ib = g % 8
         lo = (_u8(row, OB, blk * 4 + ib // 2, okg) >> (4 * (ib % 2))) & 15
-        sh = tl.load((row + OC).to(tl.pointer_type(tl.uint16)) + blk, mask=okg,
-                     other=0).to(tl.int32)
+        sh = _load((row + OC).to(tl.pointer_type(tl.uint16)) + blk, okg).to(tl.int32)
         ls = lo | (((sh >> (2 * ib)) & 3) << 4)
         d = _f16(row, OD, blk, okg) * (small_f32(ls) - 32.0)
-        return d, tl.zeros(okg.shape, tl.float32)
+        return d, tl.zeros(g.shape, tl.float32)

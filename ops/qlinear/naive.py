@@ -50,16 +50,6 @@ def _bits_le(b: torch.Tensor) -> torch.Tensor:
     return ((b.unsqueeze(-1) >> shifts) & 1).flatten(-2)
 
 
-def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K / Q5_K 12 scale bytes [..., 12] -> 6-bit scales and mins [..., 8]: sub-blocks
-    0-3 in the low 6 bits of bytes 0-3 / 4-7; 4-7 take their low 4 bits from bytes 8-11
-    (scale low nibble, min high nibble) and their top 2 bits from the top of bytes 0-3 / 4-7."""
-    a, b, c = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    sc = torch.cat((a & 63, (c & 15) | ((a >> 6) << 4)), dim=-1)
-    mn = torch.cat((b & 63, (c >> 4) | ((b >> 6) << 4)), dim=-1)
-    return sc, mn
-
-
 def _float(planar, f, k):
     dtype = torch.float16 if f.name == "F16" else torch.bfloat16
     return plane(planar, f, k, "v", dtype).float()
@@ -118,7 +108,8 @@ def _q3_k(planar, f, k):
 
 def _q45_k(planar, f, k):
     n, nb = planar.shape[0], f.blocks_per_row(k)
-    sc, mn = _k_scale_min(_u8(planar, f, k, "scales"))
+    scale_min = _u8(planar, f, k, "scale_min")                  # [N, nb, 8 + 8]
+    sc, mn = scale_min[..., :8], scale_min[..., 8:]
     d = (_f16(planar, f, k, "d") * sc.float()).unsqueeze(-1)
     dm = (_f16(planar, f, k, "dmin") * mn.float()).unsqueeze(-1)
     # chunk c of 64: low nibbles of qs[32c..] are sub-block 2c, high nibbles 2c + 1

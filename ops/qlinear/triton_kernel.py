@@ -46,10 +46,13 @@ def _tile_masks(QT: tl.constexpr, n, N, kb0, nb, K, G: tl.constexpr, S: tl.const
 
 @triton.jit
 def _x_part(x_ptr, QT: tl.constexpr, P: tl.constexpr, kb0, K, BLOCK: tl.constexpr,
-            G: tl.constexpr, S: tl.constexpr):
+            G: tl.constexpr, S: tl.constexpr, EVEN_K: tl.constexpr):
     """Part P's activations of a tile, fp32 [1, G, S], and their sum a group [1, G]."""
     e = kb0 * BLOCK + part_elems(QT, P, G, S)[None]
-    xv = tl.load(x_ptr + e, mask=e < K, other=0.0).to(tl.float32)
+    if EVEN_K:
+        xv = tl.load(x_ptr + e).to(tl.float32)
+    else:
+        xv = tl.load(x_ptr + e, mask=e < K, other=0.0).to(tl.float32)
     return xv, tl.sum(xv, 2)
 
 
@@ -70,34 +73,39 @@ def _qgemv_row(x_ptr, w_ptr, b_ptr, y_ptr, N, K, nb, stride_w, OA, OB, OC, OD, O
                S: tl.constexpr, GPB: tl.constexpr, G: tl.constexpr, NB: tl.constexpr,
                BLOCK_N: tl.constexpr,
                HAS_BIAS: tl.constexpr, SILU: tl.constexpr, DTYPE: tl.constexpr,
-               EXACT: tl.constexpr, PDL: tl.constexpr):
+               EXACT: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr):
     """BLOCK_N weight rows one after another over each tile of NB blocks: a tile is [G, S]
     code bytes a row spread over all threads, so every thread holds the same columns of
-    each row and converts (and sums) the activations of a tile once for all of them."""
+    each row and converts (and sums) the activations of a tile once for all of them.
+    Rows past N read row N - 1 (their sums are not stored), so loads need no row mask;
+    EVEN_K (the tiles cover K exactly) drops the column masks too."""
     j = tl.arange(0, BLOCK_N)
     g = tl.arange(0, G)[None, :, None]
     wait_for_producers(PDL)
     acc = tl.zeros([BLOCK_N, G], tl.float32)
     for kb0 in range(0, nb, NB):
-        okb = kb0 + g // GPB < nb                                        # [1, G, 1]
-        oke = (kb0 * BLOCK + part_elems(QT, 0, G, S))[None] < K          # [1, G, S]
-        x0, s0 = _x_part(x_ptr, QT, 0, kb0, K, BLOCK, G, S)
+        if EVEN_K:
+            okg = None
+            ok = None
+        else:
+            okg = kb0 + g // GPB < nb                                    # [1, G, 1]
+            ok = (kb0 * BLOCK + part_elems(QT, 0, G, S))[None] < K       # [1, G, S]
+        x0, s0 = _x_part(x_ptr, QT, 0, kb0, K, BLOCK, G, S, EVEN_K)
         x1, s1 = x0, s0
         x2, s2 = x0, s0
         x3, s3 = x0, s0
         if PARTS > 1:
-            x1, s1 = _x_part(x_ptr, QT, 1, kb0, K, BLOCK, G, S)
+            x1, s1 = _x_part(x_ptr, QT, 1, kb0, K, BLOCK, G, S, EVEN_K)
         if PARTS > 2:
-            x2, s2 = _x_part(x_ptr, QT, 2, kb0, K, BLOCK, G, S)
-            x3, s3 = _x_part(x_ptr, QT, 3, kb0, K, BLOCK, G, S)
+            x2, s2 = _x_part(x_ptr, QT, 2, kb0, K, BLOCK, G, S, EVEN_K)
+            x3, s3 = _x_part(x_ptr, QT, 3, kb0, K, BLOCK, G, S, EVEN_K)
         for r in tl.static_range(BLOCK_N):
             if SILU:
                 nr = tl.program_id(0) * (BLOCK_N // 2) + r // 2 + (r % 2) * (N // 2)
             else:
                 nr = tl.program_id(0) * BLOCK_N + r
-            row = w_ptr + nr.to(tl.int64) * stride_w
-            okg = okb & (nr < N)
-            q = load_codes(QT, row, kb0, OA, oke & (nr < N), G, S, GPB)
+            row = w_ptr + tl.minimum(nr, N - 1).to(tl.int64) * stride_w
+            q = load_codes(QT, row, kb0, OA, ok, G, S, GPB)
             part = _row_part(QT, 0, q, x0, s0, row, kb0, OB, OC, OD, OE, okg, G, S, EXACT)
             if PARTS > 1:
                 part += _row_part(QT, 1, q, x1, s1, row, kb0, OB, OC, OD, OE, okg, G, S,
@@ -260,6 +268,7 @@ def qlinear_triton(x: torch.Tensor, weight: torch.Tensor, type_name: str, k: int
         return y
     if m == 1:
         kernel, cfg, extra = _qgemv_row, dict(config or row_config(type_name, n, k)), ()
+        cfg["EVEN_K"] = k % (cfg["NB"] * geometry(type_name)[0]) == 0
     elif m <= 8:
         kernel, cfg, extra = _qgemv_rows, dict(config or rows_config(type_name, n, k)), (m,)
     else:
