@@ -68,3 +68,62 @@ def test_kernels_compile_for_sm90(name, aligned):
         assert kernel.asm.get("cubin"), f"{name} {kind}: no machine code"
         assert kernel.metadata.shared <= SM90_SHARED, \
             f"{name} {kind}: {kernel.metadata.shared} bytes of shared memory"
+
+
+def _run_ptx(asm: str, regs: dict) -> dict:
+    """A tiny interpreter of the 32-bit PTX the dequantization's inline assembly uses (mov,
+    and, or, xor, shr, prmt in its default mode), over named registers / $n operands."""
+    def val(tok):
+        tok = tok.strip()
+        return int(tok, 0) & 0xFFFFFFFF if tok[0].isdigit() else regs[tok]
+
+    def prmt(a, b, c):
+        pool = (b << 32) | a                       # bytes 0-3 of a, 4-7 of b
+        out = 0
+        for i in range(4):
+            sel = (c >> (4 * i)) & 15
+            byte = (pool >> (8 * (sel & 7))) & 255
+            if sel & 8:                            # sign replication of the chosen byte
+                byte = 255 if byte & 128 else 0
+            out |= byte << (8 * i)
+        return out
+
+    for stmt in asm.strip("{} ").split(";"):
+        stmt = stmt.strip()
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, args = stmt.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        v = [val(a) for a in src]
+        regs[d] = {"mov.b32": lambda: v[0], "and.b32": lambda: v[0] & v[1],
+                   "or.b32": lambda: v[0] | v[1], "xor.b32": lambda: v[0] ^ v[1],
+                   "shr.b32": lambda: v[0] >> v[1],
+                   "prmt.b32": lambda: prmt(*v)}[op]() & 0xFFFFFFFF
+    return regs
+
+
+def test_inline_byte_permutes_give_the_interpreters_values():
+    """dequant.py's PTX (nibbles, int8, the IQ4 codebook) run by _run_ptx over every byte
+    value in every lane: the fp32 bits it leaves equal 2^23 (+ 128 for signed values) plus
+    the value the interpreter's arithmetic gives."""
+    import struct
+
+    from kvcompile.ops.qlinear import dequant as D
+    from kvcompile.ops.qlinear.naive import IQ4_VALUES
+    words = [b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+             for b0, b1, b2, b3 in zip(range(256), range(1, 257), range(7, 263), range(99, 355))]
+    words = [w & 0xFFFFFFFF for w in words]
+    k = [w & 0xFFFFFFFF for w in (-1079142271, -152379953, 639175937, 1901675829)]
+    ops = {"low": (D._LOW_NIBBLE_ASM, lambda b: b & 15, 0),
+           "high": (D._HIGH_NIBBLE_ASM, lambda b: b >> 4, 0),
+           "int8": (D._INT8_ASM, lambda b: b - 256 if b > 127 else b, 128),
+           "iq4 low": (D._IQ4_LOW_ASM, lambda b: IQ4_VALUES[b & 15], 128),
+           "iq4 high": (D._IQ4_HIGH_ASM, lambda b: IQ4_VALUES[b >> 4], 128)}
+    for name, (asm, want, offset) in ops.items():
+        for w in words:
+            regs = {"$4": w, "$5": k[0], "$9": k[1], "$13": k[2], "$17": k[3]}
+            regs = _run_ptx(str(asm.value if hasattr(asm, "value") else asm), regs)
+            for lane in range(4):
+                f = struct.unpack("<f", struct.pack("<I", regs[f"${lane}"]))[0]
+                got = f - (8388608.0 + offset)
+                assert got == want((w >> (8 * lane)) & 255), (name, hex(w), lane, got)

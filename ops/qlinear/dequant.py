@@ -53,6 +53,21 @@ _LOW_NIBBLE_ASM = tl.constexpr("{ .reg .b32 t; and.b32 t, $4, 0x0f0f0f0f; " + _P
 _HIGH_NIBBLE_ASM = tl.constexpr("{ .reg .b32 t; shr.b32 t, $4, 4; and.b32 t, t, 0x0f0f0f0f; "
                                 + _PUT_BYTES)
 _INT8_ASM = tl.constexpr("{ .reg .b32 t; xor.b32 t, $4, 0x80808080; " + _PUT_BYTES)
+# IQ4: the nibbles of four bytes looked up in ggml's codebook (kvalues_iq4nl as int8 bytes,
+# entries 0-7 in k0:k1, 8-15 in k2:k3) by byte permutes, then as int8 above. A permute
+# takes a 3-bit index (bit 3 of a selector nibble asks for sign replication), so both
+# halves are looked up and a third permute picks per byte by the index's bit 3.
+_IQ4_LOOKUP = (
+    " .reg .b32 x, s, s7, lo, hi, m;"
+    " shr.b32 x, t, 4; or.b32 x, x, t; prmt.b32 s, x, 0, 0x4420;"   # nibbles n0 n1 n2 n3
+    " and.b32 s7, s, 0x7777; prmt.b32 lo, $5, $9, s7; prmt.b32 hi, $13, $17, s7;"
+    " shr.b32 m, s, 1; and.b32 m, m, 0x4444; or.b32 m, m, 0x3210; prmt.b32 t, lo, hi, m;"
+    " xor.b32 t, t, 0x80808080; ")
+_IQ4_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r" + ",r" * 16)
+_IQ4_LOW_ASM = tl.constexpr("{ .reg .b32 t; and.b32 t, $4, 0x0f0f0f0f;" + _IQ4_LOOKUP
+                            + _PUT_BYTES)
+_IQ4_HIGH_ASM = tl.constexpr("{ .reg .b32 t; shr.b32 t, $4, 4; and.b32 t, t, 0x0f0f0f0f;"
+                             + _IQ4_LOOKUP + _PUT_BYTES)
 
 
 @triton.jit
@@ -82,6 +97,27 @@ def int8_f32(q, EXACT: tl.constexpr):
     else:
         v = (q.to(tl.int32) ^ 128) | 0x4B000000
     return v.to(tl.float32, bitcast=True) - (MAGIC + 128.0)
+
+
+@triton.jit
+def iq4_f32(q, P: tl.constexpr, EXACT: tl.constexpr):
+    """fp32 IQ4 codebook entry of nibble P of each uint8 code byte: compiled, byte permutes
+    (_IQ4_LOW_ASM / _IQ4_HIGH_ASM, about five instructions a value); the interpreter, the
+    exact quartic iq4_value."""
+    if EXACT:
+        # the codebook words as operands (four copies each, one a packed value): constants
+        # the compiler keeps in registers across the loop
+        k = [tl.full(q.shape, w, tl.int32) for w in (-1079142271, -152379953, 639175937,
+                                                     1901675829)]
+        if P == 0:
+            v = tl.inline_asm_elementwise(_IQ4_LOW_ASM, _IQ4_CONSTRAINTS, [q] + k,
+                                          dtype=tl.int32, is_pure=True, pack=4)
+        else:
+            v = tl.inline_asm_elementwise(_IQ4_HIGH_ASM, _IQ4_CONSTRAINTS, [q] + k,
+                                          dtype=tl.int32, is_pure=True, pack=4)
+        return v.to(tl.float32, bitcast=True) - (MAGIC + 128.0)
+    else:
+        return iq4_value(nibble_f32(q, P, EXACT))
 
 
 @triton.jit
@@ -204,7 +240,7 @@ def part_codes(QT: tl.constexpr, P: tl.constexpr, q, row, kb0, OB, OC, OD, okg,
     elif QT == Q4_0 or QT == Q4_1 or QT == Q4_K:
         return nibble_f32(q, P, EXACT)
     elif QT == IQ4_NL or QT == IQ4_XS:
-        return iq4_value(nibble_f32(q, P, EXACT))
+        return iq4_f32(q, P, EXACT)
     elif QT == Q5_0 or QT == Q5_1:
         if QT == Q5_0:
             qh_off = OC
