@@ -147,3 +147,23 @@ def test_quantized_8b_agrees_with_its_bf16_twin(weight_type):
           f"{next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)}")
     assert top1 >= 0.99 and kl <= 1e-3
     assert greedy_agree(ours, ref, gaps)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_twins_agreement_floor():
+    """The floor under the agreement above: the same bf16 matrices twice, once dense (cuBLAS
+    over whole matrices, the dense GEMV) and once as BF16 QuantWeights (the qlinear kernels,
+    cuBLAS over 64 MiB row chunks): identical weights, so what differs is only the order of
+    the sums. Printed beside the quantized types' figures (the top-1 agreement a random
+    32-layer stack allows two correct bf16 computations); the distributions must agree."""
+    seed = fresh_seed() % 10_000
+    config, mq, md = build("llama3-8b", "bf16", "cuda", torch.bfloat16, seed,
+                           context_length=4096, residual_gain=0.3)
+    assert mq.blocks[0].mlp.gate_up.qtype and not md.blocks[0].mlp.gate_up.qtype
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, config.vocab_size, (512,), generator=gen).cuda()
+    mq, md = Fp32Head(mq), Fp32Head(md)
+    top1, kl = compare(teacher_forced(mq, tokens, "bf16"), teacher_forced(md, tokens, "bf16"))
+    print(f"bf16 twins: teacher-forced top-1 {top1:.4f}, mean KL {kl:.2e}")
+    assert kl <= 1e-3

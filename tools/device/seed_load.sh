@@ -2,7 +2,11 @@
 # The seed-27b hybrid in IQ4_XS: make-model on the device, bench_load.py (load time beside
 # cat, peak RSS, device bytes of the weights), then bench_seed.py (a 256K prompt through the
 # Engine under a 16 GiB budget with the arena chosen automatically, beside all resident).
-# ~8 minutes. Writes $OUT/seed_load/ (load.json; seed.json: the row bench_seed appends).
+# make-model ~1.5 min, bench_load ~0.5, each 256K prefill ~5-7: run the two parts in two
+# calls, SEED_ARGS="--part budget" then SEED_ARGS="--part resident" with
+# SEED_OUT=benchmarks/results/quantized_weights.json in both (the resident part compares its
+# tokens with the budget row there: carry the file back between the calls) and SEED_LIMIT
+# near the call's time left. Writes $OUT/seed_load/ (load.json, seed.json, logs).
 set -uo pipefail
 R=${R:-$(pwd)}
 O="$OUT/seed_load"; mkdir -p "$O"
@@ -13,6 +17,9 @@ cd "$R"
     echo "make-model $(( $(date +%s) - s )) s" | tee -a "$O/make.log"; }
 timeout 120 python3 benchmarks/bench_load.py "$F" ${LOAD_ARGS:-} --out "$O/load.json" 2>&1 | tee "$O/load.log"
 cd /tmp
-timeout ${SEED_LIMIT:-420} python3 "$R/benchmarks/bench_seed.py" "$F" --out "$O/seed.json" \
+S="${SEED_OUT:-$O/seed.json}"; [ "${S#/}" = "$S" ] && S="$R/$S"
+timeout ${SEED_LIMIT:-420} python3 "$R/benchmarks/bench_seed.py" "$F" --out "$S" \
     ${SEED_ARGS:-} 2>&1 | grep -v "Warn\|it/s" | tee "$O/seed.log"
-exit ${PIPESTATUS[0]}
+rc=${PIPESTATUS[0]}
+cp "$S" "$O/seed.json" 2>/dev/null
+exit $rc
