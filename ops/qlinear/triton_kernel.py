@@ -247,8 +247,10 @@ def gemm_config(type_name: str, m: int, n: int, k: int) -> dict:
     """Prefill: 64 or 128 rows of x by 128 weight rows, 256 values a tile (64 for the
     32-value block types)."""
     nb_tile = 1 if geometry(type_name)[0] == 256 else 2
+    # the 256-value block types stage their gathered scales too: three stages needed up to
+    # 288 KB of shared memory under Triton 3.9 (an SM has 227 KB), two fit
     return dict(NB=nb_tile, BLOCK_M=64 if m <= 64 else 128, BLOCK_N=128, GROUP_M=8,
-                num_warps=8, num_stages=3)
+                num_warps=8, num_stages=2 if nb_tile == 1 else 3)
 
 
 def qlinear_triton(x: torch.Tensor, weight: torch.Tensor, type_name: str, k: int,
