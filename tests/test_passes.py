@@ -356,6 +356,17 @@ def test_default_pipeline_on_a_clean_graph(monkeypatch):
 
 # ---------------------------------------------------------------- end to end
 
+def prefill_then_decode(fn, config, prompt):
+    """fn's logits over a 12-token prompt: 9 prefilled, then 3 decode steps, on a fresh
+    16-position-page cache; and the cache."""
+    from kvcompile.kv_cache import PagedKvCache
+    cache = PagedKvCache(config, 64, page_size=16)
+    with torch.inference_mode():
+        rows = [fn(prompt[:9], torch.arange(9), cache)]
+        rows += [fn(prompt[i:i + 1], torch.tensor([i]), cache) for i in range(9, 12)]
+    return torch.cat(rows), cache
+
+
 def compiled_through_pipeline(model, distance: int = 1):
     """torch.compile(model) with the default pass pipeline as its backend: (the compiled
     model, the list its graphs are appended to as they compile, the pipeline)."""
@@ -372,7 +383,6 @@ def compiled_through_pipeline(model, distance: int = 1):
 
 def test_tiny_llama_compiled_through_the_pipeline_equals_eager(monkeypatch):
     from test_kv_cache import TINY, tiny_weights
-    from kvcompile.kv_cache import PagedKvCache
     from kvcompile.models.llama import LlamaModel
 
     monkeypatch.delenv(P.DISABLE_ENV, raising=False)
@@ -381,15 +391,8 @@ def test_tiny_llama_compiled_through_the_pipeline_equals_eager(monkeypatch):
     prompt = torch.randint(0, TINY.vocab_size, (12,), generator=g)
     compiled, graphs, pipeline = compiled_through_pipeline(model)
 
-    def generate(fn):
-        cache = PagedKvCache(TINY, 64, page_size=16)
-        with torch.inference_mode():
-            rows = [fn(prompt[:9], torch.arange(9), cache)]
-            rows += [fn(prompt[i:i + 1], torch.tensor([i]), cache) for i in range(9, 12)]
-        return torch.cat(rows), cache
-
-    eager, eager_cache = generate(model)
-    ours, our_cache = generate(compiled)
+    eager, eager_cache = prefill_then_decode(model, TINY, prompt)
+    ours, our_cache = prefill_then_decode(compiled, TINY, prompt)
     print("graphs", len(graphs), [gm.meta["kvcompile_phase"] for gm in graphs],
           [P.call_targets(gm).count("kvcompile.ring_acquire") for gm in graphs])
     assert torch.equal(ours, eager)

@@ -107,22 +107,15 @@ def test_quantized_model_compiles_through_the_pass_pipeline(monkeypatch):
     without a lowering) takes the qlinear / qembedding ops: prefill and decode of the
     compiled quantized model equal the model run directly, bitwise."""
     from kvcompile.passes import pipeline as P
-    from test_passes import compiled_through_pipeline
+    from test_passes import compiled_through_pipeline, prefill_then_decode
     monkeypatch.delenv(P.DISABLE_ENV, raising=False)
     seed = fresh_seed() % 10_000
     config, mq, _ = build("tiny", "q4_k", "cpu", torch.float32, seed)
     prompt = torch.randint(0, config.vocab_size, (12,),
                            generator=torch.Generator().manual_seed(seed))
     compiled, graphs, _ = compiled_through_pipeline(mq)
-
-    def generate(fn):
-        cache = PagedKvCache(config, 64, page_size=16)
-        with torch.inference_mode():
-            rows = [fn(prompt[:9], torch.arange(9), cache)]
-            rows += [fn(prompt[i:i + 1], torch.tensor([i]), cache) for i in range(9, 12)]
-        return torch.cat(rows)
-
-    assert torch.equal(generate(compiled), generate(mq))
+    assert torch.equal(prefill_then_decode(compiled, config, prompt)[0],
+                       prefill_then_decode(mq, config, prompt)[0])
     assert len(graphs) == 2
     assert all("kvcompile.qlinear" in P.call_targets(gm) for gm in graphs)
     torch._dynamo.reset()

@@ -60,9 +60,14 @@ def _dot_rows(w, xt, acc, EXACT: tl.constexpr):
 
 @triton.jit
 def _weight_rows(BLOCK_N: tl.constexpr, N, SILU: tl.constexpr):
-    """Weight rows of the program's tile: row j is output j, or with SILU the gate (j even)
-    / up (j odd) row of output j // 2."""
-    j = tl.arange(0, BLOCK_N)
+    """Weight rows of the program's tile (weight_row of each j)."""
+    return weight_row(tl.arange(0, BLOCK_N), BLOCK_N, N, SILU)
+
+
+@triton.jit
+def weight_row(j, BLOCK_N: tl.constexpr, N, SILU: tl.constexpr):
+    """Weight row of the program's tile row j (an index or a tensor of them): output j, or
+    with SILU the gate (j even) / up (j odd) row of output j // 2."""
     if SILU:
         return tl.program_id(0) * (BLOCK_N // 2) + j // 2 + (j % 2) * (N // 2)
     else:

@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from kvcompile.ops.cast import TL_DTYPES, round_to
-from kvcompile.ops.gemv.triton_kernel import _dot_rows, _weight_rows, store_row, store_rows
+from kvcompile.ops.gemv.triton_kernel import (_dot_rows, _weight_rows, store_row, store_rows,
+                                              weight_row)
 from kvcompile.ops.launching import interpreting, launchable
 from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.qlinear.dequant import (FIELD_ORDER, geometry, load_codes, part_affine,
@@ -100,10 +101,7 @@ def _qgemv_row(x_ptr, w_ptr, b_ptr, y_ptr, N, K, nb, stride_w, OA, OB, OC, OD, O
             x2, s2 = _x_part(x_ptr, QT, 2, kb0, K, BLOCK, G, S, EVEN_K)
             x3, s3 = _x_part(x_ptr, QT, 3, kb0, K, BLOCK, G, S, EVEN_K)
         for r in tl.static_range(BLOCK_N):
-            if SILU:
-                nr = tl.program_id(0) * (BLOCK_N // 2) + r // 2 + (r % 2) * (N // 2)
-            else:
-                nr = tl.program_id(0) * BLOCK_N + r
+            nr = weight_row(r, BLOCK_N, N, SILU)
             row = w_ptr + tl.minimum(nr, N - 1).to(tl.int64) * stride_w
             q = load_codes(QT, row, kb0, OA, ok, G, S, GPB)
             part = _row_part(QT, 0, q, x0, s0, row, kb0, OB, OC, OD, OE, okg, G, S, EXACT)
