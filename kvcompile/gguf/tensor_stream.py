@@ -87,21 +87,23 @@ class TensorStream:
     def _fetch(self, offset: int, length: int) -> torch.Tensor:
         """The file's bytes [offset, offset + length) in a staging buffer (the read-ahead's,
         when it holds them), and the read-ahead of the bytes after them started."""
-        t = time.perf_counter()
         hit = None
         if self.ahead is not None:
             turn, at, n, fut = self.ahead
+            t = time.perf_counter()
             fut.result()
+            self.read_seconds += time.perf_counter() - t
             self.ahead = None
             if at <= offset and offset + length <= at + n:
                 hit = turn, offset - at
         if hit is None:
-            buf = self._next_buffer()
+            buf = self._next_buffer()          # its wait counts in wait_seconds
+            t = time.perf_counter()
             self._read_into(buf[:length].numpy(), offset)
+            self.read_seconds += time.perf_counter() - t
             hit = self.turn, 0
         else:
             self.turn = hit[0]
-        self.read_seconds += time.perf_counter() - t
         end = offset + length
         if end < self.size:
             nxt = self._next_buffer(advance=False)
