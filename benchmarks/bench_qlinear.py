@@ -50,6 +50,7 @@ def graph_us(fn, calls: int = 20, reps: int = 5) -> float:
 
 def sweep(types, shapes, hbm, meta, gen) -> list:
     from kvcompile.ops.qlinear.dequant import geometry
+    from kvcompile.ops.qlinear.int_dot import INT_DOT_TYPES
     from kvcompile.ops.qlinear.triton_kernel import qlinear_triton, row_config
     rows = []
     for name in types:
@@ -60,8 +61,9 @@ def sweep(types, shapes, hbm, meta, gen) -> list:
             for m in (1, 8):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 best = None
-                cfgs = ([row_config(name, n, k, bn, warps) for bn in (2, 4, 8)
-                         for warps in (1, 2, 4)]
+                ints = (True, False) if name in INT_DOT_TYPES else (False,)
+                cfgs = ([row_config(name, n, k, bn, warps, int_dot) for bn in (2, 4, 8, 16)
+                         for warps in (1, 2, 4) for int_dot in ints]
                         if m == 1 else
                         [dict(BLOCK_N=bn, NB=max(1, bk // block), num_warps=4, num_stages=st)
                          for bn in (16, 32) for bk in (256, 512) for st in (2, 3)])

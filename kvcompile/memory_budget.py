@@ -8,7 +8,9 @@ more fails with a clear error instead of growing past it.
 
 Workspace (what the forward allocates besides weights and KV): rope tables, the recurrent
 state of hybrid models, the decode kernels' scratch, one prefill ubatch's activations
-(counted in fp32 with room for a layer's temporaries and the caching allocator's rounding),
+(4 bytes an element of a layer's widths: the bf16 activations twice over, room for a
+layer's temporaries and the caching allocator's rounding; docs/performance.md has the
+measured peak),
 and a fixed reserve for cuBLAS / Triton workspaces and CUDA-graph pools.
 """
 from __future__ import annotations
@@ -76,7 +78,7 @@ def workspace_bytes(config, ubatch: int, device: torch.device) -> int:
     kv_dim = 2 * c.n_kv_heads * c.head_dim
     gdn_dim = (2 * c.ssm_k_heads + 2 * c.ssm_v_heads) * c.ssm_head_dim if n_gdn else 0
     row = 6 * c.hidden + 3 * c.ffn + 2 * (q_dim + kv_dim) + 3 * gdn_dim
-    acts = 2 * ubatch * row * 4 + 2 * c.vocab_size * 4
+    acts = ubatch * row * 4 + 2 * c.vocab_size * 4
     return rope + state + decode + acts + FIXED_RESERVE
 
 

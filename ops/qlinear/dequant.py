@@ -57,12 +57,17 @@ _INT8_ASM = tl.constexpr("{ .reg .b32 t; xor.b32 t, $4, 0x80808080; " + _PUT_BYT
 # entries 0-7 in k0:k1, 8-15 in k2:k3) by byte permutes, then as int8 above. A permute
 # takes a 3-bit index (bit 3 of a selector nibble asks for sign replication), so both
 # halves are looked up and a third permute picks per byte by the index's bit 3.
-_IQ4_LOOKUP = (
-    " .reg .b32 x, s, s7, lo, hi, m;"
-    " shr.b32 x, t, 4; or.b32 x, x, t; prmt.b32 s, x, 0, 0x4420;"   # nibbles n0 n1 n2 n3
-    " and.b32 s7, s, 0x7777; prmt.b32 lo, $5, $9, s7; prmt.b32 hi, $13, $17, s7;"
-    " shr.b32 m, s, 1; and.b32 m, m, 0x4444; or.b32 m, m, 0x3210; prmt.b32 t, lo, hi, m;"
-    " xor.b32 t, t, 0x80808080; ")
+def _iq4_lookup(k0: str, k1: str, k2: str, k3: str) -> str:
+    """PTX: the nibbles in t's bytes (each 0..15) replaced by their codebook int8s; k0..k3
+    the operands holding the codebook words."""
+    return (" .reg .b32 x, s, s7, lo, hi, m;"
+            " shr.b32 x, t, 4; or.b32 x, x, t; prmt.b32 s, x, 0, 0x4420;"   # n0 n1 n2 n3
+            f" and.b32 s7, s, 0x7777; prmt.b32 lo, {k0}, {k1}, s7; prmt.b32 hi, {k2}, {k3}, s7;"
+            " shr.b32 m, s, 1; and.b32 m, m, 0x4444; or.b32 m, m, 0x3210;"
+            " prmt.b32 t, lo, hi, m; ")
+
+
+_IQ4_LOOKUP = _iq4_lookup("$5", "$9", "$13", "$17") + "xor.b32 t, t, 0x80808080; "
 _IQ4_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r" + ",r" * 16)
 _IQ4_LOW_ASM = tl.constexpr("{ .reg .b32 t; and.b32 t, $4, 0x0f0f0f0f;" + _IQ4_LOOKUP
                             + _PUT_BYTES)
@@ -157,6 +162,13 @@ def _gs(G: tl.constexpr, S: tl.constexpr):
 def part_elems(QT: tl.constexpr, P: tl.constexpr, G: tl.constexpr, S: tl.constexpr):
     """[G, S] int32: the tile element each value of part P is."""
     g, s = _gs(G, S)
+    return elems_at(QT, P, g, s)
+
+
+@triton.jit
+def elems_at(QT: tl.constexpr, P: tl.constexpr, g, s):
+    """The tile element of part P's value in code byte s of group g (int32 tensors that
+    broadcast together)."""
     if QT == F16 or QT == BF16 or QT == Q8_0:
         e = 32 * g + s
     elif QT == Q4_K or QT == Q5_K:
@@ -220,7 +232,7 @@ def part_values(QT: tl.constexpr, P: tl.constexpr, q, row, kb0, OB, OC, OD, OE,
     """fp32 values [BN, G, S] of part P from the code bytes q (load_codes). okg: [BN, G, 1]
     mask of real rows and blocks (scale loads)."""
     v = part_codes(QT, P, q, row, kb0, OB, OC, OD, okg, G, S, EXACT)
-    sc, mn = part_affine(QT, P, row, kb0, OB, OC, OD, OE, okg, G)
+    sc, mn = part_affine(QT, P, row, kb0, OB, OC, OD, OE, okg, tl.arange(0, G)[None, :, None])
     return sc * v - mn
 
 
@@ -267,12 +279,11 @@ def part_codes(QT: tl.constexpr, P: tl.constexpr, q, row, kb0, OB, OC, OD, okg,
 
 
 @triton.jit
-def part_affine(QT: tl.constexpr, P: tl.constexpr, row, kb0, OB, OC, OD, OE, okg,
-                G: tl.constexpr):
-    """(scale, offset) fp32 [BN, G, 1] (or [1, G, 1]) of part P's groups: value = scale *
-    code - offset (part_codes). The plane offsets follow FIELD_ORDER (the codes' plane is
-    OA). okg: mask of the loads, or None (every row and block real)."""
-    g = tl.arange(0, G)[None, :, None]            # [1, G, 1]
+def part_affine(QT: tl.constexpr, P: tl.constexpr, row, kb0, OB, OC, OD, OE, okg, g):
+    """(scale, offset) fp32 of part P's groups g (tile group numbers, e.g. [1, G, 1]; the
+    result takes the shape of row and g): value = scale * code - offset (part_codes). The
+    plane offsets follow FIELD_ORDER (the codes' plane is OA). okg: mask of the loads (g's
+    shape), or None (every row and block real)."""
     if QT == F16 or QT == BF16:
         return tl.full(g.shape, 1.0, tl.float32), tl.zeros(g.shape, tl.float32)
     elif QT == Q8_0 or QT == IQ4_NL:

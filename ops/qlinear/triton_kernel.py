@@ -31,6 +31,7 @@ from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.qlinear.dequant import (FIELD_ORDER, geometry, load_codes, part_affine,
                                            part_codes, part_elems, part_values)
 from kvcompile.ops.qlinear.formats import weight_format
+from kvcompile.ops.qlinear.int_dot import INT_DOT_TYPES, _qgemv_row_int
 
 
 @triton.jit
@@ -64,7 +65,8 @@ def _row_part(QT: tl.constexpr, P: tl.constexpr, q, xv, sx, row, kb0, OB, OC, OD
     before its scale, sum(scale * code - offset) * x = scale * sum(code * x) - offset *
     sum(x): one FMA an element."""
     v = part_codes(QT, P, q, row, kb0, OB, OC, OD, okg, G, S, EXACT)
-    sc, off = part_affine(QT, P, row, kb0, OB, OC, OD, OE, okg, G)
+    sc, off = part_affine(QT, P, row, kb0, OB, OC, OD, OE, okg,
+                          tl.arange(0, G)[None, :, None])
     return tl.sum(sc, 2) * tl.sum(v * xv, 2) - tl.sum(off, 2) * sx
 
 
@@ -221,18 +223,24 @@ def _geometry_args(type_name: str, k: int, nb_tile: int) -> dict:
                 PARTS=parts, S=s, GPB=gpb, G=nb_tile * gpb, NB=nb_tile)
 
 
-def row_config(type_name: str, n: int, k: int, block_n: int = 4,
-               num_warps: int | None = None) -> dict:
-    """One row: `block_n` rows a program; a tile is as many blocks as put 16 code bytes
-    in each thread of a row (one vector load). Warps from the sweep at the 8B shapes
-    (bench_qlinear.py --sweep): one for the byte-a-value types (four from K > 8192, so a
-    long row takes fewer, wider tiles), two for the others."""
+def row_config(type_name: str, n: int, k: int, block_n: int | None = None,
+               num_warps: int | None = None, int_dot: bool | None = None) -> dict:
+    """One row: `block_n` rows a program (default 4; 8 for the integer dot, which makes a
+    tile's activations integers once for all of them); a tile is as many blocks as put 16
+    code bytes in each thread of a row (one vector load), or a scale group each with the
+    integer dot. Warps from the sweep at the 8B shapes (bench_qlinear.py --sweep): one for
+    the byte-a-value types (four from K > 8192, so a long row takes fewer, wider tiles),
+    two for the others. int_dot (default: where the type has it): int_dot.py's kernel."""
     block, _, s, gpb = geometry(type_name)
     if num_warps is None:
         num_warps = (4 if k > 8192 else 1) if type_name in ("Q8_0", "F16", "BF16") else 2
+    int_dot = (int_dot is None or int_dot) and type_name in INT_DOT_TYPES
+    if block_n is None:
+        block_n = 8 if int_dot else 4
     code_bytes = block * 2 if type_name in ("F16", "BF16") else s * gpb
-    return dict(NB=max(1, 16 * 32 * num_warps // code_bytes), BLOCK_N=block_n,
-                num_warps=num_warps)
+    # integer dot: a group a thread; else 16 code bytes a thread
+    nb_tile = 32 * num_warps // gpb if int_dot else 16 * 32 * num_warps // code_bytes
+    return dict(NB=max(1, nb_tile), BLOCK_N=block_n, num_warps=num_warps, INT_DOT=int_dot)
 
 
 def rows_config(type_name: str, n: int, k: int) -> dict:
@@ -267,7 +275,10 @@ def qlinear_triton(x: torch.Tensor, weight: torch.Tensor, type_name: str, k: int
     if m == 0 or n == 0:
         return y
     if m == 1:
-        kernel, cfg, extra = _qgemv_row, dict(config or row_config(type_name, n, k)), ()
+        cfg = dict(config or row_config(type_name, n, k))
+        if x.data_ptr() % 4 and cfg.get("INT_DOT"):   # the integer dot reads value pairs
+            cfg = row_config(type_name, n, k, int_dot=False)
+        kernel, extra = _qgemv_row_int if cfg.pop("INT_DOT", False) else _qgemv_row, ()
         cfg["EVEN_K"] = k % (cfg["NB"] * geometry(type_name)[0]) == 0
     elif m <= 8:
         kernel, cfg, extra = _qgemv_rows, dict(config or rows_config(type_name, n, k)), (m,)
