@@ -31,7 +31,7 @@ from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
 from kvcompile.ops.qlinear.dequant import (FIELD_ORDER, geometry, load_codes, part_affine,
                                            part_codes, part_elems, part_values)
 from kvcompile.ops.qlinear.formats import weight_format
-from kvcompile.ops.qlinear.int_dot import INT_DOT_TYPES, _qgemv_row_int
+from kvcompile.ops.qlinear.int_dot import INT_DOT_DEFAULT, INT_DOT_TYPES, _qgemv_row_int
 
 
 @triton.jit
@@ -225,18 +225,21 @@ def _geometry_args(type_name: str, k: int, nb_tile: int) -> dict:
 
 def row_config(type_name: str, n: int, k: int, block_n: int | None = None,
                num_warps: int | None = None, int_dot: bool | None = None) -> dict:
-    """One row: `block_n` rows a program (default 4; 8 for the integer dot, which makes a
-    tile's activations integers once for all of them); a tile is as many blocks as put 16
-    code bytes in each thread of a row (one vector load), or a scale group each with the
-    integer dot. Warps from the sweep at the 8B shapes (bench_qlinear.py --sweep): one for
-    the byte-a-value types (four from K > 8192, so a long row takes fewer, wider tiles),
-    two for the others. int_dot (default: where the type has it): int_dot.py's kernel."""
+    """One row: `block_n` rows a program; a tile is as many blocks as put 16 code bytes
+    in each thread of a row (one vector load), or a scale group each with the integer dot
+    (int_dot.py). Defaults from the sweep at the 8B shapes (bench_qlinear.py --sweep): for
+    the byte-a-value types one warp (four from K > 8192, so a long row takes fewer, wider
+    tiles) and 4 rows, for the others two warps and 8 rows; the integer dot where it was
+    ahead of the float kernel (the IQ4 types; `int_dot` forces it where the type has it)."""
     block, _, s, gpb = geometry(type_name)
+    byte_types = type_name in ("Q8_0", "F16", "BF16")
     if num_warps is None:
-        num_warps = (4 if k > 8192 else 1) if type_name in ("Q8_0", "F16", "BF16") else 2
-    int_dot = (int_dot is None or int_dot) and type_name in INT_DOT_TYPES
+        num_warps = (4 if k > 8192 else 1) if byte_types else 2
+    if int_dot is None:
+        int_dot = type_name in INT_DOT_DEFAULT
+    int_dot = int_dot and type_name in INT_DOT_TYPES
     if block_n is None:
-        block_n = 8 if int_dot else 4
+        block_n = 4 if byte_types else 8
     code_bytes = block * 2 if type_name in ("F16", "BF16") else s * gpb
     # integer dot: a group a thread; else 16 code bytes a thread
     nb_tile = 32 * num_warps // gpb if int_dot else 16 * 32 * num_warps // code_bytes
