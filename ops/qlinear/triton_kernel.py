@@ -279,7 +279,9 @@ def qlinear_triton(x: torch.Tensor, weight: torch.Tensor, type_name: str, k: int
         return y
     if m == 1:
         cfg = dict(config or row_config(type_name, n, k))
-        if x.data_ptr() % 4 and cfg.get("INT_DOT"):   # the integer dot reads value pairs
+        # the integer dot reads x in pairs of values (storages start aligned; the offset
+        # is known while torch.compile traces with fake tensors, the address is not)
+        if cfg.get("INT_DOT") and x.storage_offset() * x.element_size() % 4:
             cfg = row_config(type_name, n, k, int_dot=False)
         kernel, extra = _qgemv_row_int if cfg.pop("INT_DOT", False) else _qgemv_row, ()
         cfg["EVEN_K"] = k % (cfg["NB"] * geometry(type_name)[0]) == 0
