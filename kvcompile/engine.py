@@ -200,17 +200,23 @@ class Engine:
         history, out_ids, text, finish = list(prompt_ids), [], [], "length"
         budget = min(sampling.max_tokens, self.ctx_size - len(prompt_ids))
 
+        # each timed span ends with the sampler's read of the token: GPU work completed
         t0 = time.perf_counter()
         logits = self._prefill(prompt_ids)
-        prefill_s, decode_s = time.perf_counter() - t0, 0.0
+        prefill_s, decode_s = 0.0, 0.0
+        if not budget:
+            prefill_s = time.perf_counter() - t0
         for step in range(budget):
             if step:
                 self._check_current(request)
                 t = time.perf_counter()
                 pos = len(history) - 1
                 logits = self.forward([history[-1]], pos)
-                decode_s += time.perf_counter() - t
             token = sampler(logits, history)
+            if step:
+                decode_s += time.perf_counter() - t
+            else:
+                prefill_s = time.perf_counter() - t0      # to the first token
             if token in stop_ids:
                 finish = "stop"
                 break
