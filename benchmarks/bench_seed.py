@@ -16,7 +16,7 @@ but for the decode steps:
   resident  the same file, no budget, the whole KV on the device: its greedy tokens
 Both run prefill chunks of the first --ubatch size whose workspace the budget leaves room
 for beside the smallest arena (BudgetError: the next one); a smaller ubatch leaves the
-arena more (at ubatch 1024 the 16 GiB budget kept 0.47 GiB for it). Targets (issue 25):
+arena more (at ubatch 512 the 16 GiB budget kept 1.39 GiB for it). Targets (issue 25):
 peak reserved <= G, decode >= 0.8 x the bound, tokens equal. Each part appends its row
 (commit, date, its greedy tokens) to --out; `--part` runs one of them, so the two 256K
 prefills can take a device call each.
