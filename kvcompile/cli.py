@@ -99,9 +99,7 @@ def _run_generate(args) -> int:
     sys.stdout.write("\n")
     r = stream.result
     if not args.no_stats:
-        print(f"[{r.prompt_tokens} prompt tokens, {r.completion_tokens} generated "
-              f"({r.finish_reason}); prefill {r.prefill_tok_s:.1f} tok/s, "
-              f"decode {r.decode_tok_s:.1f} tok/s]", file=sys.stderr)
+        print(r.stats_line(), file=sys.stderr)
         if r.kv:
             print(f"[kv streaming: {r.kv['streamed_fraction']:.0%} of page reads from the ring, "
                   f"{r.kv['h2d_bytes'] / 2**20:.1f} MiB host->device, "

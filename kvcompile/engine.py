@@ -39,10 +39,11 @@ class GenerationResult:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str            # "stop" (EOS / end of turn / stop string) or "length"
-    prefill_s: float
-    decode_s: float
+    prefill_s: float              # to the first token (its sampling included): the TTFT
+    decode_s: float               # the decode steps, each to its token's read (GPU completion)
     kv: dict = field(default_factory=dict)   # streaming telemetry (empty when all resident)
     phases: dict = field(default_factory=dict)   # cuda_graphs only: program counters
+    step_s: list = field(default_factory=list)   # each decode step's seconds, in order
 
     @property
     def prefill_tok_s(self) -> float:
@@ -53,10 +54,30 @@ class GenerationResult:
         steps = max(self.completion_tokens - 1, 0)   # the first token comes out of prefill
         return steps / self.decode_s if self.decode_s else 0.0
 
+    def step_ms(self) -> dict:
+        """p50, p90 and max of the decode steps' times, in milliseconds (empty: no step)."""
+        if not self.step_s:
+            return {}
+        t = sorted(self.step_s)
+        pick = lambda q: 1e3 * t[min(len(t) - 1, int(q * len(t)))]   # noqa: E731
+        return dict(p50=pick(0.5), p90=pick(0.9), max=1e3 * t[-1])
+
     def stats(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("text", "token_ids")}
-        out.update(prefill_tok_s=self.prefill_tok_s, decode_tok_s=self.decode_tok_s)
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("text", "token_ids", "step_s")}
+        out.update(ttft_s=self.prefill_s, prefill_tok_s=self.prefill_tok_s,
+                   decode_tok_s=self.decode_tok_s, step_ms=self.step_ms())
         return out
+
+    def stats_line(self) -> str:
+        """One line for people: tokens, time to first token, prefill and decode rates, step
+        time percentiles."""
+        steps = self.step_ms()
+        step = (f", step p50 {steps['p50']:.1f} / p90 {steps['p90']:.1f} / max "
+                f"{steps['max']:.1f} ms" if steps else "")
+        return (f"[{self.prompt_tokens} prompt tokens, {self.completion_tokens} generated "
+                f"({self.finish_reason}); first token after {self.prefill_s:.2f} s; prefill "
+                f"{self.prefill_tok_s:.1f} tok/s, decode {self.decode_tok_s:.1f} tok/s{step}]")
 
 
 class TokenStream:
@@ -203,7 +224,7 @@ class Engine:
         # each timed span ends with the sampler's read of the token: GPU work completed
         t0 = time.perf_counter()
         logits = self._prefill(prompt_ids)
-        prefill_s, decode_s = 0.0, 0.0
+        prefill_s, step_s = 0.0, []
         if not budget:
             prefill_s = time.perf_counter() - t0
         for step in range(budget):
@@ -214,7 +235,7 @@ class Engine:
                 logits = self.forward([history[-1]], pos)
             token = sampler(logits, history)
             if step:
-                decode_s += time.perf_counter() - t
+                step_s.append(time.perf_counter() - t)
             else:
                 prefill_s = time.perf_counter() - t0      # to the first token
             if token in stop_ids:
@@ -236,9 +257,9 @@ class Engine:
             yield tail
         self._check_current(request)
         stream.result = GenerationResult("".join(text), out_ids, len(prompt_ids), len(out_ids),
-                                         finish, prefill_s, decode_s,
+                                         finish, prefill_s, sum(step_s),
                                          summarize(telemetry[first_step:]),
-                                         self._program_stats())
+                                         self._program_stats(), step_s)
 
     def _check_current(self, request: int) -> None:
         if request != self._request:
