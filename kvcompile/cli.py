@@ -23,7 +23,13 @@ def _arena_mib(text: str):
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
-    p.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
+    p.add_argument("prompt", nargs="?", default=None,
+                   help="the prompt text (with --chat: the user's message); or -f FILE")
+    p.add_argument("-f", "--file", default=None, metavar="PATH",
+                   help="read the prompt from a UTF-8 text file (- reads stdin): for prompts "
+                        "longer than a command-line argument may be")
+    p.add_argument("--system-file", default=None, metavar="PATH",
+                   help="read the system message (with --chat) from a text file")
     p.add_argument("-m", "--model", default=None,
                    help="GGUF file or Hugging Face checkpoint folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate (256)")
@@ -58,13 +64,42 @@ def _add_generate(sub) -> None:
                         "ubatch, in prefill / decode layouts of one arena (eager on the CPU); "
                         "with --kv-stream-arena-mib or a hybrid model on CUDA, decode runs as "
                         "piecewise CUDA graphs between the per-layer KV hooks")
-    p.add_argument("--device", default=None, help="cpu (default) or cuda")
+    p.add_argument("--device", default=None,
+                   help="cpu (the default), cuda or cuda:N")
     p.add_argument("--dtype", default="auto",
-                   help="weights and activations: auto (bf16 on cuda, f32 on cpu), f32, f16, bf16")
+                   help="weights and activations: auto (the default: bf16 on cuda, f32 on "
+                        "cpu), f32, f16 or bf16")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bars (loading, prefill of long prompts)")
     p.add_argument("--no-stats", action="store_true", help="no statistics line at the end")
     p.set_defaults(func=_run_generate)
+
+
+def _read_text(path: str, flag: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise KvcompileError(f"{flag} {path}: no such file") from None
+    except UnicodeDecodeError as e:
+        raise KvcompileError(f"{flag} {path}: not UTF-8 text (byte {e.start}); convert it "
+                             f"first, e.g. iconv -t UTF-8") from None
+    except OSError as e:
+        raise KvcompileError(f"{flag} {path}: {e.strerror}") from None
+
+
+def _prompt_text(args) -> str:
+    """The prompt: the argument or -f's file (stdin for -), exactly one of them."""
+    if args.file is not None and args.prompt is not None:
+        raise KvcompileError("give the prompt once: as an argument or with -f FILE")
+    if args.file is not None:
+        return _read_text(args.file, "-f")
+    if args.prompt is None:
+        raise KvcompileError("no prompt: give it as an argument, or -f FILE (-f - reads "
+                             "stdin)")
+    return args.prompt
 
 
 def _run_generate(args) -> int:
@@ -76,6 +111,11 @@ def _run_generate(args) -> int:
                    top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
                    repeat_last_n=args.repeat_last_n, seed=args.seed, stop=tuple(args.stop))
     SamplingParams.from_options(**request)      # Engine checks its own options before loading
+    args.prompt = _prompt_text(args)
+    if args.system_file is not None:
+        if args.system is not None:
+            raise KvcompileError("give the system message once: --system or --system-file")
+        args.system = _read_text(args.system_file, "--system-file")
     if args.system is not None and not args.chat:
         raise KvcompileError("--system needs --chat (the system message goes into the chat "
                              "template)")

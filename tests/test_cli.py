@@ -23,7 +23,6 @@ def test_generate_streams_text_and_stats():
     (["generate", "hi", "--top-k", "-1"], "top_k"),
     (["generate", "hi", "--repeat-last-n", "-2"], "repeat_last_n"),
     (["generate", "hi", "-m", "/nonexistent/model.gguf"], "does not exist"),
-    (["generate", "hi " * 600, "-c", "256"], "ctx-size"),
     (["generate", "hi", "-ctk", "q3_k"], "KV cache type"),
     (["generate", "hi", "--dtype", "int8"], "dtype"),
     (["info", __file__], "GGUF"),
@@ -31,9 +30,15 @@ def test_generate_streams_text_and_stats():
     (["generate", "hi", "--trace"], "--kv-stream-arena-mib"),
     (["generate", "hi", "-c", "0"], "ctx_size (--ctx-size) must be a positive integer"),
     (["generate", "hi", "--device", "foo"], "not a device name"),
-], ids=["temperature", "top-p", "top-k", "repeat-last-n", "missing-model", "too-long",
+    (["generate"], "no prompt"),
+    (["generate", "hi", "-f", __file__], "give the prompt once"),
+    (["generate", "-f", "/nonexistent/prompt.txt"], "no such file"),
+    (["generate", "-f", sys.executable], "not UTF-8"),
+    (["generate", "hi", "--system-file", __file__], "--system needs --chat"),
+], ids=["temperature", "top-p", "top-k", "repeat-last-n", "missing-model",
         "cache-type", "dtype", "not-gguf", "system-without-chat", "trace-without-arena",
-        "ctx-0", "device-name"])
+        "ctx-0", "device-name", "no-prompt", "prompt-twice", "missing-file", "binary-file",
+        "system-file-without-chat"])
 def test_errors_are_one_clear_line(args, words):
     r = cli(*args)
     print(r.stderr)
@@ -68,3 +73,26 @@ def test_graphs_line_names_piecewise_replays_and_a_fallback():
     bad = _graphs_line({"piecewise_graphs": 0, "captures": 0, "replays": 0,
                         "fallback": "RuntimeError: x"})
     assert "capture failed, decoded eagerly: RuntimeError: x" in bad
+
+
+def test_prompt_from_a_file_and_from_stdin(tmp_path):
+    """-f FILE and -f - (stdin) give the same text as the prompt argument; a long file
+    (beyond what one command-line argument may hold, 128 KiB on Linux) gets the clear
+    context-length error instead of a shell failure."""
+    prompt = "Once upon a time"
+    (tmp_path / "p.txt").write_text(prompt, encoding="utf-8")
+    base = ["-n", "6", "--temperature", "0", "--no-progress"]
+    plain = cli("generate", prompt, *base)
+    by_file = cli("generate", "-f", str(tmp_path / "p.txt"), *base)
+    by_stdin = subprocess.run([sys.executable, "-m", "kvcompile", "generate", "-f", "-", *base],
+                              input=prompt, capture_output=True, text=True, timeout=300)
+    assert plain.returncode == by_file.returncode == by_stdin.returncode == 0, by_file.stderr
+    assert plain.stdout == by_file.stdout == by_stdin.stdout and plain.stdout.strip()
+
+    (tmp_path / "long.txt").write_text("the river runs under the old bridge. " * 8000,
+                                       encoding="utf-8")
+    r = cli("generate", "-f", str(tmp_path / "long.txt"), *base)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert last.startswith("kvcompile: error:") and "ctx-size" in last
+
