@@ -135,11 +135,15 @@ def test_quantized_8b_agrees_with_its_bf16_twin(weight_type):
     ours, _ = greedy(mq, tokens[:32], 64, "bf16")
     ref, gaps = greedy(md, tokens[:32], 64, "bf16")
     same = sum(a == b for a, b in zip(ours, ref))
+    near_ties = greedy_agree(ours, ref, gaps)
     print(f"{weight_type}: teacher-forced top-1 {top1:.4f}, mean KL {kl:.2e}; greedy "
           f"{same}/64 equal, first difference at "
-          f"{next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)}")
-    assert top1 >= 0.99 and kl <= 1e-3
-    assert greedy_agree(ours, ref, gaps)
+          f"{next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)}, "
+          f"{'only' if near_ties else 'not only'} at near-ties")
+    # every line checked, each failing one named (the floor test below bounds the first)
+    failed = [what for what, ok in (("top-1 >= 0.99", top1 >= 0.99), ("mean KL <= 1e-3",
+              kl <= 1e-3), ("greedy equal but near ties", near_ties)) if not ok]
+    assert not failed, ", ".join(failed)
 
 
 @pytest.mark.gpu
