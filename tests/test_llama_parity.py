@@ -101,8 +101,11 @@ def test_teacher_forced_matches_llama_cpp_q4_1(smollm2_path, text_tokens, our_te
     assert top1 >= 0.95 and kl <= 5e-3
 
 
-@pytest.mark.parametrize("kind,prompt", [("raw", p) for p in RAW_PROMPTS] +
-                         [("chat", p) for p in CHAT_PROMPTS])
+@pytest.mark.parametrize("kind,prompt", [
+    # two of each kind in the README's test command, the rest with `-m slow` (CI runs both)
+    pytest.param(kind, p, marks=() if i < 2 else pytest.mark.slow)
+    for kind, prompts in (("raw", RAW_PROMPTS), ("chat", CHAT_PROMPTS))
+    for i, p in enumerate(prompts)])
 def test_greedy_continuation_matches_llama_cpp_f32(smollm2, llm_f32, kind, prompt):
     config, model = smollm2
     text = chatml(prompt) if kind == "chat" else prompt

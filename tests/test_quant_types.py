@@ -181,7 +181,13 @@ def _kvcompile_logits(w, tokens) -> torch.Tensor:
         return model(torch.tensor(tokens), torch.arange(len(tokens)), cache)
 
 
-@pytest.mark.parametrize("label", [*LLAMA_CPP_FTYPES, "gguf-py"])
+# the README's test command runs these; the others go with `-m slow` (CI runs both)
+QUICK_FTYPES = ("Q8_0", "Q4_K_M", "Q5_K_M", "IQ4_XS", "gguf-py")
+
+
+@pytest.mark.parametrize("label", [
+    pytest.param(label, marks=() if label in QUICK_FTYPES else pytest.mark.slow)
+    for label in [*LLAMA_CPP_FTYPES, "gguf-py"]])
 def test_quant_file(label, quantized_files, f32_weights, prompt_tokens):
     path = quantized_files[label]
     w = load_weights(path, progress=False)
@@ -203,6 +209,7 @@ def test_quant_file(label, quantized_files, f32_weights, prompt_tokens):
         assert kl <= MAX_MEAN_KL and top1 >= MIN_TOP1, (label, top1, kl)
 
 
+@pytest.mark.slow          # the coverage of all the files above, the slow ones included
 def test_every_required_type_covered(quantized_files):
     seen = set()
     for label in [*LLAMA_CPP_FTYPES, "gguf-py"]:
