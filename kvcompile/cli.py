@@ -168,9 +168,17 @@ def _add_info(sub) -> None:
 
 
 def _run_info(args) -> int:
-    from kvcompile.model_info import format_model_info, model_info
+    from kvcompile.errors import UnsupportedModelError
+    from kvcompile.model_info import format_gguf_metadata, format_model_info, model_info
 
-    print(format_model_info(model_info(args.model)))
+    try:
+        print(format_model_info(model_info(args.model)))
+    except UnsupportedModelError:
+        # the engine cannot run it, but its header still says what it is
+        summary = format_gguf_metadata(args.model)
+        if summary:
+            print(summary)
+        raise
     return 0
 
 

@@ -148,3 +148,25 @@ def format_model_info(info: dict) -> str:
             lines.append(f"  {name:<6} {b:>8} B   {_size(per_k):>11} per 1K tokens   "
                          f"{_size(per_k * 128):>11} per 128K")
     return "\n".join(lines)
+
+
+def format_gguf_metadata(path: str | os.PathLike) -> str | None:
+    """What a GGUF's header says, whatever its architecture (for `info` on a file the
+    engine cannot run): its metadata keys (arrays as their length) and its tensor types.
+    None when `path` is not a GGUF file."""
+    from kvcompile.gguf.header import read_header
+    from kvcompile.weights import is_hf_checkpoint
+    if is_hf_checkpoint(path):
+        return None
+    h = read_header(path)
+    types = Counter()
+    for t in h.tensors:
+        types[t.ggml_type] += t.n_bytes
+    lines = [f"file          {h.path} ({_size(h.file_size)}, GGUF v{h.version})",
+             f"tensors       {len(h.tensors)}" + "".join(
+                 f", {name} {_size(n)}" for name, n in types.most_common())]
+    for key, value in h.metadata.items():
+        if isinstance(value, list):
+            value = f"[{len(value)} values]"
+        lines.append(f"{key:40s} {value}")
+    return "\n".join(lines)

@@ -353,3 +353,18 @@ def test_engine_loads_after_refused_files(tmp_path):
 
 if __name__ == "__main__":
     _worker(sys.argv[1])
+
+
+def test_info_shows_an_unsupported_file_and_says_so(tmp_path):
+    """`kvcompile info` on a file of another family prints what its header says (metadata,
+    arrays as their length) and then the one-line refusal naming the supported families."""
+    import subprocess
+    import sys
+    path = _big_vocab_gguf(tmp_path / "gemma9.gguf", "gemma9")
+    r = subprocess.run([sys.executable, "-m", "kvcompile", "info", str(path)],
+                       capture_output=True, text=True, timeout=120)
+    print(r.stdout, r.stderr)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "gemma9.block_count" in r.stdout and f"[{N_VOCAB} values]" in r.stdout
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvcompile: error:") and "'gemma9' is not supported" in last
