@@ -127,7 +127,7 @@ def test_inline_byte_permutes_give_the_interpreters_values():
     words = [b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
              for b0, b1, b2, b3 in zip(range(256), range(1, 257), range(7, 263), range(99, 355))]
     words = [w & 0xFFFFFFFF for w in words]
-    k = [w & 0xFFFFFFFF for w in (-1079142271, -152379953, 639175937, 1901675829)]
+    k = [w & 0xFFFFFFFF for w in D.CODEBOOK.value]
     ops = {"low": (D._LOW_NIBBLE_ASM, lambda b: b & 15, 0),
            "high": (D._HIGH_NIBBLE_ASM, lambda b: b >> 4, 0),
            "int8": (D._INT8_ASM, lambda b: b - 256 if b > 127 else b, 128),
@@ -155,6 +155,7 @@ def test_integer_dot_ptx_gives_the_interpreters_integers():
     arithmetic computes."""
     import random
 
+    from kvcompile.ops.qlinear import dequant as D
     from kvcompile.ops.qlinear import int_dot as I
     from kvcompile.ops.qlinear.naive import IQ4_VALUES
 
@@ -164,7 +165,7 @@ def test_integer_dot_ptx_gives_the_interpreters_integers():
         return regs["$0"], regs["$1"]
 
     rng = random.Random()
-    book = [w & 0xFFFFFFFF for w in I.CODEBOOK.value]
+    book = [w & 0xFFFFFFFF for w in D.CODEBOOK.value]
     for _ in range(200):
         v = [rng.randrange(-2 ** 15, 2 ** 15) + 0x4B400000 for _ in range(4)]
         lo, hi = run(I._PACK_ASM, *v)

@@ -57,17 +57,14 @@ _INT8_ASM = tl.constexpr("{ .reg .b32 t; xor.b32 t, $4, 0x80808080; " + _PUT_BYT
 # entries 0-7 in k0:k1, 8-15 in k2:k3) by byte permutes, then as int8 above. A permute
 # takes a 3-bit index (bit 3 of a selector nibble asks for sign replication), so both
 # halves are looked up and a third permute picks per byte by the index's bit 3.
-def _iq4_lookup(k0: str, k1: str, k2: str, k3: str) -> str:
-    """PTX: the nibbles in t's bytes (each 0..15) replaced by their codebook int8s; k0..k3
-    the operands holding the codebook words."""
-    return (" .reg .b32 x, s, s7, lo, hi, m;"
-            " shr.b32 x, t, 4; or.b32 x, x, t; prmt.b32 s, x, 0, 0x4420;"   # n0 n1 n2 n3
-            f" and.b32 s7, s, 0x7777; prmt.b32 lo, {k0}, {k1}, s7; prmt.b32 hi, {k2}, {k3}, s7;"
-            " shr.b32 m, s, 1; and.b32 m, m, 0x4444; or.b32 m, m, 0x3210;"
-            " prmt.b32 t, lo, hi, m; ")
-
-
-_IQ4_LOOKUP = _iq4_lookup("$5", "$9", "$13", "$17") + "xor.b32 t, t, 0x80808080; "
+_IQ4_LOOKUP = (
+    " .reg .b32 x, s, s7, lo, hi, m;"
+    " shr.b32 x, t, 4; or.b32 x, x, t; prmt.b32 s, x, 0, 0x4420;"   # nibbles n0 n1 n2 n3
+    " and.b32 s7, s, 0x7777; prmt.b32 lo, $5, $9, s7; prmt.b32 hi, $13, $17, s7;"
+    " shr.b32 m, s, 1; and.b32 m, m, 0x4444; or.b32 m, m, 0x3210; prmt.b32 t, lo, hi, m;"
+    " xor.b32 t, t, 0x80808080; ")
+# ggml's IQ4 codebook (kvalues_iq4nl) as int8 bytes, four entries a word
+CODEBOOK = tl.constexpr((-1079142271, -152379953, 639175937, 1901675829))
 _IQ4_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r" + ",r" * 16)
 _IQ4_LOW_ASM = tl.constexpr("{ .reg .b32 t; and.b32 t, $4, 0x0f0f0f0f;" + _IQ4_LOOKUP
                             + _PUT_BYTES)
@@ -105,6 +102,13 @@ def int8_f32(q, EXACT: tl.constexpr):
 
 
 @triton.jit
+def codebook_words(like):
+    """The four CODEBOOK words as int32 tensors of `like`'s shape (inline-asm operands)."""
+    return (tl.full(like.shape, CODEBOOK[0], tl.int32), tl.full(like.shape, CODEBOOK[1], tl.int32),
+            tl.full(like.shape, CODEBOOK[2], tl.int32), tl.full(like.shape, CODEBOOK[3], tl.int32))
+
+
+@triton.jit
 def iq4_f32(q, P: tl.constexpr, EXACT: tl.constexpr):
     """fp32 IQ4 codebook entry of nibble P of each uint8 code byte: compiled, byte permutes
     (_IQ4_LOW_ASM / _IQ4_HIGH_ASM, about five instructions a value); the interpreter, the
@@ -112,13 +116,12 @@ def iq4_f32(q, P: tl.constexpr, EXACT: tl.constexpr):
     if EXACT:
         # the codebook words as operands (four copies each, one a packed value): constants
         # the compiler keeps in registers across the loop
-        k = [tl.full(q.shape, w, tl.int32) for w in (-1079142271, -152379953, 639175937,
-                                                     1901675829)]
+        k0, k1, k2, k3 = codebook_words(q)
         if P == 0:
-            v = tl.inline_asm_elementwise(_IQ4_LOW_ASM, _IQ4_CONSTRAINTS, [q] + k,
+            v = tl.inline_asm_elementwise(_IQ4_LOW_ASM, _IQ4_CONSTRAINTS, [q, k0, k1, k2, k3],
                                           dtype=tl.int32, is_pure=True, pack=4)
         else:
-            v = tl.inline_asm_elementwise(_IQ4_HIGH_ASM, _IQ4_CONSTRAINTS, [q] + k,
+            v = tl.inline_asm_elementwise(_IQ4_HIGH_ASM, _IQ4_CONSTRAINTS, [q, k0, k1, k2, k3],
                                           dtype=tl.int32, is_pure=True, pack=4)
         return v.to(tl.float32, bitcast=True) - (MAGIC + 128.0)
     else:

@@ -2,7 +2,7 @@
 into an int32 in one instruction).
 
 The float one-row kernel (`triton_kernel._qgemv_row`) turns every code into fp32 and
-multiplies it: about three instructions a value, more than the H200 issues per weight byte
+multiplies it: about five instructions a value, more than the H200 issues per weight byte
 at its HBM rate. Here the activations of a tile are turned into integers once, shared by
 the rows a program walks:
 
@@ -27,8 +27,8 @@ import triton.language as tl
 
 from kvcompile.ops.gemv.triton_kernel import _weight_rows, store_row, weight_row
 from kvcompile.ops.pdl import wait_for_producers
-from kvcompile.ops.qlinear.dequant import (IQ4_NL, IQ4_XS, Q8_0, _load, elems_at,
-                                           iq4_value, part_affine)
+from kvcompile.ops.qlinear.dequant import (IQ4_NL, IQ4_XS, Q8_0, _load, codebook_words,
+                                           elems_at, iq4_value, part_affine)
 
 # the types this kernel takes (dequant.geometry: 32-value groups, or 16 for IQ4 / Q4_0..)
 INT_DOT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "IQ4_XS", "Q4_K")
@@ -37,8 +37,6 @@ INT_DOT_DEFAULT = ("IQ4_NL", "IQ4_XS")
 
 ROUND = tl.constexpr(12582912.0)       # 1.5 * 2^23: an fp32 add rounds to an integer there
 ROUND_BITS = tl.constexpr(0x4B400000)  # its bits; their low 16 are zero
-# IQ4's int8 codebook (ggml's kvalues_iq4nl), four entries a word
-CODEBOOK = tl.constexpr((-1079142271, -152379953, 639175937, 1901675829))
 
 # four words (one byte plane's value each, low 16 bits v) -> the low bytes and the high
 # bytes of the four, packed in order
@@ -50,7 +48,7 @@ _PACK_ASM = tl.constexpr(
 def _dot_asm(code: str, signed: bool, words: int) -> str:
     """PTX: a group's code words ($2 ..) made codes by `code` (t from w), dotted with as
     many high-plane words into $0 and low-plane words into $1, the products of each plane
-    chained through dp4a's accumulator. The IQ4 codebook words follow the low-plane ones."""
+    chained through dp4a's accumulator."""
     a = "s32" if signed else "u32"
     out = ["{ .reg .b32 h, l; mov.b32 h, 0; mov.b32 l, 0;"]
     for i in range(words):
@@ -215,10 +213,10 @@ def _code_word(QT: tl.constexpr, P: tl.constexpr, w):
 def _iq4_word(w, EXACT: tl.constexpr):
     """The codebook int8s of a word's low nibbles and of its high nibbles, a word each."""
     if EXACT:
+        k0, k1, k2, k3 = codebook_words(w)
         return tl.inline_asm_elementwise(
             _IQ4_CODES_ASM, "=r,=r,r,r,r,r,r",
-            [w, tl.full(w.shape, CODEBOOK[0], tl.int32), tl.full(w.shape, CODEBOOK[1], tl.int32),
-             tl.full(w.shape, CODEBOOK[2], tl.int32), tl.full(w.shape, CODEBOOK[3], tl.int32)],
+            [w, k0, k1, k2, k3],
             dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
     else:
         lo = tl.zeros(w.shape, tl.int32)
