@@ -59,11 +59,13 @@ def _add_generate(sub) -> None:
                         "(default: the GPU's free memory); with --kv-stream-arena-mib auto "
                         "the arena gets what it leaves")
     p.add_argument("--trace", action="store_true", help="print per-step KV telemetry to stderr")
-    p.add_argument("--cuda-graphs", action="store_true",
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run steps as phase programs: CUDA graphs per decode width and prefill "
-                        "ubatch, in prefill / decode layouts of one arena (eager on the CPU); "
-                        "with --kv-stream-arena-mib or a hybrid model on CUDA, decode runs as "
-                        "piecewise CUDA graphs between the per-layer KV hooks")
+                        "ubatch, in prefill / decode layouts of one arena, kept across "
+                        "requests; with --kv-stream-arena-mib or a hybrid model, decode runs "
+                        "as piecewise CUDA graphs between the per-layer KV hooks. Default: on "
+                        "with a cuda device, off on the CPU (where --cuda-graphs runs the "
+                        "same programs eagerly); --no-cuda-graphs debugs eagerly")
     p.add_argument("--device", default=None,
                    help="cpu (the default), cuda or cuda:N")
     p.add_argument("--dtype", default="auto",
@@ -158,6 +160,7 @@ def _graphs_line(phases: dict) -> str:
             line += f"; capture failed, decoded eagerly: {phases['fallback']}"
         return line + "]"
     return (f"[cuda graphs: {phases['captures']} program captures, "
+            f"{phases.get('revived', 0)} kept from earlier requests, "
             f"{phases['transitions']} phase transitions]")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Iterator
 
 import torch
@@ -20,9 +20,7 @@ from kvcompile.errors import ContextLengthError, KvcompileError, StreamInterrupt
 from kvcompile.default_model import resolve_model_path
 from kvcompile.loader import load_model, open_model
 from kvcompile.memory_budget import plan_engine_memory
-from kvcompile.runtime import forward as run_forward
-from kvcompile.runtime import make_kv_cache
-from kvcompile.runtime.streaming_cache import is_streamed
+from kvcompile.runner import StepRunner, make_sequence_cache
 from kvcompile.runtime.telemetry import summarize
 from kvcompile.sampling import Sampler, SamplingParams
 from kvcompile.stop_strings import StopStringFilter
@@ -44,6 +42,8 @@ class GenerationResult:
     kv: dict = field(default_factory=dict)   # streaming telemetry (empty when all resident)
     phases: dict = field(default_factory=dict)   # cuda_graphs only: program counters
     step_s: list = field(default_factory=list)   # each decode step's seconds, in order
+    host_s: list = field(default_factory=list)   # each forward's host time (prefill chunks
+    # first, then decode steps): until its work was queued, before waiting for the device
 
     @property
     def prefill_tok_s(self) -> float:
@@ -64,10 +64,16 @@ class GenerationResult:
 
     def stats(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name not in ("text", "token_ids", "step_s")}
+               if f.name not in ("text", "token_ids", "step_s", "host_s")}
         out.update(ttft_s=self.prefill_s, prefill_tok_s=self.prefill_tok_s,
-                   decode_tok_s=self.decode_tok_s, step_ms=self.step_ms())
+                   decode_tok_s=self.decode_tok_s, step_ms=self.step_ms(),
+                   host_step_ms=self.host_step_ms())
         return out
+
+    def host_step_ms(self) -> float | None:
+        """Median host time of the decode steps, in milliseconds (None: no step)."""
+        steps = self.host_s[len(self.host_s) - len(self.step_s):] if self.step_s else []
+        return 1e3 * sorted(steps)[len(steps) // 2] if steps else None
 
     def stats_line(self) -> str:
         """One line for people: tokens, time to first token, prefill and decode rates, step
@@ -78,6 +84,34 @@ class GenerationResult:
         return (f"[{self.prompt_tokens} prompt tokens, {self.completion_tokens} generated "
                 f"({self.finish_reason}); first token after {self.prefill_s:.2f} s; prefill "
                 f"{self.prefill_tok_s:.1f} tok/s, decode {self.decode_tok_s:.1f} tok/s{step}]")
+
+
+def _context_size(ctx_size: int | None, limit: int) -> int:
+    ctx = ctx_size or min(limit, DEFAULT_CTX_SIZE)
+    if ctx > limit:
+        raise ContextLengthError(f"ctx_size (--ctx-size) {ctx} exceeds the model's trained "
+                                 f"context of {limit} tokens; use {limit} or less")
+    return ctx
+
+
+class TokenIdsOnly:
+    """The tokenizer of an Engine built from a model without one: prompts are token ids,
+    tokens have no text, no token stops generation before max_tokens."""
+
+    stop_ids: tuple = ()
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        raise KvcompileError("this Engine was built from a model without a tokenizer; pass "
+                             "the prompt as a list of token ids")
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        self.encode("")
+
+    def token_bytes(self, token_id: int, special: bool = True) -> bytes:
+        return b""
 
 
 class TokenStream:
@@ -99,65 +133,73 @@ class Engine:
                  cache_type_v: str = "f32", device: str | None = None,
                  dtype: torch.dtype | str | None = None, ubatch: int = 256, progress: bool = True,
                  kv_stream_arena_mib: float | str = 0, trace: bool = False,
-                 cuda_graphs: bool = False, gpu_memory_gib: float | None = None):
+                 cuda_graphs: bool | None = None, gpu_memory_gib: float | None = None):
         # what needs no model is checked before the (possibly long) load
-        self.device = parse_device(device)
+        device = parse_device(device)
         check_engine_options(ctx_size, ubatch, cache_type_k, cache_type_v, kv_stream_arena_mib,
                              gpu_memory_gib)
         # weights and activations: None / "auto" = bf16 on CUDA, f32 on the CPU
-        self.dtype = resolve_dtype(dtype, self.device)
+        dtype = resolve_dtype(dtype, device)
         source = open_model(resolve_model_path(model))      # the header only, parsed once
-        limit = source.config.context_length
-        ctx = ctx_size or min(limit, DEFAULT_CTX_SIZE)
-        if ctx > limit:
-            raise ContextLengthError(f"ctx_size (--ctx-size) {ctx} exceeds the model's trained "
-                                     f"context of {limit} tokens; use {limit} or less")
+        ctx = _context_size(ctx_size, source.config.context_length)
         # the device-memory budget, split before the load (memory_budget.py)
-        self.memory = plan_engine_memory(source, self.device, self.dtype, ctx, ubatch,
-                                         cache_type_k, cache_type_v, kv_stream_arena_mib,
-                                         gpu_memory_gib)
-        if self.memory is not None:
-            kv_stream_arena_mib = self.memory.arena_mib
-        elif kv_stream_arena_mib == "auto":
-            kv_stream_arena_mib = 0                   # no device budget on the CPU
-        loaded = load_model(source, device=self.device, dtype=self.dtype, progress=progress)
-        self.path, self.config, self.tokenizer, self.model = (
-            loaded.path, loaded.config, loaded.tokenizer, loaded.model)
-        self.ctx_size, self.ubatch, self.progress = ctx, ubatch, progress
-        self._request = 0             # the newest request; older streams stop (stream())
-        self.trace = trace
-        # The KV layers a plain forward acquires: a hybrid model's attention layers without
-        # its MTP layer (no speculative step runs here, so the MTP pages are never read);
-        # None = every layer of the cache.
-        self._trunk_kv_layers = getattr(self.model, "trunk_kv_layers", None)
-        self.cache = self._make_cache(ctx, cache_type_k, cache_type_v, kv_stream_arena_mib)
-        # cuda_graphs: steps run as phase programs (captured on CUDA, eager on the CPU) in the
-        # prefill / decode layouts of one arena, or, for a streamed cache or a hybrid model
-        # on CUDA, decode as piecewise graphs (kvcompile/phase, docs/phases.md)
-        self.phases = self.piecewise = None
-        if cuda_graphs:
-            hybrid = self._trunk_kv_layers is not None
-            if (is_streamed(self.cache) or hybrid) and self.device.type == "cuda":
-                # a streamed cache or a hybrid model: decode as CUDA graphs between the
-                # per-layer KV hooks (kvcompile/phase/piecewise.py), prefill eagerly
-                from kvcompile.phase.piecewise import PiecewiseDecode
-                self.piecewise = PiecewiseDecode(self.model, self.cache,
-                                                 layers=self._trunk_kv_layers, strict=False)
-            else:
-                from kvcompile.phase import PhaseManager
-                self.phases = PhaseManager(self.model, self.cache, ubatch=min(ubatch, ctx))
+        memory = plan_engine_memory(source, device, dtype, ctx, ubatch, cache_type_k,
+                                    cache_type_v, kv_stream_arena_mib, gpu_memory_gib)
+        loaded = load_model(source, device=device, dtype=dtype, progress=progress)
+        self._setup(loaded.model, loaded.config, loaded.tokenizer, loaded.path, device, dtype,
+                    ctx, ubatch, cache_type_k, cache_type_v, kv_stream_arena_mib, memory,
+                    cuda_graphs, progress, trace)
 
-    def _make_cache(self, ctx: int, k_type: str, v_type: str, arena_mib: float):
-        """arena_mib 0: every page on the device; else KV history on the host, streamed
-        through an arena of that size. Hybrid models name the layers that hold KV."""
-        make_own = getattr(self.model, "make_cache", None)
-        if not arena_mib and make_own is not None:
-            return make_own(ctx, k_type=k_type, v_type=v_type, device=self.device)
-        config, layers = self.config, getattr(self.model, "kv_layers", None)
-        if layers is not None:      # the MTP layer sits after the trunk's layers
-            config = replace(config, n_layers=config.n_layers + config.nextn_layers)
-        return make_kv_cache(config, ctx, arena_mib, k_type=k_type, v_type=v_type,
-                             device=self.device, layers=layers)
+    @classmethod
+    def from_model(cls, model, *, tokenizer=None, ctx_size: int | None = None,
+                   cache_type_k: str = "f32", cache_type_v: str = "f32", ubatch: int = 256,
+                   progress: bool = True, kv_stream_arena_mib: float = 0, trace: bool = False,
+                   cuda_graphs: bool | None = None) -> "Engine":
+        """An Engine over a model built in memory (weights made or quantized on the device,
+        no file): its device and dtype are its parameters'. Without a tokenizer, prompts are
+        token ids and results carry token ids only (their text is empty)."""
+        if kv_stream_arena_mib == "auto":
+            raise KvcompileError("kv_stream_arena_mib='auto' needs a model file (the memory "
+                                 "budget is planned from its header); give a size in MiB")
+        check_engine_options(ctx_size, ubatch, cache_type_k, cache_type_v, kv_stream_arena_mib,
+                             None)
+        p = next(model.parameters(), None)
+        if p is None:
+            p = next(model.buffers())
+        config = model.config
+        self = cls.__new__(cls)
+        self._setup(model, config, tokenizer or TokenIdsOnly(config.vocab_size), None,
+                    p.device, p.dtype, _context_size(ctx_size, config.context_length), ubatch,
+                    cache_type_k, cache_type_v, kv_stream_arena_mib, None, cuda_graphs,
+                    progress, trace)
+        return self
+
+    def _setup(self, model, config, tokenizer, path, device, dtype, ctx, ubatch, k_type,
+               v_type, arena_mib, memory, cuda_graphs, progress, trace) -> None:
+        self.model, self.config, self.tokenizer, self.path = model, config, tokenizer, path
+        self.device, self.dtype, self.memory = torch.device(device), dtype, memory
+        if memory is not None:
+            arena_mib = memory.arena_mib
+        elif arena_mib == "auto":
+            arena_mib = 0                      # no device budget on the CPU
+        self.ctx_size, self.ubatch, self.progress, self.trace = ctx, ubatch, progress, trace
+        self._request = 0             # the newest request; older streams stop (stream())
+        self.cache = make_sequence_cache(model, config, ctx, k_type, v_type, arena_mib,
+                                         self.device)
+        # CUDA graphs are the default on CUDA (kvcompile/runner.py says which kind runs);
+        # cuda_graphs=False debugs eagerly; on the CPU True runs the programs eagerly
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        self.runner = StepRunner(model, self.cache, device=self.device, ubatch=ubatch,
+                                 cuda_graphs=cuda_graphs, trace=trace)
+
+    @property
+    def phases(self):
+        return self.runner.phases
+
+    @property
+    def piecewise(self):
+        return self.runner.piecewise
 
     # ---- requests ---------------------------------------------------------------------------
     def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
@@ -215,11 +257,11 @@ class Engine:
         stops = StopStringFilter(sampling.stop)
         text_of = StreamDecoder(self.tokenizer)
         stop_ids = set(self.tokenizer.stop_ids)
-        self.cache.reset()
+        budget = min(sampling.max_tokens, self.ctx_size - len(prompt_ids))
+        self.runner.begin_request(len(prompt_ids) + budget)
         telemetry = getattr(self.cache, "telemetry", [])
         first_step = len(telemetry)
         history, out_ids, text, finish = list(prompt_ids), [], [], "length"
-        budget = min(sampling.max_tokens, self.ctx_size - len(prompt_ids))
 
         # each timed span ends with the sampler's read of the token: GPU work completed
         t0 = time.perf_counter()
@@ -259,7 +301,8 @@ class Engine:
         stream.result = GenerationResult("".join(text), out_ids, len(prompt_ids), len(out_ids),
                                          finish, prefill_s, sum(step_s),
                                          summarize(telemetry[first_step:]),
-                                         self._program_stats(), step_s)
+                                         self.runner.request_stats(), step_s,
+                                         list(self.runner.host_s))
 
     def _check_current(self, request: int) -> None:
         if request != self._request:
@@ -267,13 +310,6 @@ class Engine:
                 "this stream was interrupted: a newer request on the same Engine has taken "
                 "over its KV cache; read a stream to the end before starting the next one, or "
                 "use one Engine per concurrent stream")
-
-    def _program_stats(self) -> dict:
-        if self.phases is not None:
-            return self.phases.stats()
-        if self.piecewise is not None:
-            return self.piecewise.stats()
-        return {}
 
     def _prefill(self, ids: list[int]) -> torch.Tensor:
         # a bar once the prompt is long enough to take a while (progress=False: none)
@@ -289,16 +325,4 @@ class Engine:
 
     def forward(self, ids: list[int], start: int) -> torch.Tensor:
         """Run ids at positions start.. through the model; logits of the last one."""
-        if self.phases is not None:
-            return self.phases.forward(ids, start)[-1]
-        if self.piecewise is not None and len(ids) == self.piecewise.rows:
-            logits = self.piecewise.step(ids, start)[-1]
-        else:
-            tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
-            positions = torch.arange(start, start + len(ids), dtype=torch.long,
-                                     device=self.device)
-            logits = run_forward(self.model, self.cache, tokens, positions, last_only=True,
-                                 layers=self._trunk_kv_layers, start=start)[-1]
-        if self.trace and getattr(self.cache, "telemetry", None):
-            print(f"[kv step] {self.cache.telemetry[-1].as_dict()}", file=sys.stderr)
-        return logits
+        return self.runner.step(ids, start)

@@ -120,17 +120,55 @@ def test_phase_sequence_equals_the_model_and_stale_programs_raise(model_and_ids)
     stale = m.programs[("decode", 1)]
     assert m.phase == "decode" and m.captures == 2 and m.transitions == 2
 
+    m.enter("prefill")                  # decode's programs are parked: they refuse to run
+    with pytest.raises(PhaseError, match="parked"):
+        stale.run([ids[0]], [0])
     got, want = request(ids[100:], [1, 3, 2, 1])   # widths 3 and 2 pad to 4 and 2
     print(m.stats())
     assert torch.equal(got, want)
-    # kv never moved (its lease held it); the workspace was re-placed at each transition
+    # kv never moved (its lease held it); the workspace was re-placed at each transition,
+    # at the same offset and size as in the layout's earlier visit
     assert m.arena.region(KV) == kv_region and m.arena.is_current(kv_region)
-    assert not m.arena.is_current(decode_ws)
-    assert m.arena.region(WORKSPACE).generation > decode_ws.generation
-    assert m.transitions == 4 and m.captures == 2 + 4   # prefill/32, decode/1, /4, /2
+    ws = m.arena.region(WORKSPACE)
+    assert not m.arena.is_current(decode_ws) and ws.generation > decode_ws.generation
+    assert (ws.offset, ws.size) == (decode_ws.offset, decode_ws.size)
+    # the second request captured only its new widths: prefill/32 and decode/1 ran again
+    assert m.transitions == 4 and m.captures == 2 + 2 and m.revived == 2   # decode/4, /2
     assert sorted(m.programs) == [("decode", 1), ("decode", 2), ("decode", 4)]
-    with pytest.raises(PhaseError, match="invalidated"):
-        stale.run([ids[0]], [0])
+    assert m.programs[("decode", 1)] is stale and stale.replays == 3 + 2
+
+
+def test_a_parked_program_revives_only_at_the_same_addresses():
+    """revive() compares offset and size of every region the program captured against; a
+    program whose region moved stays refused, and the manager then invalidates it."""
+    arena = Arena(8192)
+    with arena.begin() as tx:
+        tx.reserve("kv", 1024).reserve("workspace", 2048)
+    prog = PhaseProgram("decode/1", lambda t, p: t.float(), 1, "cpu", arena,
+                        (arena.region("kv"), arena.region("workspace")), False, 4096, 0)
+    ws0 = arena.region("workspace")
+    prog.run([3], [0])
+    prog.park()
+    with pytest.raises(PhaseError, match="parked"):
+        prog.run([3], [0])
+    with arena.begin() as tx:               # a prefill layout: a larger workspace
+        tx.reserve("workspace", 4096)
+    assert not prog.revive(arena.regions())
+    with arena.begin() as tx:               # back at its old offset and size
+        tx.reserve("workspace", 2048)
+    assert arena.region("workspace").offset == ws0.offset
+    assert prog.revive(arena.regions()) and prog.run([5], [1]).tolist() == [5.0]
+    prog.park()
+    with arena.begin() as tx:               # moved: another region took its old place
+        tx.drop("workspace")
+    with arena.begin() as tx:
+        tx.reserve("other", 2048)
+    with arena.begin() as tx:
+        tx.reserve("workspace", 2048)
+    assert arena.region("workspace").offset != ws0.offset
+    assert not prog.revive(arena.regions())
+    with pytest.raises(PhaseError, match="parked"):
+        prog.run([5], [1])
 
 
 def test_a_program_bound_to_a_replaced_region_raises():
@@ -314,7 +352,9 @@ def test_engine_cuda_graphs_option_and_cli_flag(tmp_path):
         b = phased.generate(prompt, max_tokens=12, temperature=0)
         assert a.token_ids == b.token_ids and len(a.token_ids) > 0
     print(b.phases)
-    assert b.phases["transitions"] == 4 and b.phases["captures"] == 4 and not a.phases
+    # per request: the second one captured nothing, its programs came back with the layouts
+    assert b.phases["transitions"] == 2 and b.phases["captures"] == 0 and not a.phases
+    assert b.phases["revived"] == 2 and b.phases["total_captures"] == 2
     r = subprocess.run([sys.executable, "-m", "kvcompile", "generate", "hello", "-m", str(path),
                         "-n", "4", "--temperature", "0", "--cuda-graphs", "--no-progress"],
                        capture_output=True, text=True, timeout=300)

@@ -115,7 +115,8 @@ def test_engine_cuda_graphs_with_a_streamed_cache(tmp_path, arch):
     from kvcompile.make_model import make_model
     path = tmp_path / f"{arch}.gguf"
     make_model(arch, "tiny", path, weight_type="f32", seed=SEED % 1000)
-    ref = Engine(str(path), ctx_size=1024, device=DEV, dtype="f32", progress=False)
+    ref = Engine(str(path), ctx_size=1024, device=DEV, dtype="f32", progress=False,
+                 cuda_graphs=False)
     mib = min_arena_bytes(ref.config, 1024) * 1.05 / MIB     # ~everything streamed
     eng = Engine(str(path), ctx_size=1024, device=DEV, dtype="f32", progress=False,
                  kv_stream_arena_mib=mib, cuda_graphs=True)
@@ -125,4 +126,6 @@ def test_engine_cuda_graphs_with_a_streamed_cache(tmp_path, arch):
         a = ref.generate(text, max_tokens=20, temperature=0)
         b = eng.generate(text, max_tokens=20, temperature=0)
         assert a.token_ids == b.token_ids, (SEED, arch)
-    assert b.phases["captures"] == 1 and b.phases["replays"] >= 30 and "fallback" not in b.phases
+    # per request: the program captured in the first survived into the second
+    assert b.phases["captures"] == 0 and b.phases["total_captures"] == 1
+    assert b.phases["replays"] >= 15 and "fallback" not in b.phases

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -179,3 +180,36 @@ def test_a_saturated_copy_engine_never_flips_the_split():
         assert not d.accepted and d.state.depth == 2, (SEED, i, d)
         state = d.state
     assert state.resident_per_layer == r0
+
+
+def test_a_planned_request_keeps_one_split_as_its_context_grows():
+    """A request that names the context it will reach (prompt + max tokens) gets that
+    context's split at its first forward and keeps it through prefill chunks and decode
+    steps: no repartition (a drain each) while the context grows, whatever the feedback."""
+    rng = random.Random(SEED + 11)
+    for _ in range(50):
+        L = rng.randrange(2, 40)
+        planned = rng.randrange(2, 300)
+        cfg = PolicyConfig(n_layers=L, total_pages=rng.randrange(planned + 1, 3 * L * planned),
+                           min_depth=2)
+        d = step(cfg, PolicyState(depth=2), Observation(1, planned_pages=planned))
+        assert d.accepted and d.resident_per_layer == target_split(cfg, planned, 2), SEED
+        state, splits = d.state, set()
+        ctx = 1
+        while ctx < planned:
+            ctx = min(planned, ctx + rng.randrange(1, 4))
+            obs = Observation(ctx, rng.randrange(0, 3), rng.uniform(0, 1), rng.uniform(0, 1),
+                              planned_pages=planned)
+            d = step(cfg, state, obs)
+            assert not d.accepted and serves(cfg, d.resident_per_layer, ctx), (SEED, ctx, d)
+            state = d.state
+            splits.add(d.resident_per_layer)
+        assert len(splits) <= 1 and state.depth == 2, (SEED, splits)
+
+
+def test_min_depth_holds_the_lookahead():
+    cfg = PolicyConfig(n_layers=10, total_pages=400, max_depth=3, min_depth=2)
+    idle = step(cfg, PolicyState(10, depth=2), Observation(50, 0, 0.0, 0.1))
+    assert idle.state.depth == 2
+    plain = step(replace(cfg, min_depth=1), PolicyState(10, depth=2), Observation(50, 0, 0.0, 0.1))
+    assert plain.state.depth == 1

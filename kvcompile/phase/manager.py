@@ -2,10 +2,11 @@
 the current layout.
 
 A transition (`enter(phase)`): drain the device (every kernel that used the old layout has
-finished), invalidate every program (they captured the old addresses), release the leases of
-regions that change, commit the new region map through an arena transaction, lease and
-rebind (the cache's attention scratch becomes a view of the new workspace region); programs
-are recaptured lazily, on first use. The `kv` region keeps its size, so the transaction keeps
+finished), park every program (they captured the old addresses: a parked program refuses to
+run), release the leases of regions that change, commit the new region map through an arena
+transaction, lease and rebind (the cache's attention scratch becomes a view of the new
+workspace region), then revive the parked programs of the new phase whose regions came back
+at the same addresses; the others are invalidated and recaptured lazily, on first use. The `kv` region keeps its size, so the transaction keeps
 it in place and its lease proves it: the KV written during prefill is where decode reads it.
 
 The manager is written against the arena and a cache's per-layer buffers (`cache.layers`,
@@ -146,10 +147,12 @@ class PhaseManager:
         self._leases = {L.KV: self.arena.lease(L.KV)}
         self._bind_kv()
         self.phase: str | None = None
-        self.programs: dict[tuple[str, int], PhaseProgram] = {}
+        self.programs: dict[tuple[str, int], PhaseProgram] = {}   # of the current layout
+        self.parked: dict[tuple[str, int], PhaseProgram] = {}     # of the other layout
         self.captures = 0          # programs built (CUDA graphs captured on the device)
         self.transitions = 0
         self.invalidated = 0
+        self.revived = 0           # parked programs that ran again in their layout
         self._compiled = None
 
     # ---- layouts --------------------------------------------------------------------------
@@ -161,10 +164,10 @@ class PhaseManager:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)      # drain: the old layout is unused now
-        for p in self.programs.values():
-            p.invalidate()
-        self.invalidated += len(self.programs)
-        self.programs.clear()
+        for key, p in self.programs.items():        # refused until their layout is back
+            p.park()
+            self.parked[key] = p
+        self.programs = {}
         want = self.layouts[phase].regions
         current = self.arena.regions()
         for name in [n for n in self._leases if n not in want
@@ -179,6 +182,22 @@ class PhaseManager:
         self._bind_workspace()
         self.phase = phase
         self.transitions += 1
+        self._revive(phase)
+
+    def _revive(self, phase: str) -> None:
+        """Programs of `phase` captured in an earlier visit run again when every region they
+        were captured against came back at the same offset and size (the layouts are
+        deterministic, so they do): a request after the first captures nothing. A program
+        whose regions moved is invalidated and dropped."""
+        current = self.arena.regions()
+        for key in [k for k in self.parked if k[0] == phase]:
+            prog = self.parked.pop(key)
+            if prog.revive(current):
+                self.programs[key] = prog
+                self.revived += 1
+            else:
+                prog.invalidate()
+                self.invalidated += 1
 
     def _bind_kv(self) -> None:
         """Every layer's K and V pool becomes a view of the kv region (contents carried over)."""
@@ -291,7 +310,10 @@ class PhaseManager:
     def stats(self) -> dict:
         return {"phase": self.phase, "lower": self.lower if self.compile else "eager",
                 "captures": self.captures, "transitions": self.transitions,
-                "invalidated": self.invalidated, "arena_bytes": self.arena.nbytes,
+                "invalidated": self.invalidated, "revived": self.revived,
+                "replays": sum(p.replays for p in (*self.programs.values(),
+                                                   *self.parked.values())),
+                "arena_bytes": self.arena.nbytes,
                 "kv_pool_bytes": {p: self.kv_pool_bytes(p) for p in self.layouts},
                 "workspace_bytes": dict(self.workspaces),
                 "program_workspace": {p.name: p.workspace

@@ -67,6 +67,7 @@ class PhaseProgram:
         self.workspace_limit = workspace_limit         # bytes its activations may take
         self.estimate = estimate                       # what the CPU build charges
         self.valid = True
+        self.parked = False
         self.graph = None
         self.out = None
         self.workspace = None                          # bytes measured at capture
@@ -76,9 +77,30 @@ class PhaseProgram:
     # ---- validity ------------------------------------------------------------------------
     def invalidate(self) -> None:
         """Drop the graph (its memory pool goes back) and refuse every later run."""
-        self.valid, self.graph, self.out = False, None, None
+        self.valid, self.parked, self.graph, self.out = False, False, None, None
+
+    def park(self) -> None:
+        """Its layout is being replaced: refuse to run until `revive` proves the addresses
+        it captured are back (the graph and its memory pool are kept)."""
+        self.parked = True
+
+    def revive(self, regions: dict) -> bool:
+        """Run again if every region it was captured against is placed at the same offset
+        and size in `regions` (the arena's current map); False (still parked) otherwise."""
+        if not self.valid:
+            return False
+        now = [regions.get(r.name) for r in self.bound]
+        if any(n is None or (n.offset, n.size) != (r.offset, r.size)
+               for n, r in zip(now, self.bound)):
+            return False
+        self.bound, self.parked = tuple(now), False
+        return True
 
     def check_current(self) -> None:
+        if self.parked:
+            raise PhaseError(f"phase program {self.name} was parked by a phase transition: "
+                             f"its layout is not the arena's current one; ask the phase "
+                             f"manager for the current program")
         if not self.valid:
             raise PhaseError(f"phase program {self.name} was invalidated by a phase transition; "
                              f"ask the phase manager for the current program (it recaptures)")

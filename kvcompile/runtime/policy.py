@@ -10,7 +10,9 @@ to the resident side. A saturated copy engine keeps the depth: going back to dep
 save a few percent of the bytes (one layer's ring share becomes resident) but serialises
 each layer's copy behind the previous layer's attention, which costs more than it saves
 (measured on the H200: the split flipped between 1 and 2 every few steps, each flip a
-drain). Hysteresis: a new split is accepted only when it differs by at least
+drain; the streaming cache therefore keeps depth >= 2 with `min_depth`). A request that
+says how far it will grow (`planned_pages`: prompt + max tokens) gets the split for that
+context at its first forward, so prefill and decode run on one split. Hysteresis: a new split is accepted only when it differs by at least
 `hysteresis_pages` per layer and was proposed `patience` steps in a row -- unless the
 current split cannot serve the next forward at all (forced). A change that would hand a
 still-leased page to another role is never accepted; the caller drains and asks again.
@@ -27,6 +29,7 @@ class PolicyConfig:
     n_layers: int
     total_pages: int              # physical pages of the arena's KV regions
     max_depth: int = 2
+    min_depth: int = 1
     headroom_pages: int = 1       # growth room so decode does not repartition at each page
     hysteresis_pages: int = 1
     patience: int = 3
@@ -50,6 +53,8 @@ class Observation:
     copy_busy: float = 0.0        # fraction of the last step the copy engine was busy
     # (ring_occupancy None: no previous step to learn from, depth stays)
     leased_pages: frozenset = field(default_factory=frozenset)  # physical pages still in use
+    planned_pages: int = 0        # pages the request will reach (its prompt + max tokens):
+    # the split is made for these from the start, so it need not change as the context grows
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,7 @@ def changed_pages(cfg: PolicyConfig, r_old: int, r_new: int) -> range:
 
 def step(cfg: PolicyConfig, state: PolicyState, obs: Observation) -> Decision:
     depth = _next_depth(cfg, state, obs)
-    target = target_split(cfg, obs.context_pages, depth)
+    target = target_split(cfg, max(obs.context_pages, obs.planned_pages), depth)
     cur = state.resident_per_layer
     forced = not serves(cfg, cur, obs.context_pages)
 
@@ -128,4 +133,4 @@ def _next_depth(cfg: PolicyConfig, state: PolicyState, obs: Observation) -> int:
         d += 1
     elif obs.ring_occupancy < cfg.occupancy_low:
         d -= 1
-    return max(1, min(d, cfg.max_depth))
+    return max(min(cfg.min_depth, cfg.max_depth), 1, min(d, cfg.max_depth))

@@ -82,7 +82,10 @@ class StreamingKvCache:
         self.engine = self.backend.copy_engine()
         self.pool = StreamingPool(k_pool, v_pool, self.host, self.layers, self.engine,
                                   self.backend, self.num_pages, unsafe)
-        self.policy_config = P.PolicyConfig(len(self.layers), n_phys, **(policy or {}))
+        # depth >= 2 (the next layer's copies run while this one computes) unless asked
+        policy = {"min_depth": 2, **(policy or {})}
+        self.policy_config = P.PolicyConfig(len(self.layers), n_phys, **policy)
+        self.planned_pages = 0            # pages the current request will reach (plan())
         self.policy_state = P.PolicyState(depth=self.policy_config.max_depth)
         extras = {n: t.to(self.device) for n, t in
                   _layer_extras(config, self.k_type, self.v_type, page_size,
@@ -203,7 +206,8 @@ class StreamingKvCache:
     def _apply_policy(self, n_pages: int) -> tuple[bool, str]:
         last = self.telemetry[-1] if self.telemetry else None
         obs = P.Observation(
-            context_pages=n_pages, readiness_misses=last.readiness_misses if last else 0,
+            context_pages=n_pages, planned_pages=min(self.planned_pages, self.num_pages),
+            readiness_misses=last.readiness_misses if last else 0,
             ring_occupancy=last.ring_occupancy if last else None,
             copy_busy=last.copy_busy_pct / 100 if last else 0.0)
         d = P.step(self.policy_config, self.policy_state, obs)
@@ -215,8 +219,7 @@ class StreamingKvCache:
             d = P.step(self.policy_config, self.policy_state, obs)
         if not d.accepted and not P.serves(self.policy_config, d.resident_per_layer, n_pages):
             self.pool.drain()             # forced but blocked by leases: wait, then ask again
-            obs = P.Observation(n_pages, obs.readiness_misses, obs.ring_occupancy,
-                                obs.copy_busy, self.pool.leased_pages())
+            obs = replace(obs, leased_pages=self.pool.leased_pages())
             d = P.step(self.policy_config, self.policy_state, obs)
         self.policy_state = d.state
         if d.accepted:
@@ -234,6 +237,13 @@ class StreamingKvCache:
             self.end_forward(ok=False)
         self.pool.forget()
         self.host.reset()
+        self.planned_pages = 0
+
+    def plan(self, n_tokens: int) -> None:
+        """The sequence will grow to n_tokens (prompt + max new tokens): the policy splits
+        the arena for that context from the next forward on, instead of repartitioning
+        (a drain each time) as prefill and decode grow it."""
+        self.planned_pages = -(-int(n_tokens) // self.page_size)
 
     def truncate(self, n_tokens: int) -> None:
         """Keep only positions < n_tokens (e.g. rejected speculative rows)."""

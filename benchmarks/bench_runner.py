@@ -1,0 +1,159 @@
+"""Decode and prefill through `Engine.generate` (the step runner), streamed and all resident.
+
+    python benchmarks/bench_runner.py [--cases streamed:131072,streamed:65536,resident:8192]
+        [--arena-mib 2048] [--kv q8_0/q4_0] [--decode-steps 64] [--weights bf16|q4_k|q8_0]
+        [--no-cuda-graphs] [--out benchmarks/results/runner.json]
+    python benchmarks/bench_runner.py --tiny --device cpu      # the same code, seconds, CPU
+
+Llama-3-8B geometry with random weights made on the device (no file), wrapped by
+`Engine.from_model`. Each case is one Engine and two requests: a short warm-up request
+(captures programs, compiles kernels) and the measured one, a prompt of random token ids
+filling the context but for the decode steps, greedy. Every number comes from the
+GenerationResult the Engine returns: TTFT, prefill tok/s, decode tok/s (steps timed to the
+sampler's read of the token: GPU completion), step p50 / p90 / max and mean / median, the
+median host time of a decode step (until its work was queued), the request's program events
+(captures must be 0 on the measured request) and the streaming telemetry.
+
+Bounds measured in the same run: streamed, pcie_gbps / (KV bytes of the context - arena
+bytes); all resident, hbm_gbps / (weight bytes + KV bytes). Rows (each with its commit and
+date) are appended to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
+import bench_streaming as S  # noqa: E402
+from bench_util import free_memory, hbm_bandwidth, log, param_bytes, run_meta  # noqa: E402
+
+WARM_PROMPT = 512          # tokens of the warm-up request
+WARM_STEPS = 4
+
+
+def build_model(g, ctx: int, weights: str, device, dtype, seed: int):
+    model, _, _, _ = S.build_models(g, ctx, dtype, device, seed, want_hf=False)
+    if weights != "bf16":
+        from bench_compiled import quantize_model
+        quantize_model(model, weights)
+    return model
+
+
+def launches_per_step(stats: dict) -> int | None:
+    """Graph launches a decode step makes: piecewise graphs, one phase program, or None
+    (eager: every kernel its own launch)."""
+    if "piecewise_graphs" in stats:
+        return stats["piecewise_graphs"] or None
+    if "captures" in stats and stats.get("lower") != "eager":
+        return 1
+    return None
+
+
+def run_case(model, g, mode: str, ctx: int, args, device, meta: dict) -> dict:
+    import kvcompile
+    k_type, v_type = args.kv.split("/")
+    arena = args.arena_mib if mode == "streamed" else 0
+    kv_bytes = ctx * S.kv_bytes_per_token(g, k_type, v_type)
+    row = dict(kind="runner", mode=mode, context=ctx, kv_type=args.kv, arena_mib=arena,
+               weights=args.weights, geometry=g.name, decode_steps=args.decode_steps,
+               cuda_graphs=args.cuda_graphs, kv_bytes=kv_bytes, **meta)
+    e = kvcompile.Engine.from_model(model, ctx_size=ctx, cache_type_k=k_type,
+                                    cache_type_v=v_type, ubatch=args.ubatch,
+                                    kv_stream_arena_mib=arena, cuda_graphs=args.cuda_graphs,
+                                    progress=False)
+    row["runner_mode"] = e.runner.mode
+    ids = S.random_ids(ctx - args.decode_steps - 2, g.vocab, args.seed, "cpu").tolist()
+    warm = e.generate(ids[:WARM_PROMPT], max_tokens=WARM_STEPS, temperature=0)
+    r = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
+    steps = sorted(r.step_s)
+    median = steps[len(steps) // 2]
+    mean = sum(steps) / len(steps)
+    stats = r.stats()
+    row.update(prompt_tokens=r.prompt_tokens, ttft_s=r.prefill_s, prefill_tok_s=r.prefill_tok_s,
+               decode_tok_s=r.decode_tok_s, step_ms=stats["step_ms"],
+               mean_over_median_step=mean / median, host_step_ms=stats["host_step_ms"],
+               warmup=dict(captures=warm.phases.get("captures"), ttft_s=warm.prefill_s,
+                           decode_s=warm.decode_s),
+               programs=r.phases, launches_per_step=launches_per_step(r.phases),
+               kv=r.kv, tokens=r.token_ids[:16])
+    if mode == "streamed":
+        bound = S.pcie_bound(meta["pcie_gbps_measured"], kv_bytes, int(arena * 2**20))
+        row.update(pcie_bound_tok_s=bound,
+                   decode_vs_bound=r.decode_tok_s / bound if bound else None)
+    elif meta.get("hbm_gbps_measured"):
+        roof = meta["hbm_gbps_measured"] * 1e9 / (meta["weight_bytes"] + kv_bytes)
+        row.update(hbm_roofline_tok_s=roof, decode_vs_hbm_roofline=r.decode_tok_s / roof)
+    log(f"{mode} {ctx}: decode {r.decode_tok_s:.2f} tok/s (x bound "
+        f"{S.fmt(row.get('decode_vs_bound'), '.3f')}, x roofline "
+        f"{S.fmt(row.get('decode_vs_hbm_roofline'), '.3f')}), step p50 "
+        f"{stats['step_ms']['p50']:.2f} ms, mean/median {mean / median:.3f}, host "
+        f"{stats['host_step_ms']:.2f} ms, launches/step {row['launches_per_step']}, "
+        f"captures {r.phases.get('captures')}, TTFT {r.prefill_s:.2f} s, "
+        f"{r.kv.get('repartitions', '-')} repartitions")
+    if hasattr(e.cache, "close"):         # the streaming cache's copy stream and leases
+        e.cache.close()
+    del e
+    free_memory(device)
+    return row
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="streamed:131072,streamed:65536,resident:8192",
+                    help="MODE:CONTEXT,... with MODE streamed (through --arena-mib) or resident")
+    ap.add_argument("--arena-mib", type=float, default=2048)
+    ap.add_argument("--kv", default="q8_0/q4_0")
+    ap.add_argument("--decode-steps", type=int, default=64)
+    ap.add_argument("--ubatch", type=int, default=512)
+    ap.add_argument("--weights", default="bf16", help="bf16, or a GGUF type (q4_k, q8_0, ...)")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="default: the Engine's (on for CUDA)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="a 4-layer model, small contexts")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="benchmarks/results/runner.json")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        if args.cases == ap.get_default("cases"):
+            args.cases = "streamed:1024,resident:1024"
+        args.arena_mib = min(args.arena_mib, 0.4)     # of 0.8 MiB of KV: half streams
+        args.decode_steps = min(args.decode_steps, 8)
+        args.ubatch = min(args.ubatch, 128)
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    device, dtype = S.device_and_dtype(args.device, "use --device cpu --tiny")
+    g = S.TINY if args.tiny else S.LLAMA3_8B
+    cases = [(m, int(c)) for m, c in (x.split(":") for x in args.cases.split(","))]
+    meta = run_meta()
+    meta.update(S.measure_h2d_gbps(device, 64 << 20 if args.tiny else 1 << 30))
+    if device.type == "cuda":
+        meta.update(hbm_gbps_measured=hbm_bandwidth()["hbm_gbps_measured"])
+    model = build_model(g, max(c for _, c in cases), args.weights, device, dtype, args.seed)
+    meta["weight_bytes"] = param_bytes(model)
+    rows = []
+    for mode, ctx in cases:
+        rows.append(run_case(model, g, mode, ctx, args, device, meta))
+        save(rows[-1:], args.out)
+    return rows
+
+
+def save(rows: list[dict], path: str | None) -> None:
+    if not path:
+        return
+    old = []
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f).get("rows", [])
+    with open(path, "w") as f:
+        json.dump(dict(rows=old + rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Decode and prefill through Engine.generate (bench_runner.py) as pytest-benchmark rows:
+each row's figures (tok/s, step percentiles, host time, the ratio to the PCIe bound or the
+HBM roofline measured in the same run) land in the benchmark JSON's `extra_info`.
+
+    pytest benchmarks/ -m cpu --benchmark-json=out.json     # tiny sizes, the CPU (CI)
+    pytest benchmarks/ -m gpu --benchmark-json=out.json     # the device, 8B geometry
+"""
+from __future__ import annotations
+
+import pytest
+
+import bench_runner
+
+KEEP = ("mode", "context", "kv_type", "arena_mib", "weights", "runner_mode", "decode_tok_s",
+        "prefill_tok_s", "ttft_s", "step_ms", "mean_over_median_step", "host_step_ms",
+        "launches_per_step", "decode_vs_bound", "decode_vs_hbm_roofline", "commit", "date")
+
+
+def run(benchmark, argv):
+    rows = benchmark.pedantic(bench_runner.main, args=(argv,), rounds=1, iterations=1)
+    for r in rows:
+        key = f"{r['mode']}:{r['context']}"
+        benchmark.extra_info[key] = {k: r.get(k) for k in KEEP}
+        benchmark.extra_info[key]["captures_second_request"] = r["programs"].get("captures")
+    return rows
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "programs"])
+def test_runner_tiny_cpu(benchmark, tmp_path, graphs):
+    argv = ["--tiny", "--device", "cpu", "--out", str(tmp_path / "runner.json"),
+            "--cuda-graphs" if graphs else "--no-cuda-graphs"]
+    rows = run(benchmark, argv)
+    assert [r["mode"] for r in rows] == ["streamed", "resident"]
+    for r in rows:
+        assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["host_step_ms"] > 0
+    assert rows[0]["tokens"] == rows[1]["tokens"]       # streamed = resident, same prompt
+    assert rows[0]["decode_vs_bound"] is not None and rows[0]["kv"]["streamed_fraction"] > 0
+    if graphs:     # all resident with programs: the measured (second) request captures none
+        assert rows[1]["programs"]["captures"] == 0 and rows[1]["runner_mode"] == "phase programs"
+        assert rows[0]["runner_mode"] == "eager"     # streamed on the CPU: nothing to capture
+
+
+@pytest.mark.gpu
+def test_runner_8b_device(benchmark):
+    rows = run(benchmark, ["--cases", "streamed:131072,streamed:65536,resident:8192"])
+    assert all(r["programs"].get("captures") == 0 for r in rows)

@@ -1,0 +1,128 @@
+"""The step runner: one object that runs `step(ids, start)` for an Engine, whatever the
+cache and the program mode.
+
+A step is a prefill chunk (up to the ubatch) or a decode step (one row). Which machinery
+runs it is decided once, when the runner is built, from the cache and `cuda_graphs`:
+
+| cache, model | `cuda_graphs` | how a step runs |
+| --- | --- | --- |
+| any | off | eagerly: `runtime.forward` (the streaming bracket when the cache streams) |
+| all resident, attention-only | on | phase programs (`phase/manager.py`): prefill and decode layouts of one arena, programs kept across requests |
+| streamed, or hybrid, on CUDA | on | decode as piecewise CUDA graphs between the per-layer KV hooks (`phase/piecewise.py`), prefill eagerly |
+| streamed, or hybrid, on the CPU | on | eagerly (nothing to capture) |
+
+The runner counts what each step cost on the host (`host_s`: from the call until the step's
+work is queued, before anything waits for the device) and the program events of the current
+request (`begin_request` / `request_stats`), so the Engine reports them and benchmarks read
+them from the same place.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+from kvcompile.runtime import forward as run_forward
+from kvcompile.runtime import make_kv_cache
+from kvcompile.runtime.streaming_cache import is_streamed
+
+# counters of the program stats that count events (reported per request as differences)
+EVENT_COUNTERS = ("captures", "transitions", "invalidated", "revived", "replays")
+
+
+def make_sequence_cache(model, config, ctx: int, k_type: str, v_type: str, arena_mib: float,
+                        device: torch.device):
+    """The request slot's KV: arena_mib 0 keeps every page on the device, else the history
+    lives on the host and streams through an arena of that size. Models with recurrent
+    layers declare which layers hold KV (`kv_layers`) and may make their own cache."""
+    make_own = getattr(model, "make_cache", None)
+    if not arena_mib and make_own is not None:
+        return make_own(ctx, k_type=k_type, v_type=v_type, device=device)
+    layers = getattr(model, "kv_layers", None)
+    if layers is not None:      # the MTP layer sits after the trunk's layers
+        config = replace(config, n_layers=config.n_layers + config.nextn_layers)
+    return make_kv_cache(config, ctx, arena_mib, k_type=k_type, v_type=v_type,
+                         device=device, layers=layers)
+
+
+class StepRunner:
+    def __init__(self, model, cache, *, device: torch.device, ubatch: int,
+                 cuda_graphs: bool = False, trace: bool = False):
+        self.model, self.cache, self.device = model, cache, torch.device(device)
+        self.ubatch, self.trace = ubatch, trace
+        # The KV layers a plain forward acquires: a hybrid model's attention layers without
+        # its MTP layer (no speculative step runs here, so its pages are never read);
+        # None = every layer of the cache.
+        self.trunk_layers = getattr(model, "trunk_kv_layers", None)
+        self.phases = self.piecewise = None
+        if cuda_graphs:
+            if is_streamed(cache) or self.trunk_layers is not None:   # streamed or hybrid
+                if self.device.type == "cuda":
+                    from kvcompile.phase.piecewise import PiecewiseDecode
+                    self.piecewise = PiecewiseDecode(model, cache, layers=self.trunk_layers,
+                                                     strict=False)
+                # on the CPU there is nothing to capture: such steps run eagerly
+            else:
+                from kvcompile.phase import PhaseManager
+                self.phases = PhaseManager(model, cache, ubatch=min(ubatch, cache.capacity))
+        self.host_s: list[float] = []       # host seconds of each step of this request
+        self._base: dict = {}
+
+    @property
+    def mode(self) -> str:
+        if self.phases is not None:
+            return "phase programs"
+        if self.piecewise is not None:
+            return "piecewise graphs"
+        return "eager"
+
+    # ---- one step ----------------------------------------------------------------------
+    def step(self, ids: list[int], start: int) -> torch.Tensor:
+        """Run ids at positions start.. through the model; the logits of the last one (on
+        the device: reading them waits for the step)."""
+        t = time.perf_counter()
+        if self.phases is not None:
+            logits = self.phases.forward(ids, start)[-1]
+        elif self.piecewise is not None and len(ids) == self.piecewise.rows:
+            logits = self.piecewise.step(ids, start)[-1]
+        else:
+            tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+            positions = torch.arange(start, start + len(ids), dtype=torch.long,
+                                     device=self.device)
+            logits = run_forward(self.model, self.cache, tokens, positions, last_only=True,
+                                 layers=self.trunk_layers, start=start)[-1]
+        self.host_s.append(time.perf_counter() - t)
+        if self.trace and getattr(self.cache, "telemetry", None):
+            print(f"[kv step] {self.cache.telemetry[-1].as_dict()}", file=sys.stderr)
+        return logits
+
+    # ---- requests ----------------------------------------------------------------------
+    def begin_request(self, n_tokens: int | None = None) -> None:
+        """A new sequence that will grow to n_tokens (prompt + max new tokens): the cache
+        forgets the old one (a streaming cache plans its split for n_tokens); counters
+        restart."""
+        self.cache.reset()
+        if n_tokens is not None and hasattr(self.cache, "plan"):
+            self.cache.plan(n_tokens)
+        self.host_s = []
+        self._base = self.program_stats()
+
+    def program_stats(self) -> dict:
+        if self.phases is not None:
+            return self.phases.stats()
+        if self.piecewise is not None:
+            return self.piecewise.stats()
+        return {}
+
+    def request_stats(self) -> dict:
+        """The program stats with every event counter as this request's count (`total_*`:
+        since the runner was built), so a request that captured nothing shows captures 0."""
+        now = self.program_stats()
+        out = dict(now)
+        for k in EVENT_COUNTERS:
+            if k in now:
+                out[k] = now[k] - self._base.get(k, 0)
+                out[f"total_{k}"] = now[k]
+        return out

@@ -1,0 +1,96 @@
+"""The step runner through Engine.from_model: a model built in memory, prompts as token
+ids; greedy tokens against a recompute-everything oracle, streamed against resident, one
+split a request (no repartition storm), per-request program counters, host times."""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvcompile.engine import Engine
+from kvcompile.errors import KvcompileError
+from kvcompile.kv_cache import PagedKvCache
+from kvcompile.models.llama import LlamaModel
+from test_kv_cache import TINY, tiny_weights
+
+CFG = replace(TINY, context_length=4096)
+
+
+def fresh_seed() -> int:
+    seed = int(os.environ.get("KVC_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"seed {seed} (set KVC_SEED to replay)")
+    return seed
+
+
+@pytest.fixture(scope="module")
+def seed():
+    return fresh_seed()
+
+
+@pytest.fixture(scope="module")
+def model(seed):
+    return LlamaModel.from_weights(CFG, tiny_weights(CFG, torch.Generator().manual_seed(seed)))
+
+
+def recompute_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """The oracle: every token from a fresh cache and one forward over the whole sequence,
+    no incremental decode, no chunking, no streaming."""
+    ids = list(prompt)
+    for _ in range(n):
+        cache = PagedKvCache(CFG, len(ids))
+        logits = model(torch.tensor(ids), torch.arange(len(ids)), cache, last_only=True)
+        ids.append(int(logits[-1].argmax()))
+    return ids[len(prompt):]
+
+
+@torch.inference_mode()
+def test_from_model_engine_matches_recompute_and_streams_identically(model, seed):
+    gen = torch.Generator().manual_seed(seed + 1)
+    prompt = torch.randint(0, CFG.vocab_size, (700,), generator=gen).tolist()
+    want = recompute_greedy(model, prompt, 6)
+    resident = Engine.from_model(model, ctx_size=1024, ubatch=128, progress=False)
+    # 1.3 MiB of 2 MiB of f32 KV (the ring must hold one layer's 1 MiB): most of it streams
+    streamed = Engine.from_model(model, ctx_size=1024, ubatch=128, progress=False,
+                                 kv_stream_arena_mib=1.3)
+    a = resident.generate(prompt, max_tokens=6, temperature=0)
+    b = streamed.generate(prompt, max_tokens=6, temperature=0)
+    assert a.token_ids == want and b.token_ids == want, (seed, a.token_ids, b.token_ids, want)
+    assert a.text == "" and a.finish_reason == "length"
+    # one host time per forward: 6 prefill chunks of 128, then 5 decode steps
+    assert len(b.host_s) == 6 + 5 and len(b.step_s) == 5
+    assert b.stats()["host_step_ms"] > 0
+    assert b.kv["streamed_fraction"] > 0.3
+    # the request planned its split for 706 tokens at its first forward: no repartition
+    # as prefill and decode grew the context (a drain each)
+    assert b.kv["repartitions"] <= 1, b.kv
+
+
+@torch.inference_mode()
+def test_second_request_captures_nothing(model, seed):
+    """cuda_graphs on the CPU: the same phase programs, run eagerly; the counters are per
+    request, and the second request's programs come back with their layouts."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    prompt = torch.randint(0, CFG.vocab_size, (40,), generator=gen).tolist()
+    e = Engine.from_model(model, ctx_size=256, ubatch=16, progress=False, cuda_graphs=True)
+    assert e.runner.mode == "phase programs"
+    first = e.generate(prompt, max_tokens=5, temperature=0)
+    second = e.generate(prompt, max_tokens=5, temperature=0)
+    assert first.token_ids == second.token_ids == recompute_greedy(model, prompt, 5)
+    # prefill/16 twice, the prompt's last 8 tokens as decode/8, then decode/1
+    assert first.phases["captures"] == 3
+    assert second.phases["captures"] == 0 and second.phases["revived"] == 3
+    assert second.phases["total_captures"] == 3 and second.phases["replays"] == 2 + 1 + 4
+
+
+def test_without_a_tokenizer_prompts_are_token_ids_and_errors_keep_serving(model):
+    e = Engine.from_model(model, ctx_size=256, progress=False)
+    with pytest.raises(KvcompileError, match="list of token ids"):
+        e.generate("some text", max_tokens=2)
+    with pytest.raises(KvcompileError, match="list of token ids"):
+        e.generate(messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    with pytest.raises(KvcompileError, match="needs a model file"):
+        Engine.from_model(model, kv_stream_arena_mib="auto")
+    r = e.generate([1, 2, 3], max_tokens=3, temperature=0)
+    assert r.completion_tokens == 3
