@@ -324,5 +324,6 @@ class Engine:
         return logits
 
     def forward(self, ids: list[int], start: int) -> torch.Tensor:
-        """Run ids at positions start.. through the model; logits of the last one."""
+        """Run ids at positions start.. through the model; logits of the last one (with CUDA
+        graphs a program's output buffer: valid until the next step, copy it to keep it)."""
         return self.runner.step(ids, start)

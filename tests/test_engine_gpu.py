@@ -20,9 +20,10 @@ def logits_of(engine, ids):
     """Prefill all but the last 16 ids, then one forward per id: every row's logits."""
     engine.cache.reset()
     cut = len(ids) - 16
-    rows = [engine._prefill(ids[:cut])]
-    rows += [engine.forward([t], cut + i) for i, t in enumerate(ids[cut:-1])]
-    return torch.stack([r.float().cpu() for r in rows])
+    # each row copied out at once: a captured program's logits are valid until its next step
+    rows = [engine._prefill(ids[:cut]).float().cpu()]
+    rows += [engine.forward([t], cut + i).float().cpu() for i, t in enumerate(ids[cut:-1])]
+    return torch.stack(rows)
 
 
 def agreement(cpu, gpu, seed: int, what: str) -> tuple[float, float]:
