@@ -50,8 +50,11 @@ def run(path, ids, args, **options) -> tuple[dict, list[int]]:
                decode_steps=r.completion_tokens - 1,
                max_memory_reserved=torch.cuda.max_memory_reserved(),
                plan=e.memory.describe() if e.memory else None,
-               arena_bytes=e.memory.arena if e.memory else 0,
-               kv_bytes=e.memory.kv_all if e.memory else None, kv=r.kv)
+               arena_bytes=e.memory.arena if e.memory else int(
+                   options.get("kv_stream_arena_mib", 0) * 2**20),
+               kv_bytes=e.memory.kv_all if e.memory else None, kv=r.kv,
+               programs=r.phases, step_ms=r.step_ms(), host_step_ms=r.host_step_ms(),
+               runner_mode=e.runner.mode)
     del e
     gc.collect()
     torch.cuda.empty_cache()
@@ -77,6 +80,9 @@ def main() -> None:
                     help="one run a call (a 256K prefill takes minutes); the resident part "
                          "compares its tokens with the newest budget row of the same file, "
                          "context, KV types and commit in --out")
+    ap.add_argument("--arena-mib", type=float, default=0,
+                    help="the budget part with this arena and no device-memory budget (to "
+                         "tell the budget's effect from the arena's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/quantized_weights.json")
     args = ap.parse_args()
@@ -96,16 +102,24 @@ def main() -> None:
         for ubatch in map(int, args.ubatch.split(",")):
             args.ubatch = ubatch
             try:
-                budget, tokens = run(args.file, ids, args, gpu_memory_gib=args.gpu_memory_gib,
-                                     kv_stream_arena_mib="auto")
+                opts = (dict(kv_stream_arena_mib=args.arena_mib) if args.arena_mib else
+                        dict(gpu_memory_gib=args.gpu_memory_gib, kv_stream_arena_mib="auto"))
+                budget, tokens = run(args.file, ids, args, **opts)
                 break
             except BudgetError as e:
                 log(f"ubatch {ubatch}: {e}")
         else:
             raise SystemExit("no ubatch fits the budget")
+        if budget["kv_bytes"] is None:       # no budget plan: the context's KV, as it counts
+            from kvcompile.loader import open_model as _open
+            from kvcompile.memory_budget import kv_bytes, kv_layer_count
+            cfg = _open(args.file).config
+            k, v = args.kv.split("/")
+            budget["kv_bytes"] = kv_bytes(cfg, kv_layer_count(cfg), args.context, k, v)
         streamed = budget["kv_bytes"] - budget["arena_bytes"]
         bound = pcie * 1e9 / streamed if streamed > 0 else None
-        row = dict(same, part="budget", prompt_tokens=len(ids), ubatch=args.ubatch,
+        row = dict(same, part="budget" if not args.arena_mib else "arena",
+                   arena_mib=args.arena_mib or None, prompt_tokens=len(ids), ubatch=args.ubatch,
                    gpu_memory_gib=args.gpu_memory_gib, pcie_gbps_measured=pcie,
                    pcie_bound_tok_s=bound,
                    decode_vs_bound=budget["decode_tok_s"] / bound if bound else None,

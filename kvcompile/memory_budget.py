@@ -49,6 +49,11 @@ class BudgetPlan:
                 f"workspace {self.workspace / GIB:.2f} GiB, {kv}")
 
 
+def kv_layer_count(config) -> int:
+    """Layers that hold KV: the attention layers and the MTP (NextN) layers."""
+    return sum(config.is_attention_layer(i) for i in range(config.n_layers)) + config.nextn_layers
+
+
 def kv_bytes(config, kv_layers: int, ctx: int, k_type: str, v_type: str,
              page_size: int = 256) -> int:
     """Bytes of the whole context's KV for kv_layers attention layers (whole pages)."""
@@ -153,7 +158,7 @@ def plan_engine_memory(source, device: torch.device, dtype: torch.dtype, ctx: in
         return None
     from kvcompile.runtime.streaming_cache import min_arena_bytes
     config = source.config
-    n_kv = sum(config.is_attention_layer(i) for i in range(config.n_layers)) + config.nextn_layers
+    n_kv = kv_layer_count(config)
     plan = plan_budget(
         budget=device_budget(device, gpu_memory_gib),
         weights=planned_weight_bytes(source, device, dtype),
