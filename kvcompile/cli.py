@@ -1,4 +1,5 @@
-"""Command line: `kvcompile generate`, `kvcompile info`, `kvcompile make-model`.
+"""Command line: `kvcompile generate`, `kvcompile info`, `kvcompile make-model`,
+`kvcompile eval` (kvcompile/evaluate.py).
 
 Flag names follow llama.cpp where the concept is the same.
 """
@@ -203,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_info(sub)
     _add_make_model(sub)
+    from kvcompile.evaluate import add_command as _add_eval
+    _add_eval(sub, _read_text)
     return parser
 
 
