@@ -1,6 +1,6 @@
 """Host-side cost of a streamed decode step: counted on the CPU through the real CUDA backend
 code, with torch.cuda's events and streams replaced by counting fakes
-(benchmarks/count_stream_calls.py), plus the pieces that make the counts small: implied
+(tools/profile/count_stream_calls.py), plus the pieces that make the counts small: implied
 fence waits skipped, one position read per forward, leased pages gathered only when the
 policy would change the split, page tables written for all layers at once.
 """
@@ -28,7 +28,7 @@ from kvcompile.runtime.fences import DONE, EventFence, latest_per_stream
 
 SEED = int.from_bytes(os.urandom(4), "little")
 _spec = importlib.util.spec_from_file_location(
-    "count_stream_calls", Path(__file__).parents[1] / "benchmarks" / "count_stream_calls.py")
+    "count_stream_calls", Path(__file__).parents[1] / "tools" / "profile" / "count_stream_calls.py")
 C = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(C)
 

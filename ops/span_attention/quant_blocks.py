@@ -14,7 +14,7 @@ the q4_0 nibble interleave) cost more issue slots than the bytes it saved. Here:
 - Codes reach fp16 without int->float converts (quarter-rate on Hopper): 0x6400 | u is
   the fp16 1024 + u for a byte u, so u - bias is one bit-or and one (packed) subtract.
 Measured offline (sm_90 SASS of the split kernel's loop, q8_0 K / q4_0 V, D 256, 64
-positions, 1 row, benchmarks/sass_decode.py): 1211 instructions a warp, no I2F and no
+positions, 1 row, tools/profile/sass_decode.py): 1211 instructions a warp, no I2F and no
 LDS.U8/U16 (1354 with 128 byte-wise shared loads before V became position-major), against
 2170 plus 256 quarter-rate I2F for decode_kernel.
 """

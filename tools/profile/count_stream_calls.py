@@ -11,7 +11,7 @@ Device model of the fakes: the host runs ahead. Events recorded since the last h
 are pending, and so is a stream with such an event; the harness marks the device idle
 between steps (the engine reads the logits of each step, which syncs).
 
-    python benchmarks/count_stream_calls.py [--layers 32] [--ctx 8192] [--arena-pages 630]
+    python tools/profile/count_stream_calls.py [--layers 32] [--ctx 8192] [--arena-pages 630]
         [--steps 4] [--json PATH]
 
 Default geometry: Llama-3-8B's 32 layers and 256-row pages, 8K context, q8_0/q4_0 KV, and

@@ -3,7 +3,7 @@ random-weight model, eager all resident, eager streaming, and compiled + capture
 PhaseManager, all resident); prints the top CPU-side ops, the top GPU kernels and the step
 time against the GPU kernel time it launched.
 
-usage (device): python3 benchmarks/profile_decode.py [--ctx 8192] [--layers 32] [--arena 256]
+usage (device): python3 tools/profile/profile_decode.py [--ctx 8192] [--layers 32] [--arena 256]
     [--modes resident,streaming,compiled]
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
 from bench_streaming import (LLAMA3_8B, TINY, build_models, close_cache,  # noqa: E402
                              device_and_dtype, greedy_steps, manager_prefill,
                              ours_decode, ours_prefill, random_ids)

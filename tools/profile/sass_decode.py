@@ -6,7 +6,7 @@ for issue-bound quantized decode (int->float converts, I2F, are quarter rate on 
 Integer arguments get Triton's divisible-by-16 hint as on a real launch (without it every
 load is scalar).
 
-usage: python benchmarks/sass_decode.py [--pair q8_0/q4_0] [--head-dim 256] [--group 6]
+usage: python tools/profile/sass_decode.py [--pair q8_0/q4_0] [--head-dim 256] [--group 6]
        [--rows-m 16] [--block-n 64] [--warps 4] [--stages 2] [--maxnreg 96]
        [--impls legacy,blocks,transposed] [--tma]
 """

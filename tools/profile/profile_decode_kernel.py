@@ -1,7 +1,7 @@
 """Launch the transposed decode a few times over resident q8_0 / q4_0 pages (for a profiler
 such as Nsight Compute to attach to: `ncu -k regex:_decode_split_t -c 1 python ...`).
 
-usage: python benchmarks/profile_decode_kernel.py [--kv-heads 8] [--head-dim 128] [--group 4]
+usage: python tools/profile/profile_decode_kernel.py [--kv-heads 8] [--head-dim 128] [--group 4]
        [--context 262144] [--calls 3]
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
 from bench_attention import make_pools  # noqa: E402
 
 from kvcompile.ops import kv_format as F  # noqa: E402
