@@ -136,6 +136,11 @@ class PiecewiseDecode:
             return kv
 
         torch.cuda.synchronize(self.device)
+        # Blocks cached by the caching allocator (prefill's activations) go back first: under
+        # a device-memory budget (a per-process cap) the capture's pool must grow without
+        # freeing memory mid-capture, which a capture forbids (it would fail, and the engine
+        # would decode eagerly).
+        torch.cuda.empty_cache()
         capturing = False
         try:
             with self._bracket(start, keep=False):    # nothing ran: its rows are not history

@@ -142,6 +142,7 @@ class PhaseProgram:
                 self.fn(self._input.tokens, self._input.positions)
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()     # under a budget's cap the graph pool grows without a free
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
         graph = torch.cuda.CUDAGraph()
