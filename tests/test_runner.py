@@ -98,8 +98,8 @@ def test_without_a_tokenizer_prompts_are_token_ids_and_errors_keep_serving(model
 
 @torch.inference_mode()
 def test_hybrid_streamed_equals_resident_through_the_runner(tmp_path, seed):
-    """qwen35 (GDN recurrent layers + gated attention) from a synthetic file: 64 greedy
-    tokens through a tiny streamed arena equal the all-resident engine's."""
+    """qwen35 (GDN recurrent layers + gated attention) from a synthetic file: up to 64
+    greedy tokens through a tiny streamed arena equal the all-resident engine's."""
     from kvcompile.make_model import make_model
     from kvcompile.runtime.streaming_cache import min_arena_bytes
     path = tmp_path / "qwen35.gguf"
@@ -113,5 +113,6 @@ def test_hybrid_streamed_equals_resident_through_the_runner(tmp_path, seed):
     prompt = torch.randint(0, resident.config.vocab_size, (600,), generator=gen).tolist()
     a = resident.generate(prompt, max_tokens=64, temperature=0)
     b = streamed.generate(prompt, max_tokens=64, temperature=0)
-    assert a.token_ids == b.token_ids and len(a.token_ids) == 64, seed
+    # (an end-of-sequence token may stop both early: random weights)
+    assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason, seed
     assert b.kv["streamed_fraction"] > 0.3 and b.kv["repartitions"] <= 1, b.kv
