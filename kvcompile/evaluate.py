@@ -40,14 +40,16 @@ def chunk_logits(engine, ids: list[int], chunk: int):
     position 0, eagerly (every row's logits; the runner's programs return the last)."""
     engine.runner.begin_request(len(ids))
     dev = engine.device
-    with torch.inference_mode():
-        for start in range(0, len(ids), chunk):
-            piece = ids[start:start + chunk]
+    for start in range(0, len(ids), chunk):
+        piece = ids[start:start + chunk]
+        # the mode is entered and left around each forward, never across a yield (a
+        # suspended generator would leave the caller's thread in inference mode)
+        with torch.inference_mode():
             tokens = torch.tensor(piece, dtype=torch.long, device=dev)
             positions = torch.arange(start, start + len(piece), dtype=torch.long, device=dev)
             logits = run_forward(engine.model, engine.cache, tokens, positions,
-                                 layers=engine.runner.trunk_layers, start=start)
-            yield start, logits.float()
+                                 layers=engine.runner.trunk_layers, start=start).float()
+        yield start, logits
 
 
 def evaluate(engine, ids: list[int], chunk: int, reference=None) -> list[ChunkStats]:
