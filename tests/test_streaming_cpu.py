@@ -211,7 +211,9 @@ def test_broken_ordering_is_caught(model, unsafe, copy_ms, compute_ms, expect):
 
 
 def test_repartition_waits_for_pages_the_device_may_still_use(model):
-    cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(60), page_size=PS)
+    # the pool's own call between forwards: no forward begun ahead
+    cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(60), page_size=PS,
+                             prefetch_next=False)
     generate(model, cache, _prompt(SEED, 60), 1)
     r = cache.pool.r
     page = cache.pool.L * (r - 1)                 # a resident page that becomes a ring slot
@@ -416,3 +418,45 @@ def test_smollm2_tiny_arena_matches_all_resident_at_1k_context(smollm2_path):
     streamed = sum(s.streamed_reads for s in decode)
     assert streamed >= 0.9 * sum(s.streamed_reads + s.resident_reads for s in decode)
     assert all(s.h2d_bytes > 0 for s in decode)
+
+
+def test_the_next_decode_step_is_begun_ahead_and_a_wrong_guess_costs_nothing(model):
+    """After each forward the cache begins the next decode step (its first layers' fills
+    issued at once); the bytes are counted to that step, and the telemetry and tokens equal
+    a cache that does not guess. A forward that is not the guess (a 3-row verify-like step,
+    a rewind) drops it: same tokens, no fence violation."""
+    prompt = _prompt(SEED, PROMPT_LEN)
+    ids_ref, ref = _reference(model, F32, prompt, 12)
+    runs = {}
+    for ahead in (False, True):
+        cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(30), page_size=PS,
+                                 prefetch_next=ahead)
+        issued_at_end = []
+
+        def watch(step, cache, rows):
+            issued_at_end.append(cache._next is not None)
+        with torch.inference_mode():
+            ids, got = generate(model, cache, prompt, 12, on_step=watch)
+        runs[ahead] = [(t.h2d_bytes, t.resident_reads, t.streamed_reads, t.repartitioned)
+                       for t in cache.telemetry]
+        assert ids == ids_ref and torch.equal(got, ref), (SEED, ahead)
+        assert any(issued_at_end) == ahead and (not ahead or all(issued_at_end))
+    # the same bytes and reads a step, but where the split changed: the guess begun before
+    # it was dropped, and the fills it had issued count to that step
+    assert [r[1:] for r in runs[True]] == [r[1:] for r in runs[False]], SEED
+    for a, b in zip(runs[True], runs[False]):
+        assert a[0] == b[0] if not a[3] else a[0] >= b[0], (SEED, a, b)
+    checker = FenceChecker()
+    cache = _threaded(30, checker, 1, 1)
+    try:
+        with torch.inference_mode():
+            ids, got = generate(model, cache, prompt, 4)
+            pos = len(prompt) + 4
+            three = forward(model, cache, torch.tensor(ids[-3:]), torch.arange(pos, pos + 3))
+            cache.truncate(pos)           # a rejected verify: rewind, decode the first again
+            again = forward(model, cache, torch.tensor(ids[-3:-2]), torch.tensor([pos]))
+    finally:
+        cache.close()
+    assert checker.violations == [], (SEED, checker.violations[:3])
+    # (one row and three rows take different matmul paths: equal to rounding)
+    torch.testing.assert_close(again[-1], three[0], rtol=1e-5, atol=1e-5)

@@ -47,7 +47,8 @@ def _busy_pct(busy_s: float, wall_s: float) -> float:
 class StreamingKvCache:
     def __init__(self, config, max_tokens: int, arena_mib: float, k_type="f32", v_type="f32",
                  page_size: int = 256, layers=None, backend=None, workspace_bytes: int = 0,
-                 policy: dict | None = None, unsafe=frozenset()):
+                 policy: dict | None = None, unsafe=frozenset(),
+                 prefetch_next: bool | None = None):
         if max_tokens <= 0:
             raise ContextLengthError(f"the KV cache needs room for at least one token; "
                                      f"got max_tokens={max_tokens}")
@@ -95,6 +96,12 @@ class StreamingKvCache:
         self._kv = {i: LayerKv(k_pool, v_pool, self.pool.page_tables[i], self.k_type.ggml_id,
                                self.v_type.ggml_id, page_size, **extras) for i in self.layers}
         self.telemetry: list[StepStats] = []
+        # After each forward the next one is begun ahead (its fills issued as far as the ring
+        # allows) on the guess that it is the decode step after it; a next forward that is
+        # something else drops the guess (its copies only filled free ring slots).
+        self.prefetch_next = (getattr(self.backend, "prefetch_next", True)
+                              if prefetch_next is None else prefetch_next)
+        self._next = None                 # (lo, hi, n_pages, layers) begun ahead
         self._step = None
         self._last = None                 # (t0, busy) of the forward telemetry[-1] records
 
@@ -154,15 +161,20 @@ class StreamingKvCache:
             raise ContextLengthError(f"position {lo} leaves a gap after the {have} "
                                      f"positions already in the cache")
         n_pages = hi // self.page_size + 1
+        if self._next is not None and self._next != (lo, hi, n_pages, layers):
+            self._drop_next()             # begun ahead for another forward
         self.host.truncate(lo, layers)    # rows from lo on are rewritten by this forward
         t0, busy = time.perf_counter(), self.engine.busy_s
         self._settle_copy_busy(t0, busy)
+        # a forward begun ahead counts the fills issued then
+        h2d = self.engine.bytes_h2d if self._next is None else self._next_h2d
         repart, reason = self._apply_policy(n_pages)
-        self._step = dict(t0=t0, busy=busy, lo=lo, hi=hi,
-                          h2d=self.engine.bytes_h2d, d2h=self.engine.bytes_d2h,
+        self._step = dict(t0=t0, busy=busy, lo=lo, hi=hi, h2d=h2d, d2h=self.engine.bytes_d2h,
                           tokens=int(positions.numel()), pages=n_pages, repart=repart,
                           reason=reason, layers=layers, positions=positions)
-        self.pool.begin(n_pages, range(lo // self.page_size, n_pages), layers)
+        if self._next is None:
+            self.pool.begin(n_pages, range(lo // self.page_size, n_pages), layers)
+        self._next = None
 
     def end_forward(self, ok: bool = True) -> None:
         if self._step is None:
@@ -191,6 +203,32 @@ class StreamingKvCache:
             resident_reads=c.resident_reads, streamed_reads=c.streamed_reads, layers=len(s["layers"]),
             repartitioned=s["repart"], policy=s["reason"], wall_ms=1e3 * wall))
         self._last = (s["t0"], s["busy"])
+        if self.prefetch_next:
+            self._begin_next(s["hi"], s["layers"])
+
+    def _begin_next(self, hi: int, layers) -> None:
+        """Begin the forward of position hi + 1 (the next decode step) now: the copy engine
+        fills its first layers' ring slots while this forward's last layers, the sampler
+        and the host's next call run, instead of idling until the next begin_forward."""
+        lo = hi + 1
+        n_pages = lo // self.page_size + 1
+        r = self.pool.r
+        if lo >= self.capacity or n_pages - min(r, n_pages) > self.pool.ring.n_slots:
+            return                        # out of room, or the split must change first
+        self._next_h2d = self.engine.bytes_h2d
+        self._next_valid = list(self.pool.valid_upto)
+        self.pool.begin(n_pages, range(lo // self.page_size, n_pages), layers)
+        self._next = (lo, lo, n_pages, layers)
+
+    def _drop_next(self) -> None:
+        """Forget a forward begun ahead: wait for its copies, free its ring slots, and count
+        the resident pages it refilled or claimed as stale again (the next forward redoes
+        them in its own order). Only a forward that was not the guessed one pays this."""
+        if self._next is not None:
+            self._next = None
+            self.pool.drain()             # first: its slots are released once filled
+            self.pool.end()
+            self.pool.valid_upto = self._next_valid
 
     def _settle_copy_busy(self, now: float, busy: float) -> None:
         """The last forward's copy-busy share, over the time from its begin to this one.
@@ -211,6 +249,8 @@ class StreamingKvCache:
             ring_occupancy=last.ring_occupancy if last else None,
             copy_busy=last.copy_busy_pct / 100 if last else 0.0)
         d = P.step(self.policy_config, self.policy_state, obs)
+        if d.accepted or not P.serves(self.policy_config, d.resident_per_layer, n_pages):
+            self._drop_next()             # the split changes: the guess's slots go back
         if d.accepted:
             # Leased pages only ever block a change (policy.py), so a decision that keeps
             # the split stands without them: they cost a query of every page's fence, so
@@ -229,12 +269,14 @@ class StreamingKvCache:
     # ---- whole-cache operations --------------------------------------------------------------
     def drop_resident(self) -> None:
         """Throw away every resident device page; later reads rebuild them from host history."""
+        self._drop_next()
         self.pool.drop_resident()
 
     def reset(self) -> None:
         """Forget the sequence (the split and the telemetry stay)."""
         if self._step is not None:
             self.end_forward(ok=False)
+        self._drop_next()
         self.pool.forget()
         self.host.reset()
         self.planned_pages = 0
@@ -260,6 +302,7 @@ class StreamingKvCache:
         """Stop the copy engine and give the KV regions back, fenced by their last use."""
         if self._step is not None:
             self.end_forward(ok=False)
+        self._drop_next()
         try:
             self.pool.drain()
         except RuntimeError:      # a failed copy was already raised to its forward
