@@ -2,7 +2,8 @@
 
     python benchmarks/bench_runner.py [--cases streamed:131072,streamed:65536,resident:8192]
         [--arena-mib 2048] [--kv q8_0/q4_0] [--decode-steps 64] [--weights bf16|q4_k|q8_0]
-        [--no-cuda-graphs] [--out benchmarks/results/runner.json]
+        [--prefetch-next both|on|off|default] [--no-cuda-graphs]
+        [--out benchmarks/results/runner.json]
     python benchmarks/bench_runner.py --tiny --device cpu      # the same code, seconds, CPU
 
 Llama-3-8B geometry with random weights made on the device (no file), wrapped by
@@ -53,7 +54,8 @@ def launches_per_step(stats: dict) -> int | None:
     return None
 
 
-def run_case(model, g, mode: str, ctx: int, args, device, meta: dict) -> dict:
+def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
+             prefetch_next: bool | None = None) -> dict:
     import kvcompile
     k_type, v_type = args.kv.split("/")
     arena = args.arena_mib if mode == "streamed" else 0
@@ -66,6 +68,9 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict) -> dict:
                                     kv_stream_arena_mib=arena, cuda_graphs=args.cuda_graphs,
                                     progress=False)
     row["runner_mode"] = e.runner.mode
+    if prefetch_next is not None and hasattr(e.cache, "prefetch_next"):
+        e.cache.prefetch_next = prefetch_next
+    row["prefetch_next"] = getattr(e.cache, "prefetch_next", None)
     ids = S.random_ids(ctx - args.decode_steps - 2, g.vocab, args.seed, "cpu").tolist()
     warm = e.generate(ids[:WARM_PROMPT], max_tokens=WARM_STEPS, temperature=0)
     r = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
@@ -87,7 +92,7 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict) -> dict:
     elif meta.get("hbm_gbps_measured"):
         roof = meta["hbm_gbps_measured"] * 1e9 / (meta["weight_bytes"] + kv_bytes)
         row.update(hbm_roofline_tok_s=roof, decode_vs_hbm_roofline=r.decode_tok_s / roof)
-    log(f"{mode} {ctx}: decode {r.decode_tok_s:.2f} tok/s (x bound "
+    log(f"{mode} {ctx} (next step ahead: {row['prefetch_next']}): decode {r.decode_tok_s:.2f} tok/s (x bound "
         f"{S.fmt(row.get('decode_vs_bound'), '.3f')}, x roofline "
         f"{S.fmt(row.get('decode_vs_hbm_roofline'), '.3f')}), step p50 "
         f"{stats['step_ms']['p50']:.2f} ms, mean/median {mean / median:.3f}, host "
@@ -112,6 +117,9 @@ def parse_args(argv=None):
     ap.add_argument("--weights", default="bf16", help="bf16, or a GGUF type (q4_k, q8_0, ...)")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="default: the Engine's (on for CUDA)")
+    ap.add_argument("--prefetch-next", choices=("default", "on", "off", "both"),
+                    default="both", help="streamed cases: begin the next decode step at the "
+                    "end of each forward (streaming_cache.py), or not, or both in turn")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a 4-layer model, small contexts")
     ap.add_argument("--seed", type=int, default=0)
@@ -138,9 +146,11 @@ def main(argv=None) -> list[dict]:
     model = build_model(g, max(c for _, c in cases), args.weights, device, dtype, args.seed)
     meta["weight_bytes"] = param_bytes(model)
     rows = []
+    ahead = {"default": [None], "on": [True], "off": [False], "both": [False, True]}
     for mode, ctx in cases:
-        rows.append(run_case(model, g, mode, ctx, args, device, meta))
-        save(rows[-1:], args.out)
+        for p in (ahead[args.prefetch_next] if mode == "streamed" else [None]):
+            rows.append(run_case(model, g, mode, ctx, args, device, meta, p))
+            save(rows[-1:], args.out)
     return rows
 
 

@@ -11,7 +11,7 @@ import pytest
 
 import bench_runner
 
-KEEP = ("mode", "context", "kv_type", "arena_mib", "weights", "runner_mode", "decode_tok_s",
+KEEP = ("mode", "context", "prefetch_next", "kv_type", "arena_mib", "weights", "runner_mode", "decode_tok_s",
         "prefill_tok_s", "ttft_s", "step_ms", "mean_over_median_step", "host_step_ms",
         "launches_per_step", "decode_vs_bound", "decode_vs_hbm_roofline", "commit", "date")
 
@@ -19,7 +19,7 @@ KEEP = ("mode", "context", "kv_type", "arena_mib", "weights", "runner_mode", "de
 def run(benchmark, argv):
     rows = benchmark.pedantic(bench_runner.main, args=(argv,), rounds=1, iterations=1)
     for r in rows:
-        key = f"{r['mode']}:{r['context']}"
+        key = f"{r['mode']}:{r['context']}:ahead={r.get('prefetch_next')}"
         benchmark.extra_info[key] = {k: r.get(k) for k in KEEP}
         benchmark.extra_info[key]["captures_second_request"] = r["programs"].get("captures")
     return rows
@@ -31,13 +31,14 @@ def test_runner_tiny_cpu(benchmark, tmp_path, graphs):
     argv = ["--tiny", "--device", "cpu", "--out", str(tmp_path / "runner.json"),
             "--cuda-graphs" if graphs else "--no-cuda-graphs"]
     rows = run(benchmark, argv)
-    assert [r["mode"] for r in rows] == ["streamed", "resident"]
+    assert [r["mode"] for r in rows] == ["streamed", "streamed", "resident"]
+    assert [r["prefetch_next"] for r in rows[:2]] == [False, True]
     for r in rows:
         assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["host_step_ms"] > 0
-    assert rows[0]["tokens"] == rows[1]["tokens"]       # streamed = resident, same prompt
+    assert rows[0]["tokens"] == rows[1]["tokens"] == rows[2]["tokens"]   # same prompt
     assert rows[0]["decode_vs_bound"] is not None and rows[0]["kv"]["streamed_fraction"] > 0
     if graphs:     # all resident with programs: the measured (second) request captures none
-        assert rows[1]["programs"]["captures"] == 0 and rows[1]["runner_mode"] == "phase programs"
+        assert rows[2]["programs"]["captures"] == 0 and rows[2]["runner_mode"] == "phase programs"
         assert rows[0]["runner_mode"] == "eager"     # streamed on the CPU: nothing to capture
 
 
