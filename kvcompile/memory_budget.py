@@ -9,7 +9,7 @@ more fails with a clear error instead of growing past it.
 Workspace (what the forward allocates besides weights and KV): rope tables, the recurrent
 state of hybrid models, the decode kernels' scratch, one prefill ubatch's activations
 (4 bytes an element of a layer's widths: the bf16 activations twice over, room for a
-layer's temporaries and the caching allocator's rounding; docs/performance.md has the
+layer's temporaries and the caching allocator's rounding; benchmarks/results/investigation_log.md has the
 measured peak),
 and a fixed reserve for cuBLAS / Triton workspaces and CUDA-graph pools.
 """

@@ -14,7 +14,7 @@ codes apart from scales, and depends on the role (K or V) for the quantized type
 K is read along D (Q.K contracts over it), so its codes keep D contiguous. V is read along
 positions (P @ V contracts over them), so its codes keep positions contiguous: the tensor
 cores' operand then comes from contiguous bytes, not byte by byte (measured on the H200:
-docs/performance.md). Same bytes per token either way.
+benchmarks/results/investigation_log.md). Same bytes per token either way.
 
 q8_0 and q4_0 follow llama.cpp's blocks of 32 values with one fp16 scale: q8_0 stores
 round(x / d) with d = amax / 127; q4_0 stores min(15, trunc(x / d + 8.5)) with

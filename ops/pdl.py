@@ -51,7 +51,7 @@ def wait_for_producers_hold_next(PDL: tl.constexpr):
     once all of this one's programs have exited (and still waits for its completion). Used
     by the transposed decode split, whose reduce's programs, launched at once, sat on a few
     SMs beside the split's, and by the blocks split over quantized K. Measured per kernel
-    (docs/performance.md): the legacy split and the blocks split over bf16 K were slower
+    (benchmarks/results/investigation_log.md): the legacy split and the blocks split over bf16 K were slower
     with it, the blocks split over quantized K 1-5% faster."""
     if PDL:
         gdc_wait()

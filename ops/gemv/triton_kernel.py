@@ -3,7 +3,7 @@
 
 Why not cuBLAS: on the H200 it reads the 8B decode weights at 0.59 (o proj, 4096 x 4096) to
 0.86 (down) of HBM for one row; these kernels measured 0.72 / 0.92 on the same shapes and
-match it on the large ones (docs/performance.md, results/decode_overhead.json).
+match it on the large ones (benchmarks/results/investigation_log.md, results/decode_overhead.json).
 - one row (`_gemv_row`): CUDA-core FMAs into a [BLOCK_N, BLOCK_K] fp32 tile, summed once
   at the end; a row needs 1 FMA per weight element, far below the issue rate.
 - 2..8 rows (`_gemv_rows`): one tensor-core dot per weight tile, the rows padded to 16.
@@ -161,7 +161,7 @@ def _gemv_rows(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, HAS_BIAS: tl.cons
 
 def row_config(n: int, k: int) -> dict:
     """One row: long K tiles, few output rows a program (measured inside the captured 8B
-    decode step with PDL, the step-ablation probe's gemv:... variants (docs/performance.md), H200,
+    decode step with PDL, the step-ablation probe's gemv:... variants (benchmarks/results/investigation_log.md), H200,
     2026-11-30 05:35-05:37 UTC: against the earlier 4 x 512 (N <= 4096), 16 x 512 (N <= 8192)
     and 16 x 256 tiles, 4 x 1024 for the o and down shapes (N 4096) and 8 x 512 for q/k/v
     (6144) and gate/up (28672) took the step from 4.59 to 4.49 ms); the LM head (N above

@@ -40,7 +40,7 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
                          K_SPLIT: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
     KQ: tl.constexpr = K_TYPE == 2 or K_TYPE == 8
     # Quantized K: the reduce launches once this split's programs exited (as the transposed
-    # split); float K keeps the early launch. Measured both ways: docs/performance.md.
+    # split); float K keeps the early launch. Measured both ways: benchmarks/results/investigation_log.md.
     if KQ:
         wait_for_producers_hold_next(PDL)
     else:
@@ -98,7 +98,7 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
 def blocks_config(head_dim: int, block_m: int, k_quantized: bool) -> dict:
     """Launch defaults. Quantized K with all query rows of a KV head in one 16-row tile
     (decode, narrow verify): the best of a sweep at 8K-256K (H200, 1 query row, 2026-11-30,
-    the overhead probe's sweep; docs/performance.md): small programs, many an
+    the overhead probe's sweep; benchmarks/results/investigation_log.md): small programs, many an
     SM (the loop is latency bound): 64 positions, 1 warp, 8 programs an SM for D <= 128
     (0.58 of HBM at 256K in that sweep, 0.44 with the old defaults of 128 positions x 4 warps
     x 2 programs); 64 positions, 2 warps, 4 programs an SM for D = 256 (0.45, old defaults

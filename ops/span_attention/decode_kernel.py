@@ -32,7 +32,7 @@ def legacy_programs_per_sm(head_dim: int, k_quantized: bool) -> int:
     """Split programs an SM: 4 for float K at D <= 128 (bf16 KV, 1 row: 0.80 / 0.98 of HBM at
     32K / 128K vs 0.73 / 0.88 with 2), else 2 (D = 256 bf16 measured slower with 4: 0.61 vs
     0.70 at 32K; quantized K here means a wide verify, not measured with 4); H200 sweep,
-    2026-11-30 (the overhead probe's sweep, docs/performance.md)."""
+    2026-11-30 (the overhead probe's sweep, benchmarks/results/investigation_log.md)."""
     return 4 if head_dim <= 128 and not k_quantized else 2
 
 

@@ -252,7 +252,7 @@ def reduce_warps(tile_floats: int, rot: bool, block_d: int, few_warps: bool = Fa
     """Warps of a reduce program: 4, or 8 for tiles over REDUCE_TILE_FLOATS or over 64
     columns. `few_warps` (after the transposed split): 1 without a rotation up to
     REDUCE_ONE_WARP_FLOATS, 2 with one up to REDUCE_TILE_FLOATS. H200, 2026-11-30,
-    the overhead probe (docs/performance.md): after the transposed split (128 chunks a head) one warp
+    the overhead probe (benchmarks/results/investigation_log.md): after the transposed split (128 chunks a head) one warp
     saved 0.4-1.0 us a call (outputs within a rounding of the 4-warp ones: another fp32
     summation order), 2 warps with the models' rotation 0.3-0.8 us; after the legacy split
     (bf16, 64 chunks) one warp cost 1.2 us (38.9 against 37.7 at 8 x 128, 32K), so the
@@ -273,7 +273,7 @@ def launch_reduce(sh: DecodeShape, bufs, q_pos, n_chunks: int, chunk_len: int,
     in chunk order; with `out_rot` (fp32 diagonal blocks [NB, B, B] of the output's
     rotation, applied before the one rounding), per block of B columns. `few_warps`: see
     reduce_warps. `block_d` (no rotation only), `num_warps`: other launches, for probes
-    (the overhead probe, docs/performance.md)."""
+    (the overhead probe, benchmarks/results/investigation_log.md)."""
     m_buf, l_buf, acc_buf = bufs
     out = sh.out
     rot = out_rot is not None

@@ -166,7 +166,7 @@ def transposed_takes(k_quantized: bool, v_quantized: bool, rows_per_kv_head: int
 
 def transposed_config(head_dim: int, tma: bool) -> dict:
     """Launch defaults from sweeps at 32K-256K (H200, 1 query row, q8_0/q4_0, 2026-11-30,
-    bench_attention.py; docs/performance.md): 64 positions; 2 warps x 8 programs an SM for
+    bench_attention.py; benchmarks/results/investigation_log.md): 64 positions; 2 warps x 8 programs an SM for
     D <= 128, 4 warps x 4 programs an SM for D = 256 (128 registers a thread either way in
     the offline sm_90 count). Codes read by TMA: 2 stages (at D 256, 3 took 163 registers,
     3 programs an SM); by pointers (cp.async): 3 stages."""
