@@ -67,6 +67,14 @@ def _add_generate(sub) -> None:
                         "as piecewise CUDA graphs between the per-layer KV hooks. Default: on "
                         "with a cuda device, off on the CPU (where --cuda-graphs runs the "
                         "same programs eagerly); --no-cuda-graphs debugs eagerly")
+    p.add_argument("--spec-type", default="none",
+                   help="speculative decoding: none (the default) or ngram-simple (drafts "
+                        "from earlier occurrences of the last tokens in the prompt and output; "
+                        "the output is the same, in fewer forwards)")
+    p.add_argument("--spec-ngram-size-n", type=int, default=3,
+                   help="ngram-simple: tokens of the lookup key (3)")
+    p.add_argument("--spec-ngram-size-m", type=int, default=8,
+                   help="ngram-simple: most tokens a draft proposes (8)")
     p.add_argument("--device", default=None,
                    help="cpu (the default), cuda or cuda:N")
     p.add_argument("--dtype", default="auto",
@@ -129,7 +137,9 @@ def _run_generate(args) -> int:
                     cache_type_v=args.cache_type_v, device=args.device, ubatch=args.ubatch_size,
                     progress=not args.no_progress, kv_stream_arena_mib=args.kv_stream_arena_mib,
                     trace=args.trace, cuda_graphs=args.cuda_graphs, dtype=args.dtype,
-                    gpu_memory_gib=args.gpu_memory_gib)
+                    gpu_memory_gib=args.gpu_memory_gib, spec_type=args.spec_type,
+                    spec_ngram_size_n=args.spec_ngram_size_n,
+                    spec_ngram_size_m=args.spec_ngram_size_m)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})

@@ -21,6 +21,9 @@ from kvcompile.default_model import resolve_model_path
 from kvcompile.loader import load_model, open_model
 from kvcompile.memory_budget import plan_engine_memory
 from kvcompile.runner import StepRunner, make_sequence_cache
+from kvcompile.speculative import accept_greedy, accept_sampled
+from kvcompile.speculative.options import SpecOptions, check_model_supports
+from kvcompile.speculative.stats import SpecStats
 from kvcompile.runtime.telemetry import summarize
 from kvcompile.sampling import Sampler, SamplingParams
 from kvcompile.stop_strings import StopStringFilter
@@ -44,6 +47,7 @@ class GenerationResult:
     step_s: list = field(default_factory=list)   # each decode step's seconds, in order
     host_s: list = field(default_factory=list)   # each forward's host time (prefill chunks
     # first, then decode steps): until its work was queued, before waiting for the device
+    speculative: dict = field(default_factory=dict)   # drafted / accepted tokens, widths
 
     @property
     def prefill_tok_s(self) -> float:
@@ -81,9 +85,13 @@ class GenerationResult:
         steps = self.step_ms()
         step = (f", step p50 {steps['p50']:.1f} / p90 {steps['p90']:.1f} / max "
                 f"{steps['max']:.1f} ms" if steps else "")
+        spec = self.speculative
+        spec = (f"; speculative: {spec['accepted']} of {spec['drafted']} drafted tokens "
+                f"accepted, {spec['tokens_per_forward']:.2f} tokens a forward" if spec else "")
         return (f"[{self.prompt_tokens} prompt tokens, {self.completion_tokens} generated "
                 f"({self.finish_reason}); first token after {self.prefill_s:.2f} s; prefill "
-                f"{self.prefill_tok_s:.1f} tok/s, decode {self.decode_tok_s:.1f} tok/s{step}]")
+                f"{self.prefill_tok_s:.1f} tok/s, decode {self.decode_tok_s:.1f} tok/s{step}"
+                f"{spec}]")
 
 
 def _context_size(ctx_size: int | None, limit: int) -> int:
@@ -133,8 +141,11 @@ class Engine:
                  cache_type_v: str = "f32", device: str | None = None,
                  dtype: torch.dtype | str | None = None, ubatch: int = 256, progress: bool = True,
                  kv_stream_arena_mib: float | str = 0, trace: bool = False,
-                 cuda_graphs: bool | None = None, gpu_memory_gib: float | None = None):
+                 cuda_graphs: bool | None = None, gpu_memory_gib: float | None = None,
+                 spec_type: str = "none", spec_ngram_size_n: int = 3,
+                 spec_ngram_size_m: int = 8):
         # what needs no model is checked before the (possibly long) load
+        spec = SpecOptions.checked(spec_type, spec_ngram_size_n, spec_ngram_size_m)
         device = parse_device(device)
         check_engine_options(ctx_size, ubatch, cache_type_k, cache_type_v, kv_stream_arena_mib,
                              gpu_memory_gib)
@@ -148,13 +159,14 @@ class Engine:
         loaded = load_model(source, device=device, dtype=dtype, progress=progress)
         self._setup(loaded.model, loaded.config, loaded.tokenizer, loaded.path, device, dtype,
                     ctx, ubatch, cache_type_k, cache_type_v, kv_stream_arena_mib, memory,
-                    cuda_graphs, progress, trace)
+                    cuda_graphs, progress, trace, spec)
 
     @classmethod
     def from_model(cls, model, *, tokenizer=None, ctx_size: int | None = None,
                    cache_type_k: str = "f32", cache_type_v: str = "f32", ubatch: int = 256,
                    progress: bool = True, kv_stream_arena_mib: float = 0, trace: bool = False,
-                   cuda_graphs: bool | None = None) -> "Engine":
+                   cuda_graphs: bool | None = None, spec_type: str = "none",
+                   spec_ngram_size_n: int = 3, spec_ngram_size_m: int = 8) -> "Engine":
         """An Engine over a model built in memory (weights made or quantized on the device,
         no file): its device and dtype are its parameters'. Without a tokenizer, prompts are
         token ids and results carry token ids only (their text is empty)."""
@@ -163,6 +175,7 @@ class Engine:
                                  "budget is planned from its header); give a size in MiB")
         check_engine_options(ctx_size, ubatch, cache_type_k, cache_type_v, kv_stream_arena_mib,
                              None)
+        spec = SpecOptions.checked(spec_type, spec_ngram_size_n, spec_ngram_size_m)
         p = next(model.parameters(), None)
         if p is None:
             p = next(model.buffers())
@@ -171,11 +184,13 @@ class Engine:
         self._setup(model, config, tokenizer or TokenIdsOnly(config.vocab_size), None,
                     p.device, p.dtype, _context_size(ctx_size, config.context_length), ubatch,
                     cache_type_k, cache_type_v, kv_stream_arena_mib, None, cuda_graphs,
-                    progress, trace)
+                    progress, trace, spec)
         return self
 
     def _setup(self, model, config, tokenizer, path, device, dtype, ctx, ubatch, k_type,
-               v_type, arena_mib, memory, cuda_graphs, progress, trace) -> None:
+               v_type, arena_mib, memory, cuda_graphs, progress, trace, spec) -> None:
+        check_model_supports(model, spec)
+        self.spec = spec
         self.model, self.config, self.tokenizer, self.path = model, config, tokenizer, path
         self.device, self.dtype, self.memory = torch.device(device), dtype, memory
         if memory is not None:
@@ -269,15 +284,13 @@ class Engine:
         prefill_s, step_s = 0.0, []
         if not budget:
             prefill_s = time.perf_counter() - t0
-        for step in range(budget):
-            if step:
+        spec_stats = SpecStats() if self.spec.enabled else None
+        tokens = (self._speculative_tokens(logits, sampler, history, budget, step_s, spec_stats)
+                  if spec_stats is not None else
+                  self._plain_tokens(logits, sampler, history, budget, step_s))
+        for n, token in enumerate(tokens):
+            if n:
                 self._check_current(request)
-                t = time.perf_counter()
-                pos = len(history) - 1
-                logits = self.forward([history[-1]], pos)
-            token = sampler(logits, history)
-            if step:
-                step_s.append(time.perf_counter() - t)
             else:
                 prefill_s = time.perf_counter() - t0      # to the first token
             if token in stop_ids:
@@ -292,6 +305,7 @@ class Engine:
             if stops.stopped:
                 finish = "stop"
                 break
+        tokens.close()
         self._check_current(request)      # paused at its last piece: the result would mix
         tail = stops.feed(text_of.flush()) + stops.flush()
         if tail:
@@ -302,7 +316,64 @@ class Engine:
                                          finish, prefill_s, sum(step_s),
                                          summarize(telemetry[first_step:]),
                                          self.runner.request_stats(), step_s,
-                                         list(self.runner.host_s))
+                                         list(self.runner.host_s),
+                                         spec_stats.as_dict() if spec_stats else {})
+
+    def _plain_tokens(self, logits, sampler, history, budget, step_s):
+        """One token a forward: sampled from the logits, fed back at the next position (the
+        consumer appends each token it keeps to `history`)."""
+        for step in range(budget):
+            if step:
+                t = time.perf_counter()
+                logits = self.forward([history[-1]], len(history) - 1)
+            token = sampler(logits, history)
+            if step:
+                step_s.append(time.perf_counter() - t)
+            yield token
+
+    def _speculative_tokens(self, logits, sampler, history, budget, step_s, stats):
+        """Tokens from verify forwards: the pending token and a draft go through one step
+        (all rows' logits), the acceptance rule keeps the draft's valid prefix and adds the
+        target's own token after it. KV rows of rejected drafts are rewritten by the next
+        forward (attention is causal by position, so they are never read before)."""
+        drafter = self.spec.drafter()
+        drafter.reset(history)
+        token = sampler(logits, history)
+        made = 1
+        yield token                      # the consumer appended it to history
+        while made < budget:
+            pos = len(history) - 1       # the pending token's position
+            drafter.extend(history[len(drafter.history):])
+            room = min(budget - made - 1, self.ctx_size - 1 - pos)
+            draft = drafter.draft(limit=room) if room > 0 else []
+            t = time.perf_counter()
+            rows = self.forward_rows([history[-1]] + draft, pos)
+            emitted = self._accept(draft, rows, sampler, history)
+            step_s.append(time.perf_counter() - t)
+            stats.record(len(draft), len(emitted) - 1)
+            for tok in emitted:
+                made += 1
+                yield tok
+                if made >= budget:
+                    return
+
+    @staticmethod
+    def _accept(draft, rows, sampler, history) -> list[int]:
+        hist = list(history)
+        if sampler.params.temperature == 0:
+            picks = []
+            for j, row in enumerate(rows):       # the penalty sees the draft prefix as history
+                picks.append(sampler(row, hist + draft[:j]))
+                if j < len(draft) and picks[-1] != draft[j]:
+                    break
+            picks += [0] * (len(draft) + 1 - len(picks))    # rows past a mismatch: unused
+            return accept_greedy(draft, picks)
+        probs = [sampler.probs(row, hist + draft[:j]) for j, row in enumerate(rows)]
+        return accept_sampled(draft, probs, sampler.generator)
+
+    def forward_rows(self, ids: list[int], start: int) -> torch.Tensor:
+        """Every row's logits of ids at positions start.. (a verify step)."""
+        return self.runner.step(ids, start, all_rows=True)
 
     def _check_current(self, request: int) -> None:
         if request != self._request:

@@ -79,20 +79,26 @@ class StepRunner:
         return "eager"
 
     # ---- one step ----------------------------------------------------------------------
-    def step(self, ids: list[int], start: int) -> torch.Tensor:
-        """Run ids at positions start.. through the model; the logits of the last one (on
-        the device: reading them waits for the step)."""
+    def step(self, ids: list[int], start: int, all_rows: bool = False) -> torch.Tensor:
+        """Run ids at positions start.. through the model; the logits of the last one, or
+        of every row with all_rows (a verify step), on the device: reading them waits for
+        the step. A program's output buffer is valid until its next step."""
         t = time.perf_counter()
-        if self.phases is not None:
-            logits = self.phases.forward(ids, start)[-1]
-        elif self.piecewise is not None and len(ids) == self.piecewise.rows:
-            logits = self.piecewise.step(ids, start)[-1]
+        n = len(ids)
+        if self.phases is not None and (not all_rows or n <= self.phases.buckets[-1]):
+            logits = self.phases.forward(ids, start)      # a decode program: every row
+            logits = logits if all_rows else logits[-1]
+        elif self.piecewise is not None and n == self.piecewise.rows:
+            logits = self.piecewise.step(ids, start)
+            logits = logits if all_rows else logits[-1]
         else:
+            if self.phases is not None:
+                self.phases.enter("prefill")   # a wide eager step: the prefill layout
             tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
-            positions = torch.arange(start, start + len(ids), dtype=torch.long,
-                                     device=self.device)
-            logits = run_forward(self.model, self.cache, tokens, positions, last_only=True,
-                                 layers=self.trunk_layers, start=start)[-1]
+            positions = torch.arange(start, start + n, dtype=torch.long, device=self.device)
+            logits = run_forward(self.model, self.cache, tokens, positions,
+                                 last_only=not all_rows, layers=self.trunk_layers, start=start)
+            logits = logits if all_rows else logits[-1]
         self.host_s.append(time.perf_counter() - t)
         if self.trace and getattr(self.cache, "telemetry", None):
             print(f"[kv step] {self.cache.telemetry[-1].as_dict()}", file=sys.stderr)

@@ -82,17 +82,26 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
+        logits = self._penalized(logits, history)
+        if self.params.temperature == 0:
+            return int(torch.argmax(logits))
+        return int(torch.multinomial(self._probs(logits), 1, generator=self.generator)[0])
+
+    def probs(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
+        """The distribution a token is drawn from after `history` (temperature > 0):
+        penalty, top-k, temperature, min-p, top-p applied, normalized."""
+        return self._probs(self._penalized(logits, history))
+
+    def _penalized(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
         p = self.params
         logits = logits.detach().float().cpu().clone()
         if p.repeat_penalty != 1.0 and p.repeat_last_n and history:
             recent = torch.tensor(sorted(set(history[-p.repeat_last_n:])), dtype=torch.long)
             vals = logits[recent]
             logits[recent] = torch.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
-        if p.temperature == 0:
-            return int(torch.argmax(logits))
-        return int(self._sample(logits))
+        return logits
 
-    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
         if p.top_k and p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]
@@ -106,4 +115,4 @@ class Sampler:
             # keep the smallest prefix whose mass reaches top_p (always at least one token)
             sorted_probs = sorted_probs.masked_fill(before >= p.top_p * sorted_probs.sum(), 0.0)
             probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-        return torch.multinomial(probs / probs.sum(), 1, generator=self.generator)[0]
+        return probs / probs.sum()
