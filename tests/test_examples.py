@@ -19,7 +19,7 @@ def run(script: str, *args, stdin: str | None = None) -> subprocess.CompletedPro
 
 
 def test_every_example_has_a_test():
-    tested = {"quickstart.py", "long_text_qa.py", "chat.py"}
+    tested = {"quickstart.py", "long_text_qa.py", "chat.py", "speculative.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -43,3 +43,11 @@ def test_chat_keeps_the_history():
     assert len(turns) == 2
     (p1, g1), (p2, _) = turns
     assert p2 > p1 + g1                             # the second prompt holds the first turn
+
+
+def test_speculative_gives_the_same_tokens_in_fewer_forwards():
+    r = run("speculative.py", "--max-tokens", "32")
+    assert "same tokens: True" in r.stdout
+    forwards, tokens = map(int, re.search(r"(\d+) verify forwards for (\d+) tokens",
+                                          r.stdout).groups())
+    assert forwards < tokens
