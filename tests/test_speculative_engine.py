@@ -89,3 +89,45 @@ def test_sampled_speculation_runs_and_reports(model):
     s = r.speculative
     assert r.completion_tokens == 40 and all(0 <= t < CFG.vocab_size for t in r.token_ids)
     assert s["forwards"] + 1 + s["accepted"] == r.completion_tokens and s["drafted"] > 0
+
+
+def _chi2_passes(counts, probs, n) -> bool:
+    from test_speculative_rules import _critical
+    expected = n * probs
+    keep = expected > 5
+    chi2 = float(((counts - expected) ** 2 / expected)[keep].sum())
+    return chi2 < _critical(int(keep.sum()) - 1)
+
+
+@pytest.mark.parametrize("rule", ["engine", "wrong"])
+def test_engine_acceptance_keeps_the_models_next_token_distribution(model, rule, monkeypatch):
+    """At temperature 1 (top-k 0, top-p 1, min-p 0: the plain softmax), the Engine's
+    acceptance over the rows of a real verify forward of the tiny model gives a first token
+    distributed as the model's own next-token softmax (what decoding without speculation
+    samples from), chi-square over 20,000 draws; a wrong rule (resampling from p itself
+    after a rejection) fails. Two independent samples, as in test_speculative_rules."""
+    import kvcompile.engine as engine_mod
+    from kvcompile.sampling import Sampler, SamplingParams
+    from test_speculative_rules import _wrong_rule
+    e = Engine.from_model(model, ctx_size=256, progress=False, spec_type="ngram-simple")
+    rng = torch.Generator().manual_seed(SEED + 5)
+    prompt = torch.randint(0, CFG.vocab_size, (40,), generator=rng).tolist()
+    e.runner.begin_request(64)
+    with torch.inference_mode():
+        e.runner.step(prompt[:-1], 0)
+        p0 = torch.softmax(e.runner.step(prompt[-1:], 39, all_rows=True)[-1].float(), -1)
+        draft = [int(p0.argmax())]                  # the likeliest token: often kept
+        rows = e.forward_rows(prompt[-1:] + draft, 39).float().clone()
+    torch.testing.assert_close(torch.softmax(rows[0], -1), p0, rtol=1e-5, atol=1e-6)
+    if rule == "wrong":
+        monkeypatch.setattr(engine_mod, "accept_sampled",
+                            lambda d, probs, g: _wrong_rule(d, probs, g))
+    sampler = Sampler(SamplingParams.from_options(temperature=1.0, top_k=0, top_p=1.0,
+                                                  min_p=0.0, seed=SEED % 1000))
+    n, passes = 20000, []
+    for _ in range(2):
+        counts = torch.zeros(CFG.vocab_size)
+        for _ in range(n):
+            counts[e._accept(draft, rows, sampler, prompt)[0]] += 1
+        passes.append(_chi2_passes(counts, p0, n))
+    assert any(passes) == (rule == "engine"), (SEED, passes)
