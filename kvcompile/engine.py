@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field, fields
-from typing import Iterator
 
 import torch
 from tqdm import tqdm
@@ -21,7 +19,8 @@ from kvcompile.default_model import resolve_model_path
 from kvcompile.loader import load_model, open_model
 from kvcompile.memory_budget import plan_engine_memory
 from kvcompile.runner import StepRunner, make_sequence_cache
-from kvcompile.speculative import accept_greedy, accept_sampled
+from kvcompile.generation_result import GenerationResult, TokenStream
+from kvcompile.speculative.decode import plain_tokens, speculative_tokens
 from kvcompile.speculative.options import SpecOptions, check_model_supports
 from kvcompile.speculative.stats import SpecStats
 from kvcompile.runtime.telemetry import summarize
@@ -31,67 +30,6 @@ from kvcompile.tokenizer import StreamDecoder
 
 DEFAULT_CTX_SIZE = 4096
 PREFILL_BAR_TOKENS = 2048       # prompts from this long show a prefill progress bar
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str            # "stop" (EOS / end of turn / stop string) or "length"
-    prefill_s: float              # to the first token (its sampling included): the TTFT
-    decode_s: float               # the decode steps, each to its token's read (GPU completion)
-    kv: dict = field(default_factory=dict)   # streaming telemetry (empty when all resident)
-    phases: dict = field(default_factory=dict)   # cuda_graphs only: program counters
-    step_s: list = field(default_factory=list)   # each decode step's seconds, in order
-    host_s: list = field(default_factory=list)   # each forward's host time (prefill chunks
-    # first, then decode steps): until its work was queued, before waiting for the device
-    speculative: dict = field(default_factory=dict)   # drafted / accepted tokens, widths
-
-    @property
-    def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
-
-    @property
-    def decode_tok_s(self) -> float:
-        steps = max(self.completion_tokens - 1, 0)   # the first token comes out of prefill
-        return steps / self.decode_s if self.decode_s else 0.0
-
-    def step_ms(self) -> dict:
-        """p50, p90 and max of the decode steps' times, in milliseconds (empty: no step)."""
-        if not self.step_s:
-            return {}
-        t = sorted(self.step_s)
-        pick = lambda q: 1e3 * t[min(len(t) - 1, int(q * len(t)))]   # noqa: E731
-        return dict(p50=pick(0.5), p90=pick(0.9), max=1e3 * t[-1])
-
-    def stats(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name not in ("text", "token_ids", "step_s", "host_s")}
-        out.update(ttft_s=self.prefill_s, prefill_tok_s=self.prefill_tok_s,
-                   decode_tok_s=self.decode_tok_s, step_ms=self.step_ms(),
-                   host_step_ms=self.host_step_ms())
-        return out
-
-    def host_step_ms(self) -> float | None:
-        """Median host time of the decode steps, in milliseconds (None: no step)."""
-        steps = self.host_s[len(self.host_s) - len(self.step_s):] if self.step_s else []
-        return 1e3 * sorted(steps)[len(steps) // 2] if steps else None
-
-    def stats_line(self) -> str:
-        """One line for people: tokens, time to first token, prefill and decode rates, step
-        time percentiles."""
-        steps = self.step_ms()
-        step = (f", step p50 {steps['p50']:.1f} / p90 {steps['p90']:.1f} / max "
-                f"{steps['max']:.1f} ms" if steps else "")
-        spec = self.speculative
-        spec = (f"; speculative: {spec['accepted']} of {spec['drafted']} drafted tokens "
-                f"accepted, {spec['tokens_per_forward']:.2f} tokens a forward" if spec else "")
-        return (f"[{self.prompt_tokens} prompt tokens, {self.completion_tokens} generated "
-                f"({self.finish_reason}); first token after {self.prefill_s:.2f} s; prefill "
-                f"{self.prefill_tok_s:.1f} tok/s, decode {self.decode_tok_s:.1f} tok/s{step}"
-                f"{spec}]")
 
 
 def _context_size(ctx_size: int | None, limit: int) -> int:
@@ -120,20 +58,6 @@ class TokenIdsOnly:
 
     def token_bytes(self, token_id: int, special: bool = True) -> bytes:
         return b""
-
-
-class TokenStream:
-    """Iterator of text pieces; `.result` holds the GenerationResult once exhausted."""
-
-    def __init__(self, pieces: Iterator[str]):
-        self._pieces = pieces
-        self.result: GenerationResult | None = None
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> str:
-        return next(self._pieces)
 
 
 class Engine:
@@ -285,9 +209,10 @@ class Engine:
         if not budget:
             prefill_s = time.perf_counter() - t0
         spec_stats = SpecStats() if self.spec.enabled else None
-        tokens = (self._speculative_tokens(logits, sampler, history, budget, step_s, spec_stats)
+        tokens = (speculative_tokens(self.forward_rows, self.spec.drafter(), logits, sampler,
+                                     history, budget, self.ctx_size, step_s, spec_stats)
                   if spec_stats is not None else
-                  self._plain_tokens(logits, sampler, history, budget, step_s))
+                  plain_tokens(self.forward, logits, sampler, history, budget, step_s))
         for n, token in enumerate(tokens):
             if n:
                 self._check_current(request)
@@ -318,58 +243,6 @@ class Engine:
                                          self.runner.request_stats(), step_s,
                                          list(self.runner.host_s),
                                          spec_stats.as_dict() if spec_stats else {})
-
-    def _plain_tokens(self, logits, sampler, history, budget, step_s):
-        """One token a forward: sampled from the logits, fed back at the next position (the
-        consumer appends each token it keeps to `history`)."""
-        for step in range(budget):
-            if step:
-                t = time.perf_counter()
-                logits = self.forward([history[-1]], len(history) - 1)
-            token = sampler(logits, history)
-            if step:
-                step_s.append(time.perf_counter() - t)
-            yield token
-
-    def _speculative_tokens(self, logits, sampler, history, budget, step_s, stats):
-        """Tokens from verify forwards: the pending token and a draft go through one step
-        (all rows' logits), the acceptance rule keeps the draft's valid prefix and adds the
-        target's own token after it. KV rows of rejected drafts are rewritten by the next
-        forward (attention is causal by position, so they are never read before)."""
-        drafter = self.spec.drafter()
-        drafter.reset(history)
-        token = sampler(logits, history)
-        made = 1
-        yield token                      # the consumer appended it to history
-        while made < budget:
-            pos = len(history) - 1       # the pending token's position
-            drafter.extend(history[len(drafter.history):])
-            room = min(budget - made - 1, self.ctx_size - 1 - pos)
-            draft = drafter.draft(limit=room) if room > 0 else []
-            t = time.perf_counter()
-            rows = self.forward_rows([history[-1]] + draft, pos)
-            emitted = self._accept(draft, rows, sampler, history)
-            step_s.append(time.perf_counter() - t)
-            stats.record(len(draft), len(emitted) - 1)
-            for tok in emitted:
-                made += 1
-                yield tok
-                if made >= budget:
-                    return
-
-    @staticmethod
-    def _accept(draft, rows, sampler, history) -> list[int]:
-        hist = list(history)
-        if sampler.params.temperature == 0:
-            picks = []
-            for j, row in enumerate(rows):       # the penalty sees the draft prefix as history
-                picks.append(sampler(row, hist + draft[:j]))
-                if j < len(draft) and picks[-1] != draft[j]:
-                    break
-            picks += [0] * (len(draft) + 1 - len(picks))    # rows past a mismatch: unused
-            return accept_greedy(draft, picks)
-        probs = [sampler.probs(row, hist + draft[:j]) for j, row in enumerate(rows)]
-        return accept_sampled(draft, probs, sampler.generator)
 
     def forward_rows(self, ids: list[int], start: int) -> torch.Tensor:
         """Every row's logits of ids at positions start.. (a verify step)."""

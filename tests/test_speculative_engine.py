@@ -106,7 +106,7 @@ def test_engine_acceptance_keeps_the_models_next_token_distribution(model, rule,
     distributed as the model's own next-token softmax (what decoding without speculation
     samples from), chi-square over 20,000 draws; a wrong rule (resampling from p itself
     after a rejection) fails. Two independent samples, as in test_speculative_rules."""
-    import kvcompile.engine as engine_mod
+    import kvcompile.speculative.decode as decode
     from kvcompile.sampling import Sampler, SamplingParams
     from test_speculative_rules import _wrong_rule
     e = Engine.from_model(model, ctx_size=256, progress=False, spec_type="ngram-simple")
@@ -120,7 +120,7 @@ def test_engine_acceptance_keeps_the_models_next_token_distribution(model, rule,
         rows = e.forward_rows(prompt[-1:] + draft, 39).float().clone()
     torch.testing.assert_close(torch.softmax(rows[0], -1), p0, rtol=1e-5, atol=1e-6)
     if rule == "wrong":
-        monkeypatch.setattr(engine_mod, "accept_sampled",
+        monkeypatch.setattr(decode, "accept_sampled",
                             lambda d, probs, g: _wrong_rule(d, probs, g))
     sampler = Sampler(SamplingParams.from_options(temperature=1.0, top_k=0, top_p=1.0,
                                                   min_p=0.0, seed=SEED % 1000))
@@ -128,6 +128,6 @@ def test_engine_acceptance_keeps_the_models_next_token_distribution(model, rule,
     for _ in range(2):
         counts = torch.zeros(CFG.vocab_size)
         for _ in range(n):
-            counts[e._accept(draft, rows, sampler, prompt)[0]] += 1
+            counts[decode.accept(draft, rows, sampler, prompt)[0]] += 1
         passes.append(_chi2_passes(counts, p0, n))
     assert any(passes) == (rule == "engine"), (SEED, passes)

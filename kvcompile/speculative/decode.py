@@ -1,0 +1,61 @@
+"""Where a request's tokens come from after prefill: one token a forward, or verify forwards
+of the pending token and a draft. Both yield tokens one at a time; the Engine's loop appends
+each token it keeps to `history` (a stop ends it), and each forward's time, to the sampler's
+read of its result (GPU completion), goes to `step_s`."""
+from __future__ import annotations
+
+import time
+
+from kvcompile.speculative.accept import accept_greedy, accept_sampled
+
+
+def plain_tokens(forward, logits, sampler, history, budget, step_s):
+    """One token a forward: sampled from the logits, fed back at the next position."""
+    for step in range(budget):
+        if step:
+            t = time.perf_counter()
+            logits = forward([history[-1]], len(history) - 1)
+        token = sampler(logits, history)
+        if step:
+            step_s.append(time.perf_counter() - t)
+        yield token
+
+
+def speculative_tokens(forward_rows, drafter, logits, sampler, history, budget, ctx_size,
+                       step_s, stats):
+    """Tokens from verify forwards: the pending token and the drafter's proposal go through
+    one step (every row's logits); the acceptance rule keeps the draft's valid prefix and
+    adds the target's own token after it. KV rows of rejected drafts are rewritten by the
+    next forward (attention is causal by position, so they are never read before)."""
+    drafter.reset(history)
+    made = 1
+    yield sampler(logits, history)
+    while made < budget:
+        pos = len(history) - 1           # the pending token's position
+        drafter.extend(history[len(drafter.history):])
+        room = min(budget - made - 1, ctx_size - 1 - pos)
+        draft = drafter.draft(limit=room) if room > 0 else []
+        t = time.perf_counter()
+        rows = forward_rows([history[-1]] + draft, pos)
+        emitted = accept(draft, rows, sampler, history)
+        step_s.append(time.perf_counter() - t)
+        stats.record(len(draft), len(emitted) - 1)
+        for tok in emitted:
+            made += 1
+            yield tok
+
+
+def accept(draft, rows, sampler, history) -> list[int]:
+    """The tokens a verify forward emits: the sampler's own rule per row (its penalty sees
+    the draft prefix as history), greedy or sampled acceptance over the rows."""
+    hist = list(history)
+    if sampler.params.temperature == 0:
+        picks = []
+        for j, row in enumerate(rows):
+            picks.append(sampler(row, hist + draft[:j]))
+            if j < len(draft) and picks[-1] != draft[j]:
+                break
+        picks += [0] * (len(draft) + 1 - len(picks))     # rows past a mismatch: unused
+        return accept_greedy(draft, picks)
+    probs = [sampler.probs(row, hist + draft[:j]) for j, row in enumerate(rows)]
+    return accept_sampled(draft, probs, sampler.generator)
