@@ -6,6 +6,11 @@ from dataclasses import dataclass, field, fields
 from typing import Iterator
 
 
+def _ms_at(ordered: list, q: float) -> float:
+    """The q quantile of ascending seconds, in milliseconds (the element at q * n)."""
+    return 1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 @dataclass
 class GenerationResult:
     text: str
@@ -36,8 +41,7 @@ class GenerationResult:
         if not self.step_s:
             return {}
         t = sorted(self.step_s)
-        pick = lambda q: 1e3 * t[min(len(t) - 1, int(q * len(t)))]   # noqa: E731
-        return dict(p50=pick(0.5), p90=pick(0.9), max=1e3 * t[-1])
+        return dict(p50=_ms_at(t, 0.5), p90=_ms_at(t, 0.9), max=1e3 * t[-1])
 
     def stats(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)
@@ -50,7 +54,7 @@ class GenerationResult:
     def host_step_ms(self) -> float | None:
         """Median host time of the decode steps, in milliseconds (None: no step)."""
         steps = self.host_s[len(self.host_s) - len(self.step_s):] if self.step_s else []
-        return 1e3 * sorted(steps)[len(steps) // 2] if steps else None
+        return _ms_at(sorted(steps), 0.5) if steps else None
 
     def stats_line(self) -> str:
         """One line for people: tokens, time to first token, prefill and decode rates, step

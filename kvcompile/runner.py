@@ -87,10 +87,8 @@ class StepRunner:
         n = len(ids)
         if self.phases is not None and (not all_rows or n <= self.phases.buckets[-1]):
             logits = self.phases.forward(ids, start)      # a decode program: every row
-            logits = logits if all_rows else logits[-1]
         elif self.piecewise is not None and n == self.piecewise.rows:
             logits = self.piecewise.step(ids, start)
-            logits = logits if all_rows else logits[-1]
         else:
             if self.phases is not None:
                 self.phases.enter("prefill")   # a wide eager step: the prefill layout
@@ -98,7 +96,7 @@ class StepRunner:
             positions = torch.arange(start, start + n, dtype=torch.long, device=self.device)
             logits = run_forward(self.model, self.cache, tokens, positions,
                                  last_only=not all_rows, layers=self.trunk_layers, start=start)
-            logits = logits if all_rows else logits[-1]
+        logits = logits if all_rows else logits[-1]
         self.host_s.append(time.perf_counter() - t)
         if self.trace and getattr(self.cache, "telemetry", None):
             print(f"[kv step] {self.cache.telemetry[-1].as_dict()}", file=sys.stderr)

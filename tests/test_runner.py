@@ -3,7 +3,6 @@ ids; greedy tokens against a recompute-everything oracle, streamed against resid
 split a request (no repartition storm), per-request program counters, host times."""
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import pytest
@@ -13,15 +12,10 @@ from kvcompile.engine import Engine
 from kvcompile.errors import KvcompileError
 from kvcompile.kv_cache import PagedKvCache
 from kvcompile.models.llama import LlamaModel
+from kernel_oracle import fresh_seed
 from test_kv_cache import TINY, tiny_weights
 
 CFG = replace(TINY, context_length=4096)
-
-
-def fresh_seed() -> int:
-    seed = int(os.environ.get("KVC_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"seed {seed} (set KVC_SEED to replay)")
-    return seed
 
 
 @pytest.fixture(scope="module")
