@@ -35,7 +35,8 @@ def generate(prompt: str | None = None, model=None, *, messages: list[dict] | No
     """Generate a completion. kwargs: sampling (max_tokens, temperature, top_k, top_p, min_p,
     repeat_penalty, repeat_last_n, seed, stop) and engine options (ctx_size, cache_type_k,
     cache_type_v, device, dtype, ubatch, progress, kv_stream_arena_mib, trace, cuda_graphs,
-    gpu_memory_gib, spec_type, spec_ngram_size_n, spec_ngram_size_m).
+    gpu_memory_gib, spec_type, spec_ngram_size_n, spec_ngram_size_m, spec_draft_n_max,
+    spec_draft_p_min).
     Returns text plus token counts and tok/s. An unknown option raises SamplingError."""
     engine_opts, sampling = _split(dict(kwargs))
     return _engine(model, engine_opts).generate(prompt, messages=messages, **sampling)

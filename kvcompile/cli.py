@@ -68,13 +68,20 @@ def _add_generate(sub) -> None:
                         "with a cuda device, off on the CPU (where --cuda-graphs runs the "
                         "same programs eagerly); --no-cuda-graphs debugs eagerly")
     p.add_argument("--spec-type", default="none",
-                   help="speculative decoding: none (the default) or ngram-simple (drafts "
-                        "from earlier occurrences of the last tokens in the prompt and output; "
-                        "the output is the same, in fewer forwards)")
+                   choices=("none", "ngram-simple", "draft-mtp", "ngram-simple,draft-mtp"),
+                   help="speculative decoding (the output is the same, in fewer forwards): "
+                        "none (the default); ngram-simple drafts from earlier occurrences of "
+                        "the last tokens in the prompt and output; draft-mtp drafts with the "
+                        "model's MTP (NextN) layer; both: ngram when it matches, else MTP")
     p.add_argument("--spec-ngram-size-n", type=int, default=3,
                    help="ngram-simple: tokens of the lookup key (3)")
     p.add_argument("--spec-ngram-size-m", type=int, default=8,
                    help="ngram-simple: most tokens a draft proposes (8)")
+    p.add_argument("--spec-draft-n-max", type=int, default=3,
+                   help="draft-mtp: the MTP depth, tokens drafted a round, 1..5 (3)")
+    p.add_argument("--spec-draft-p-min", type=float, default=0.7,
+                   help="draft-mtp: stop drafting when the draft token's probability under "
+                        "the MTP layer falls below this (0.7)")
     p.add_argument("--device", default=None,
                    help="cpu (the default), cuda or cuda:N")
     p.add_argument("--dtype", default="auto",
@@ -139,7 +146,9 @@ def _run_generate(args) -> int:
                     trace=args.trace, cuda_graphs=args.cuda_graphs, dtype=args.dtype,
                     gpu_memory_gib=args.gpu_memory_gib, spec_type=args.spec_type,
                     spec_ngram_size_n=args.spec_ngram_size_n,
-                    spec_ngram_size_m=args.spec_ngram_size_m)
+                    spec_ngram_size_m=args.spec_ngram_size_m,
+                    spec_draft_n_max=args.spec_draft_n_max,
+                    spec_draft_p_min=args.spec_draft_p_min)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})

@@ -67,9 +67,11 @@ class Engine:
                  kv_stream_arena_mib: float | str = 0, trace: bool = False,
                  cuda_graphs: bool | None = None, gpu_memory_gib: float | None = None,
                  spec_type: str = "none", spec_ngram_size_n: int = 3,
-                 spec_ngram_size_m: int = 8):
+                 spec_ngram_size_m: int = 8, spec_draft_n_max: int = 3,
+                 spec_draft_p_min: float = 0.7):
         # what needs no model is checked before the (possibly long) load
-        spec = SpecOptions.checked(spec_type, spec_ngram_size_n, spec_ngram_size_m)
+        spec = SpecOptions.checked(spec_type, spec_ngram_size_n, spec_ngram_size_m,
+                                   spec_draft_n_max, spec_draft_p_min)
         device = parse_device(device)
         check_engine_options(ctx_size, ubatch, cache_type_k, cache_type_v, kv_stream_arena_mib,
                              gpu_memory_gib)
@@ -90,7 +92,8 @@ class Engine:
                    cache_type_k: str = "f32", cache_type_v: str = "f32", ubatch: int = 256,
                    progress: bool = True, kv_stream_arena_mib: float = 0, trace: bool = False,
                    cuda_graphs: bool | None = None, spec_type: str = "none",
-                   spec_ngram_size_n: int = 3, spec_ngram_size_m: int = 8) -> "Engine":
+                   spec_ngram_size_n: int = 3, spec_ngram_size_m: int = 8,
+                   spec_draft_n_max: int = 3, spec_draft_p_min: float = 0.7) -> "Engine":
         """An Engine over a model built in memory (weights made or quantized on the device,
         no file): its device and dtype are its parameters'. Without a tokenizer, prompts are
         token ids and results carry token ids only (their text is empty)."""
@@ -99,7 +102,8 @@ class Engine:
                                  "budget is planned from its header); give a size in MiB")
         check_engine_options(ctx_size, ubatch, cache_type_k, cache_type_v, kv_stream_arena_mib,
                              None)
-        spec = SpecOptions.checked(spec_type, spec_ngram_size_n, spec_ngram_size_m)
+        spec = SpecOptions.checked(spec_type, spec_ngram_size_n, spec_ngram_size_m,
+                                   spec_draft_n_max, spec_draft_p_min)
         p = next(model.parameters(), None)
         if p is None:
             p = next(model.buffers())
@@ -131,6 +135,9 @@ class Engine:
             cuda_graphs = self.device.type == "cuda"
         self.runner = StepRunner(model, self.cache, device=self.device, ubatch=ubatch,
                                  cuda_graphs=cuda_graphs, trace=trace)
+        if spec.enabled and self.runner.recurrent is not None:
+            # checkpoints of every row a verify step can hold, allocated once, up front
+            self.runner.recurrent.reserve_rows(spec.max_draft + 1)
 
     @property
     def phases(self):
@@ -203,15 +210,18 @@ class Engine:
         history, out_ids, text, finish = list(prompt_ids), [], [], "length"
 
         # each timed span ends with the sampler's read of the token: GPU work completed
+        drafter = self.spec.drafter(self.runner)
+        if drafter is not None:
+            drafter.reset(history)
         t0 = time.perf_counter()
-        logits = self._prefill(prompt_ids)
+        logits = self._prefill(prompt_ids, drafter)
         prefill_s, step_s = 0.0, []
         if not budget:
             prefill_s = time.perf_counter() - t0
-        spec_stats = SpecStats() if self.spec.enabled else None
-        tokens = (speculative_tokens(self.forward_rows, self.spec.drafter(), logits, sampler,
-                                     history, budget, self.ctx_size, step_s, spec_stats)
-                  if spec_stats is not None else
+        spec_stats = SpecStats() if drafter is not None else None
+        tokens = (speculative_tokens(self.runner.verify, self.runner.rollback, drafter, logits,
+                                     sampler, history, budget, self.ctx_size, step_s, spec_stats)
+                  if drafter is not None else
                   plain_tokens(self.forward, logits, sampler, history, budget, step_s))
         for n, token in enumerate(tokens):
             if n:
@@ -246,7 +256,7 @@ class Engine:
 
     def forward_rows(self, ids: list[int], start: int) -> torch.Tensor:
         """Every row's logits of ids at positions start.. (a verify step)."""
-        return self.runner.step(ids, start, all_rows=True)
+        return self.runner.verify(ids, start)[0]
 
     def _check_current(self, request: int) -> None:
         if request != self._request:
@@ -255,7 +265,7 @@ class Engine:
                 "over its KV cache; read a stream to the end before starting the next one, or "
                 "use one Engine per concurrent stream")
 
-    def _prefill(self, ids: list[int]) -> torch.Tensor:
+    def _prefill(self, ids: list[int], drafter=None) -> torch.Tensor:
         # a bar once the prompt is long enough to take a while (progress=False: none)
         bar = tqdm(total=len(ids), desc="prefill", unit="tok", leave=False, file=sys.stderr,
                    disable=not self.progress or len(ids) < PREFILL_BAR_TOKENS)
@@ -263,7 +273,11 @@ class Engine:
         with bar:
             for start in range(0, len(ids), self.ubatch):
                 piece = ids[start:start + self.ubatch]
-                logits = self.forward(piece, start)
+                if drafter is not None and drafter.wants_hidden:   # the MTP layer's input
+                    logits, hidden = self.runner.step_hidden(piece, start)
+                    drafter.add(start, hidden, ids)
+                else:
+                    logits = self.forward(piece, start)
                 bar.update(len(piece))
         return logits
 

@@ -26,7 +26,7 @@ import torch
 
 from kvcompile.runtime import forward as run_forward
 from kvcompile.runtime import make_kv_cache
-from kvcompile.runtime.streaming_cache import is_streamed
+from kvcompile.runtime.streaming_cache import forward_bracket, is_streamed
 
 # counters of the program stats that count events (reported per request as differences)
 EVENT_COUNTERS = ("captures", "transitions", "invalidated", "revived", "replays")
@@ -90,17 +90,75 @@ class StepRunner:
         elif self.piecewise is not None and n == self.piecewise.rows:
             logits = self.piecewise.step(ids, start)
         else:
-            if self.phases is not None:
-                self.phases.enter("prefill")   # a wide eager step: the prefill layout
-            tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
-            positions = torch.arange(start, start + n, dtype=torch.long, device=self.device)
-            logits = run_forward(self.model, self.cache, tokens, positions,
-                                 last_only=not all_rows, layers=self.trunk_layers, start=start)
+            logits = self._eager(ids, start, all_rows)
         logits = logits if all_rows else logits[-1]
         self.host_s.append(time.perf_counter() - t)
         if self.trace and getattr(self.cache, "telemetry", None):
             print(f"[kv step] {self.cache.telemetry[-1].as_dict()}", file=sys.stderr)
         return logits
+
+    def _eager(self, ids: list[int], start: int, all_rows: bool, **model_kw):
+        if self.phases is not None:
+            self.phases.enter("prefill")   # a wide eager step: the prefill layout
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
+        return run_forward(self.model, self.cache, tokens, positions, last_only=not all_rows,
+                           layers=self.trunk_layers, start=start, **model_kw)
+
+    # ---- speculative steps ---------------------------------------------------------------
+    @property
+    def recurrent(self):
+        """The recurrent state of a hybrid model's request slot, or None."""
+        get = getattr(self.model, "recurrent_state", None)
+        return None if get is None else get(self.cache)
+
+    def verify(self, ids: list[int], start: int, hidden: bool = False):
+        """Every row's logits of ids at start.. (a speculative verify step), and with
+        hidden=True the rows' final hidden states too (an MTP drafter's input): (logits,
+        hidden or None). A hybrid model records its recurrent state after each row, so that
+        `rollback(keep)` can undo the rows a rejected draft added."""
+        state = self.recurrent
+        if not hidden and (state is None or len(ids) == 1):
+            return self.step(ids, start, all_rows=True), None
+        t = time.perf_counter()
+        if state is not None:
+            state.reserve_rows(len(ids))
+            state.capturing = True
+        try:
+            out = self._eager(ids, start, all_rows=True, **({"return_hidden": True}
+                                                             if hidden else {}))
+        finally:
+            if state is not None:
+                state.capturing = False
+        self.host_s.append(time.perf_counter() - t)
+        return out if hidden else (out, None)
+
+    def step_hidden(self, ids: list[int], start: int):
+        """A prefill chunk that also returns its rows' final hidden states (the MTP
+        drafter's input): (logits of the last row, hidden [n, hidden])."""
+        t = time.perf_counter()
+        logits, hidden = self._eager(ids, start, all_rows=False, return_hidden=True)
+        self.host_s.append(time.perf_counter() - t)
+        return logits[-1], hidden
+
+    def rollback(self, keep: int, rows: int) -> None:
+        """Keep the first `keep` of the `rows` rows of the latest verify step: a hybrid
+        model's recurrent state goes back to its checkpoint after row keep-1 (KV rows past
+        it need nothing: the next step rewrites their positions before any row reads them)."""
+        state = self.recurrent
+        if state is not None and keep < rows:
+            state.rollback(keep)
+
+    def mtp(self, ids: list[int], hidden: torch.Tensor, start: int):
+        """The model's MTP layer over rows at positions start..: row i pairs the trunk's
+        hidden state at position start + i with the token after it, ids[i]. Returns (logits
+        of every row, the MTP layer's output hidden rows)."""
+        layer = self.model.config.n_layers
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
+        with forward_bracket(self.cache, positions, (layer,), start):
+            return self.model.mtp_forward(tokens, hidden, positions, self.cache,
+                                          return_hidden=True)
 
     # ---- requests ----------------------------------------------------------------------
     def begin_request(self, n_tokens: int | None = None) -> None:

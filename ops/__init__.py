@@ -2,5 +2,5 @@
 
 Importing this package registers torch.ops.kvcompile.* .
 """
-from kvcompile.ops import (gemv, kv_write, qlinear, ring, rms_norm, rope_rotate,  # noqa: F401
-                           silu_mul, span_attention)
+from kvcompile.ops import (checkpoint, gemv, kv_write, qlinear, ring,  # noqa: F401
+                           rms_norm, rope_rotate, silu_mul, span_attention)

@@ -64,18 +64,24 @@ def test_tiny_ngram_greedy_equals_plain(model, setup):
     assert c.token_ids == a.token_ids
 
 
-def test_options_and_models_that_cannot_speculate(tmp_path, model):
+def test_options_and_models_that_cannot_speculate(model):
     with pytest.raises(KvcompileError, match="unknown --spec-type"):
         Engine.from_model(model, spec_type="eagle")
-    with pytest.raises(UnsupportedModelError, match="MTP layer is not built"):
+    with pytest.raises(UnsupportedModelError, match="no NextN/MTP layer"):
         Engine.from_model(model, spec_type="draft-mtp")
+    with pytest.raises(UnsupportedModelError, match="no NextN/MTP layer"):
+        Engine.from_model(model, spec_type="ngram-simple,draft-mtp")
     with pytest.raises(KvcompileError, match="spec-ngram-size-n"):
         Engine.from_model(model, spec_type="ngram-simple", spec_ngram_size_n=0)
-    from kvcompile.make_model import make_model
-    path = tmp_path / "qwen35.gguf"
-    make_model("qwen35", "tiny", path, weight_type="f32", seed=SEED % 1000)
-    with pytest.raises(UnsupportedModelError, match="recurrent state rolled back"):
-        Engine(str(path), ctx_size=256, progress=False, spec_type="ngram-simple")
+    for depth in (0, 6, 2.5):
+        with pytest.raises(KvcompileError, match="spec-draft-n-max"):
+            Engine.from_model(model, spec_type="draft-mtp", spec_draft_n_max=depth)
+    for p_min in (-0.1, 1.5, "high"):
+        with pytest.raises(KvcompileError, match="spec-draft-p-min"):
+            Engine.from_model(model, spec_type="draft-mtp", spec_draft_p_min=p_min)
+    # the engine keeps serving after each refusal
+    e = Engine.from_model(model, ctx_size=128, progress=False)
+    assert e.generate([1, 2, 3], max_tokens=3, temperature=0).completion_tokens == 3
 
 
 def test_sampled_speculation_runs_and_reports(model):

@@ -120,7 +120,7 @@ class Qwen35Model(nn.Module):
                 kv = cache.layer(i)
                 x = block(x, cos, sin, q_pos, kv)
             else:
-                x = block(x, *state.layer(i))
+                x = block(x, *state.layer(i), state.checkpoints(i))
         hidden = self.norm(x)
         logits = self.lm_head(hidden[-1:] if last_only else hidden).float()
         return (logits, hidden) if return_hidden else logits

@@ -78,27 +78,51 @@ class GatedDeltaNetMixer(nn.Module):
         self.norm = RMSNorm(self.d, c.rms_eps)
         self.out = Linear(value_dim, c.hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor):
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                checkpoints=None):
         """x [T, hidden]; conv_state [K-1, conv_dim] and ssm_state [Hv, D, D] (fp32) are
-        read and updated in place."""
+        read and updated in place. checkpoints (a verify forward, RecurrentState.checkpoints):
+        the rows run one at a time through the decode rule and the state after each is
+        recorded, so a rejected draft rolls back to any row."""
         t, kd = x.shape[0], self.hk * self.d
         # the recurrence runs in fp32 whatever the weights' dtype
-        mixed, new_conv = causal_conv(self.in_qkv(x).float(), conv_state,
-                                      self.conv_weight.float())
+        conv_in = self.in_qkv(x).float()
+        mixed, new_conv = causal_conv(conv_in, conv_state, self.conv_weight.float())
         mixed = F.silu(mixed)
         q = _l2norm(mixed[:, :kd].view(t, self.hk, self.d), self.eps)
         k = _l2norm(mixed[:, kd:2 * kd].view(t, self.hk, self.d), self.eps)
         v = mixed[:, 2 * kd:].view(t, self.hv, self.d)
         beta = torch.sigmoid(self.in_beta(x).float())
         g = F.softplus(self.in_alpha(x).float() + self.dt_bias.float()) * self.a.float()
-        rule = gdn_recurrent if t == 1 else gdn_chunked
-        kwargs = {} if t == 1 else {"chunk": self.chunk}
-        o, new_ssm = rule(q, k, v, g, beta, ssm_state, 1.0 / math.sqrt(self.d), **kwargs)
+        scale = 1.0 / math.sqrt(self.d)
+        if checkpoints is not None:
+            o, new_ssm = self._rows_with_checkpoints(q, k, v, g, beta, ssm_state, scale,
+                                                     conv_in, conv_state, checkpoints)
+        elif t == 1:
+            o, new_ssm = gdn_recurrent(q, k, v, g, beta, ssm_state, scale)
+        else:
+            o, new_ssm = gdn_chunked(q, k, v, g, beta, ssm_state, scale, chunk=self.chunk)
         conv_state.copy_(new_conv)
         ssm_state.copy_(new_ssm)
         z = self.in_z(x).float().view(t, self.hv, self.d)
         o = self.norm(o) * F.silu(z)
         return self.out(o.reshape(t, self.hv * self.d).to(x.dtype))
+
+    @staticmethod
+    def _rows_with_checkpoints(q, k, v, g, beta, ssm, scale, conv_in, conv_state, checkpoints):
+        """Row r through gdn_recurrent (what a one-token decode step runs), then its state
+        (the conv window of the last K-1 inputs, the delta-rule matrices) to checkpoint r."""
+        conv_rows, ssm_rows = checkpoints
+        width = conv_state.shape[0]
+        inputs = torch.cat([conv_state.to(conv_in.dtype), conv_in], dim=0)
+        outs = []
+        for r in range(q.shape[0]):
+            sl = slice(r, r + 1)
+            o, ssm = gdn_recurrent(q[sl], k[sl], v[sl], g[sl], beta[sl], ssm, scale)
+            torch.ops.kvcompile.checkpoint_capture(conv_rows, ssm_rows,
+                                                   inputs[r + 1:r + 1 + width], ssm, r)
+            outs.append(o)
+        return torch.cat(outs), ssm
 
 
 def _l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:

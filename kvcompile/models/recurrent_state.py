@@ -5,9 +5,13 @@ and the delta-rule state matrices [Hv, Dk, Dv]. Both are fp32 whatever the weigh
 the state is summed into at every token, so rounding would accumulate.
 
 The tensors are allocated once and only ever updated in place (copy_), so their addresses
-stay fixed for CUDA graphs; snapshot/restore copy into and out of them for speculative
-decoding (rejecting drafted tokens rolls the state back). This state never enters the KV
-page pool: the KV policy only sees attention layers.
+stay fixed for CUDA graphs; snapshot/restore copy into and out of them. This state never
+enters the KV page pool: the KV policy only sees attention layers.
+
+Speculative verify: `reserve_rows(R)` allocates checkpoint buffers of R rows; while
+`capturing` is set, each GDN layer runs a forward's rows one at a time (the decode rule) and
+records its state after every row (`kvcompile::checkpoint_capture`), so `rollback(keep)`
+restores the state after row keep-1 of the last forward by one copy: no recompute.
 """
 from __future__ import annotations
 
@@ -37,10 +41,47 @@ class RecurrentState:
                                 dtype=torch.float32, device=device)
         self.ssm = torch.zeros(n, config.ssm_v_heads, kd, vd, dtype=torch.float32, device=device)
         self.n_tokens = 0   # positions consumed since the last reset (host-side bookkeeping)
+        self.capturing = False     # record per-row checkpoints in the next forwards
+        self.conv_rows = self.ssm_rows = None      # [R, n, ...] once reserve_rows(R) ran
+        self._forward_start = 0    # first position of the latest forward
 
     @property
     def nbytes(self) -> int:
         return self.conv.nbytes + self.ssm.nbytes
+
+    @property
+    def checkpoint_rows(self) -> int:
+        return 0 if self.conv_rows is None else self.conv_rows.shape[0]
+
+    def reserve_rows(self, rows: int) -> None:
+        """Checkpoint buffers for verify forwards of up to `rows` rows (allocated once; a
+        larger request replaces them)."""
+        if rows > self.checkpoint_rows:
+            self.conv_rows = self.conv.new_zeros((rows, *self.conv.shape))
+            self.ssm_rows = self.ssm.new_zeros((rows, *self.ssm.shape))
+
+    def checkpoints(self, i: int):
+        """(conv rows [R, K-1, C], ssm rows [R, Hv, Dk, Dv]) of model layer i while
+        capturing, else None (a plain forward)."""
+        if not self.capturing:
+            return None
+        if self.conv_rows is None:
+            raise KvLayoutError("capturing verify checkpoints needs reserve_rows() first")
+        j = self._slot[i]
+        return self.conv_rows[:, j], self.ssm_rows[:, j]
+
+    def rollback(self, keep: int) -> None:
+        """Keep rows 0..keep-1 of the latest (capturing) forward: the state after row
+        keep-1, as recorded, becomes the live state."""
+        consumed = self.n_tokens - self._forward_start
+        if keep == consumed:
+            return
+        if not 1 <= keep < min(consumed, self.checkpoint_rows + 1):
+            raise KvLayoutError(f"cannot keep {keep} rows of a forward of {consumed} rows "
+                                f"with {self.checkpoint_rows} checkpoint rows")
+        self.conv.copy_(self.conv_rows[keep - 1])
+        self.ssm.copy_(self.ssm_rows[keep - 1])
+        self.n_tokens = self._forward_start + keep
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv state [K-1, conv_dim], ssm state [Hv, Dk, Dv]) views of model layer i."""
@@ -77,4 +118,5 @@ class RecurrentState:
                 f"the recurrent state has consumed {self.n_tokens} tokens but this forward "
                 f"starts at position {first_position}; a hybrid model cannot skip or repeat "
                 f"positions: restore a snapshot taken at that position or restart from 0")
+        self._forward_start = first_position
         self.n_tokens = first_position + n_new

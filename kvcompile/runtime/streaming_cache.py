@@ -338,11 +338,12 @@ def forward_bracket(cache, positions, layers=None, start: int | None = None,
 
 
 def forward(model, cache, tokens, positions, last_only: bool = False, layers=None,
-            start: int | None = None):
+            start: int | None = None, **model_kw):
     """model(tokens, positions, cache) with the streaming bracket when the cache has one.
-    start: positions are start, start + 1, ... (saves the cache a read of the tensor)."""
+    start: positions are start, start + 1, ... (saves the cache a read of the tensor);
+    model_kw go to the model (return_hidden)."""
     with forward_bracket(cache, positions, layers, start):
-        return model(tokens, positions, cache, last_only=last_only)
+        return model(tokens, positions, cache, last_only=last_only, **model_kw)
 
 
 def _layer_extras(config, k_type, v_type, page_size, layer) -> dict:

@@ -1,4 +1,4 @@
-"""Where a request's tokens come from after prefill: one token a forward, or verify forwards
+"""Where a request's tokens come from after prefill: one token a forward, or verify steps
 of the pending token and a draft. Both yield tokens one at a time; the Engine's loop appends
 each token it keeps to `history` (a stop ends it), and each forward's time, to the sampler's
 read of its result (GPU completion), goes to `step_s`."""
@@ -21,23 +21,25 @@ def plain_tokens(forward, logits, sampler, history, budget, step_s):
         yield token
 
 
-def speculative_tokens(forward_rows, drafter, logits, sampler, history, budget, ctx_size,
+def speculative_tokens(verify, rollback, drafter, logits, sampler, history, budget, ctx_size,
                        step_s, stats):
-    """Tokens from verify forwards: the pending token and the drafter's proposal go through
-    one step (every row's logits); the acceptance rule keeps the draft's valid prefix and
-    adds the target's own token after it. KV rows of rejected drafts are rewritten by the
-    next forward (attention is causal by position, so they are never read before)."""
-    drafter.reset(history)
+    """Tokens from verify steps: the pending token and the drafter's proposal go through
+    one step (every row's logits, and the rows' hidden states when the drafter wants them);
+    the acceptance rule keeps the draft's valid prefix and adds the target's own token after
+    it. `rollback(keep, rows)` undoes the recurrent state of the rejected rows; their KV rows
+    are rewritten by the next step (attention is causal by position: never read before).
+    A round's time (drafting, verify, acceptance) goes to step_s."""
     made = 1
     yield sampler(logits, history)
     while made < budget:
-        pos = len(history) - 1           # the pending token's position
-        drafter.extend(history[len(drafter.history):])
-        room = min(budget - made - 1, ctx_size - 1 - pos)
-        draft = drafter.draft(limit=room) if room > 0 else []
         t = time.perf_counter()
-        rows = forward_rows([history[-1]] + draft, pos)
+        pos = len(history) - 1           # the pending token's position
+        room = min(budget - made - 1, ctx_size - 1 - pos)
+        draft = drafter.propose(history, room)
+        rows, hidden = verify([history[-1]] + draft, pos, hidden=drafter.wants_hidden)
         emitted = accept(draft, rows, sampler, history)
+        rollback(len(emitted), len(draft) + 1)
+        drafter.accepted(pos, emitted, hidden)
         step_s.append(time.perf_counter() - t)
         stats.record(len(draft), len(emitted) - 1)
         for tok in emitted:

@@ -8,6 +8,8 @@ from kvcompile.errors import KvcompileError
 
 
 class NgramDrafter:
+    wants_hidden = False
+
     def __init__(self, n: int = 3, m: int = 8):
         for name, v, lo in (("--spec-ngram-size-n", n, 1), ("--spec-ngram-size-m", m, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
@@ -51,3 +53,14 @@ class NgramDrafter:
             return []
         k = self.m if limit is None else min(self.m, limit)
         return h[at:at + k]
+
+    # ---- the drafter interface of speculative.decode ----------------------------------------
+    def propose(self, history, limit: int) -> list[int]:
+        self.extend(history[len(self.history):])
+        return self.draft(limit=limit) if limit > 0 else []
+
+    def add(self, start, hidden, history) -> None:
+        """(prefill rows: nothing to do)"""
+
+    def accepted(self, start, emitted, hidden) -> None:
+        """(the accepted tokens arrive with the history at the next propose)"""

@@ -1,0 +1,169 @@
+"""Speculative decoding of a hybrid model (qwen35: Gated DeltaNet + attention + an MTP layer).
+
+- Rollback: after a verify step of depth 1..5, keeping any number of its rows, the recurrent
+  state restored from the per-row checkpoints equals (bitwise) the state reached by decoding
+  only the kept tokens one at a time, and so does the next step's logits (bf16 weights: on
+  the CPU their matmuls give a row the same bits whatever the row count; fp32 GEMMs do not).
+- The MTP drafter's first draft is the argmax of an fp64 dense MTP reference run over the
+  whole prompt (so the MTP KV the drafter fed is complete and in the right positions).
+- Greedy tokens with draft-mtp, ngram-simple and both equal plain decoding, all resident and
+  streamed; an oracle drafter wrong at every depth 1..5 keeps them equal too.
+"""
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvcompile.engine import Engine
+from kvcompile.models.qwen35 import Qwen35Model
+from kvcompile.runner import StepRunner, make_sequence_cache
+from kvcompile.weights import load_weights
+from tiny_hybrid import write_tiny_hybrid
+
+SEED = int.from_bytes(os.urandom(4), "little")
+VOCAB = 512
+ARENAS = {"resident": 0, "streamed": 1.0}       # MiB; the tiny model's KV is ~2.3 MiB
+
+
+@pytest.fixture(scope="module")
+def hybrid_file(tmp_path_factory):
+    return write_tiny_hybrid(tmp_path_factory.mktemp("spec") / "qwen35.gguf", SEED % 1000)
+
+
+def _model(path, dtype=torch.float32) -> Qwen35Model:
+    w = load_weights(path, progress=False)
+    return Qwen35Model.from_weights(w.config, w.tensors, dtype=dtype)
+
+
+def _ids(n, salt):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(SEED + salt)
+                         ).tolist()
+
+
+@pytest.mark.parametrize("where", list(ARENAS))
+@torch.inference_mode()
+def test_rollback_equals_decoding_only_the_kept_tokens(hybrid_file, where):
+    model = _model(hybrid_file, torch.bfloat16)
+    cache = make_sequence_cache(model, model.config, 512, "f32", "f32", ARENAS[where],
+                                torch.device("cpu"))
+    runner = StepRunner(model, cache, device="cpu", ubatch=64)
+    prompt, start = _ids(100, 1), 100
+    runner.begin_request(200)
+    runner.step(prompt[:64], 0)
+    runner.step(prompt[64:], 64)
+    state = runner.recurrent
+    before = state.snapshot()
+    for depth in range(1, 6):
+        rows = _ids(depth + 1, 10 + depth)       # the pending token + a draft of `depth`
+        after = _ids(1, 20 + depth)              # the token a next step feeds
+        for keep in range(1, depth + 2):
+            state.restore(before)
+            runner.verify(rows, start)
+            runner.rollback(keep, depth + 1)
+            got = (state.conv.clone(), state.ssm.clone())
+            got_next = runner.step(after, start + keep, all_rows=True).clone()
+            state.restore(before)
+            for j in range(keep):
+                runner.step(rows[j:j + 1], start + j)
+            want = (state.conv.clone(), state.ssm.clone())
+            want_next = runner.step(after, start + keep, all_rows=True)
+            ctx = (SEED, where, depth, keep)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), ctx
+            assert torch.equal(got_next, want_next), ctx
+            assert state.n_tokens == start + keep + 1
+
+
+@torch.inference_mode()
+def test_first_mtp_draft_is_the_dense_references_argmax(hybrid_file):
+    import gguf  # noqa: F401  (the reference reads the file with it)
+    from test_mtp import _read, mtp_reference
+    model = _model(hybrid_file)
+    prompt = _ids(150, 2)
+    e = Engine.from_model(model, ctx_size=512, ubatch=64, progress=False,
+                          spec_type="draft-mtp", spec_draft_n_max=1, spec_draft_p_min=0.0)
+    seen = []
+    mtp = e.runner.mtp
+
+    def record(ids, hidden, start):
+        out = mtp(ids, hidden, start)
+        seen.append((start, len(ids), out[0][-1].clone()))
+        return out
+    e.runner.mtp = record
+    r = e.generate(prompt, max_tokens=3, temperature=0)
+    first = r.token_ids[0]
+    # prefill chunks feed positions 0..148; the first round feeds 149 and drafts from it
+    assert [(s, n) for s, n, _ in seen[:4]] == [(0, 64), (64, 64), (128, 21), (149, 1)]
+    seq = torch.tensor(prompt + [first])
+    _, hidden = model(seq, torch.arange(len(seq)), model.make_cache(512), return_hidden=True)
+    md, w = _read(hybrid_file)
+    ref = mtp_reference(md, w, seq[1:], hidden[:-1], torch.arange(len(seq) - 1))
+    torch.testing.assert_close(seen[3][2].double(), ref[-1], rtol=1e-3, atol=1e-3)
+    assert r.speculative["drafted"] == 1
+
+
+@pytest.mark.parametrize("where", list(ARENAS))
+@pytest.mark.parametrize("spec", ["draft-mtp", "ngram-simple", "ngram-simple,draft-mtp"])
+def test_greedy_speculation_equals_plain(hybrid_file, spec, where):
+    model = _model(hybrid_file)
+    unit = _ids(19, 3)
+    prompt = unit * 8 + unit[:4]
+    opts = dict(ctx_size=512, ubatch=64, progress=False, kv_stream_arena_mib=ARENAS[where])
+    plain = Engine.from_model(model, **opts).generate(prompt, max_tokens=48, temperature=0)
+    e = Engine.from_model(model, spec_type=spec, spec_ngram_size_n=1, spec_ngram_size_m=4,
+                          spec_draft_n_max=1 + SEED % 5, spec_draft_p_min=0.0, **opts)
+    for _ in range(2):                      # a second request on the same Engine
+        r = e.generate(prompt, max_tokens=48, temperature=0)
+        s = r.speculative
+        assert r.token_ids == plain.token_ids, (SEED, spec, where)
+        assert s["forwards"] + 1 + s["accepted"] == r.completion_tokens
+        assert s["drafted"] > 0, s
+
+
+class OracleDrafter:
+    """Proposes the known greedy continuation, with the token at a scheduled depth replaced:
+    rounds cycle through draft lengths 1..5 and every error depth (or none)."""
+    wants_hidden = False
+
+    def __init__(self, continuation, prompt_len):
+        self.cont, self.n0 = continuation, prompt_len
+        self.plan = [(d, bad) for d in range(1, 6) for bad in range(d + 1)]
+        self.round = 0
+        self.kept = []
+
+    def propose(self, history, limit):
+        d, bad = self.plan[self.round % len(self.plan)]
+        self.round += 1
+        at = len(history) - self.n0            # index of the next token in cont
+        draft = self.cont[at:at + min(d, limit)]
+        if bad < len(draft):
+            draft[bad] = (draft[bad] + 1) % VOCAB
+        self.expect = min(bad, len(draft))
+        return draft
+
+    def accepted(self, start, emitted, hidden):
+        pass
+
+    def reset(self, history):
+        pass
+
+
+@pytest.mark.parametrize("where", list(ARENAS))
+def test_oracle_drafts_rejected_at_every_depth_keep_tokens_equal(hybrid_file, where):
+    model = _model(hybrid_file)
+    prompt = _ids(90, 4)
+    opts = dict(ctx_size=512, ubatch=64, progress=False, kv_stream_arena_mib=ARENAS[where])
+    plain = Engine.from_model(model, **opts).generate(prompt, max_tokens=80, temperature=0)
+    e = Engine.from_model(model, spec_type="ngram-simple", spec_ngram_size_m=5, **opts)
+    oracle = OracleDrafter(plain.token_ids, len(prompt))
+    accepted = []
+    record = oracle.accepted
+    oracle.accepted = lambda s, em, h: (accepted.append((oracle.expect, len(em) - 1)),
+                                        record(s, em, h))
+    e.spec = SimpleNamespace(drafter=lambda runner: oracle, enabled=True)
+    r = e.generate(prompt, max_tokens=80, temperature=0)
+    assert r.token_ids == plain.token_ids, (SEED, where)
+    assert oracle.round >= 20 and r.speculative["accepted"] > 0
+    assert all(want == got for want, got in accepted), accepted    # each round's prefix
