@@ -10,21 +10,23 @@ KV arenas of several sizes, `auto` and Hugging Face peers in one run, as JSON ro
     python benchmarks/bench_sweep.py --tiny --device cpu --no-peers    # the same code, seconds
 
 Llama-3-8B geometry, random bf16 weights made on the device once (shared with the peers).
-kvcompile: one `Engine.from_model` per arena (ctx_size: the largest context; a warm-up request
-pays for programs and kernels once), then per context bench_runner's request (random ids
-filling the context but for the decode steps, greedy) and the GenerationResult's prefill tok/s
-(to the first token), decode tok/s (steps timed to the sampler's read) and step p50. `auto`:
-the Engine's rule for a model file (plan_budget: all KV resident if it fits the free device
-memory, else the rest as arena), planned here; `arena_mib_used` has the answer (0: resident).
-Peers (hf_baseline.py, contexts <= --peer-max-ctx): hf-resident (DynamicCache), hf-offloaded
-(CUDA only; decodes from hf-resident's prefill unless --hf-offload-prefill); bf16 KV, hence
-kv_type in every row. Bounds: streamed, pcie_gbps / (KV - arena bytes); resident, hbm_gbps /
-(weight + KV bytes); hf-offloaded, pcie_gbps / KV bytes. `tokens`: kvcompile's from the first
-generated, the peers' from the third. Rows go to --out as each case ends. --limit-s: a case
-starts only if its estimate (that context's time before, else the nearest smaller one's x the
-squared ratio) ends in time; skipped cases are printed. A full sweep takes several calls into
-one --out (--arenas 1024,2048 --no-peers; 4096,auto --no-peers; none); --plot draws --out's
-newest commit (its newest row per system, arena, context, KV): the last call draws them all.
+kvcompile: one `Engine.from_model` per arena (ctx_size: the largest context, `engine_ctx`;
+a warm-up request pays for programs and kernels once), then per context bench_runner's
+request (random ids filling the context but for the decode steps, greedy) and the
+GenerationResult's prefill tok/s (to the first token), decode tok/s (steps timed to the
+sampler's read) and step p50. `auto`: the Engine's rule for a model file (plan_budget: all KV
+resident if it fits the free device memory, else the rest as arena), planned here;
+`arena_mib_used` has the answer (0: resident). Peers (hf_baseline.py, contexts <=
+--peer-max-ctx): hf-resident (DynamicCache), hf-offloaded (CUDA only; decodes from
+hf-resident's prefill unless --hf-offload-prefill); bf16 KV, hence kv_type in every row.
+Bounds: streamed, pcie_gbps / (KV - arena bytes); resident, hbm_gbps / (weight + KV bytes);
+hf-offloaded, pcie_gbps / KV bytes. `tokens`: kvcompile's from the first generated, the
+peers' from the third. Rows go to --out as each case ends. --limit-s: a case starts only if
+its estimate (that context's time before, else the nearest smaller one's x the squared
+ratio) ends in time; skipped cases are printed. A full sweep takes several calls into one
+--out (e.g. --contexts 8192,32768,65536,131072; then --contexts 262144 --arenas 1024,2048
+--no-peers; then 4096,auto); --plot draws --out's newest commit (its newest row per system,
+arena, context, KV): the last call draws them all.
 """
 from __future__ import annotations
 
@@ -119,8 +121,8 @@ def cases(guard: Guard, kind: str, name: str, contexts, measure, out) -> list[di
             r["case_s"] = time.perf_counter() - t
             log(f"{r['system']} arena {r['arena_mib']} ctx {ctx}: prefill "
                 f"{S.fmt(r['prefill_tok_s'], '.0f')} tok/s, decode {r['decode_tok_s']:.2f} "
-                f"tok/s ({S.fmt(r['decode_vs_bound'], '.3f')} x {r['bound_kind'] or 'no'} bound), step "
-                f"p50 {S.fmt(r['step_p50_ms'], '.2f')} ms, {r['case_s']:.1f} s, "
+                f"tok/s ({S.fmt(r['decode_vs_bound'], '.3f')} x {r['bound_kind'] or 'no'} "
+                f"bound), step p50 {S.fmt(r['step_p50_ms'], '.2f')} ms, {r['case_s']:.1f} s, "
                 f"{guard.left():.0f} s left")
         save(new, out)
         rows += new
@@ -150,7 +152,7 @@ def sweep_arena(model, g, arena, args, device, meta, guard) -> list[dict]:
         b = bound(meta, ctx * S.kv_bytes_per_token(g, k, v), int(used * 2**20), not used)
         return [row_of("kvcompile", arena, used, ctx, args.kv, r.prefill_tok_s, r.decode_tok_s,
                        r.stats()["step_ms"]["p50"], b, args, meta, runner_mode=e.runner.mode,
-                       captures=r.phases.get("captures"), kv=r.kv,
+                       captures=r.phases.get("captures"), kv=r.kv, engine_ctx=top,
                        launches_per_step=launches_per_step(r.phases),
                        prompt_tokens=r.prompt_tokens, tokens=r.token_ids[:8])]
     try:
