@@ -5,6 +5,7 @@ KV arenas of several sizes, `auto` and Hugging Face peers in one run, as JSON ro
     python benchmarks/bench_sweep.py [--contexts 8192,32768,65536,131072,262144]
         [--arenas 1024,2048,4096,auto | none] [--kv q8_0/q4_0] [--decode-steps 32]
         [--peer-max-ctx 65536] [--no-peers] [--hf-offload-prefill] [--limit-s 540]
+        [--long-arenas 2048 [--long-from 262144]]
         [--out benchmarks/results/sweep.json] [--plot docs/arena_sweep.png]
     python benchmarks/bench_sweep.py --plot-only benchmarks/results/sweep.json --plot PNG
     python benchmarks/bench_sweep.py --tiny --device cpu --no-peers    # the same code, seconds
@@ -132,16 +133,18 @@ def cases(guard: Guard, kind: str, name: str, contexts, measure, out) -> list[di
 def sweep_arena(model, g, arena, args, device, meta, guard) -> list[dict]:
     import kvcompile
     k, v = args.kv.split("/")
-    top = max(args.contexts)
+    contexts = [c for c in args.contexts if c < args.long_from or args.long_arenas is None
+                or str(arena) in args.long_arenas]
+    top = max(contexts)
     used = auto_arena_mib(model, top, k, v, args.ubatch, device) if arena == "auto" else arena
     name = f"kvcompile arena {arena if arena == 'auto' else format(arena, 'g')}"
-    if not guard.admit(f"{name} (every context)", "kvcompile", args.contexts[0],
+    if not guard.admit(f"{name} (every context)", "kvcompile", contexts[0],
                        guard.cost.get(("setup", 0), 0.0)):
         return []
     t = time.perf_counter()
     e = kvcompile.Engine.from_model(model, ctx_size=top, cache_type_k=k, cache_type_v=v,
                                     ubatch=args.ubatch, kv_stream_arena_mib=used, progress=False)
-    e.generate(prompt(g, args.contexts[0], args)[:WARM_PROMPT], max_tokens=WARM_STEPS,
+    e.generate(prompt(g, contexts[0], args)[:WARM_PROMPT], max_tokens=WARM_STEPS,
                temperature=0)
     guard.record("setup", 0, time.perf_counter() - t)
     log(f"{name}: {e.runner.mode}, {used:g} MiB (0: all resident), set up in "
@@ -156,7 +159,7 @@ def sweep_arena(model, g, arena, args, device, meta, guard) -> list[dict]:
                        launches_per_step=launches_per_step(r.phases),
                        prompt_tokens=r.prompt_tokens, tokens=r.token_ids[:8])]
     try:
-        return cases(guard, "kvcompile", name, args.contexts, measure, args.out)
+        return cases(guard, "kvcompile", name, contexts, measure, args.out)
     finally:
         if hasattr(e.cache, "close"):         # the streaming cache's copy stream and leases
             e.cache.close()
@@ -247,7 +250,10 @@ def parse_args(argv=None):
     ap.add_argument("--contexts", default="8192,32768,65536,131072,262144")
     ap.add_argument("--arenas", default="1024,2048,4096,auto", help="MiB or auto; none: peers only")
     ap.add_argument("--kv", default="q8_0/q4_0")
-    for opt, default in (("--decode-steps", 32), ("--ubatch", 512), ("--peer-max-ctx", 65536),
+    ap.add_argument("--long-arenas", help="only these arenas (as given in --arenas) run the "
+                    "contexts >= --long-from (a long prefill takes minutes)")
+    for opt, default in (("--long-from", 262144), ("--decode-steps", 32), ("--ubatch", 512),
+                         ("--peer-max-ctx", 65536),
                          ("--limit-s", 540), ("--seed", 0)):
         ap.add_argument(opt, type=int, default=default)
     for flag in ("--no-peers", "--hf-offload-prefill", "--tiny"):   # tiny: 4 layers, 1K tokens
@@ -270,6 +276,9 @@ def parse_args(argv=None):
     args.contexts = sorted(int(c) for c in args.contexts.split(","))
     args.arenas = [] if args.arenas == "none" else [
         a if a == "auto" else float(a) for a in args.arenas.split(",")]
+    if args.long_arenas is not None:
+        args.long_arenas = {a if a == "auto" else str(float(a))
+                            for a in args.long_arenas.split(",")}
     return args
 
 
