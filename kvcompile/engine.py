@@ -81,7 +81,8 @@ class Engine:
         ctx = _context_size(ctx_size, source.config.context_length)
         # the device-memory budget, split before the load (memory_budget.py)
         memory = plan_engine_memory(source, device, dtype, ctx, ubatch, cache_type_k,
-                                    cache_type_v, kv_stream_arena_mib, gpu_memory_gib)
+                                    cache_type_v, kv_stream_arena_mib, gpu_memory_gib,
+                                    spec.max_draft + 1 if spec.enabled else 0)
         loaded = load_model(source, device=device, dtype=dtype, progress=progress)
         self._setup(loaded.model, loaded.config, loaded.tokenizer, loaded.path, device, dtype,
                     ctx, ubatch, cache_type_k, cache_type_v, kv_stream_arena_mib, memory,

@@ -63,7 +63,9 @@ def kv_bytes(config, kv_layers: int, ctx: int, k_type: str, v_type: str,
     return kv_layers * pages * page_size * per_token
 
 
-def workspace_bytes(config, ubatch: int, device: torch.device) -> int:
+def workspace_bytes(config, ubatch: int, device: torch.device, verify_rows: int = 0) -> int:
+    """Device bytes besides weights and KV; verify_rows: a speculative verify step's rows,
+    whose recurrent states a hybrid model checkpoints (one state each)."""
     c = config
     rope = 2 * c.context_length * (c.rotary_dim // 2) * 4
     state = 0
@@ -73,7 +75,8 @@ def workspace_bytes(config, ubatch: int, device: torch.device) -> int:
         conv_dim = 2 * c.ssm_k_heads * c.ssm_head_dim + value_dim
         per = (max(c.ssm_conv_kernel - 1, 0) * conv_dim
                + c.ssm_v_heads * c.ssm_head_dim * c.ssm_head_dim)
-        state = 2 * n_gdn * per * 4              # the state and one snapshot
+        # the state, and one snapshot or a checkpoint per verify row
+        state = (1 + max(1, verify_rows)) * n_gdn * per * 4
     decode = 0
     if device.type == "cuda":
         from kvcompile.kv_cache import decode_workspace_numel
@@ -146,7 +149,8 @@ def planned_weight_bytes(source, device: torch.device, dtype: torch.dtype) -> in
 
 
 def plan_engine_memory(source, device: torch.device, dtype: torch.dtype, ctx: int, ubatch: int,
-                       k_type: str, v_type: str, arena_mib, gpu_memory_gib) -> BudgetPlan | None:
+                       k_type: str, v_type: str, arena_mib, gpu_memory_gib,
+                       verify_rows: int = 0) -> BudgetPlan | None:
     """The Engine's split of the device budget for the model of `source` (loader.ModelSource;
     None on the CPU: no budget there). With gpu_memory_gib given, torch's allocator is capped
     at it (enforce); without, an earlier Engine's cap in this process is lifted (the cap is
@@ -162,7 +166,7 @@ def plan_engine_memory(source, device: torch.device, dtype: torch.dtype, ctx: in
     plan = plan_budget(
         budget=device_budget(device, gpu_memory_gib),
         weights=planned_weight_bytes(source, device, dtype),
-        workspace=workspace_bytes(config, min(ubatch, ctx), device),
+        workspace=workspace_bytes(config, min(ubatch, ctx), device, verify_rows),
         kv_all=kv_bytes(config, n_kv, ctx, k_type, v_type),
         min_arena=min_arena_bytes(config, ctx, k_type, v_type),
         arena="auto" if arena_mib == "auto" else int((arena_mib or 0) * MIB))

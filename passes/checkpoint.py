@@ -1,4 +1,4 @@
-"""checkpoint_hook: mark where `checkpoint_capture` goes for speculative verify (later)."""
+"""checkpoint_hook: find and check what a speculative verify forward must be able to undo."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -24,16 +24,18 @@ def _root(node):
 
 
 def checkpoint_hook(gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphModule:
-    """Contract for the future `checkpoint_capture` (recurrent models and speculative
-    verify): a verify forward must be undoable, so a capture is inserted right before every
-    op that changes state living outside the graph. Today this pass inserts nothing; it
-    finds those sites, checks they can be captured, and records them:
+    """A verify forward must be undoable: every op that changes state living outside the
+    graph is found, checked and recorded (the pass inserts nothing: a hybrid model's verify
+    forward places `checkpoint_capture` itself, in each GDN layer, after each row):
 
     - each kv_write -> `meta["kvcompile_checkpoint"] = {"kind": "kv_suffix", ...}`: a
       rejection truncates the KV rows it wrote (capture = its slots, or its positions and
       the page table that maps them, and the row count per layer, no bytes);
+    - each checkpoint_capture -> `{"kind": "row_states"}`: the per-row recurrent states a
+      rollback restores from;
     - each in-place method on a graph input (e.g. a recurrent state's `copy_`) ->
-      `{"kind": "state_snapshot"}`: rejection restores those bytes exactly.
+      `{"kind": "state_snapshot"}`: rejection restores those bytes exactly (from the
+      row_states of the same forward when it has them).
 
     `gm.meta["kvcompile_checkpoint_sites"]` lists (node name, kind, layer). A KV pool that
     is not a graph input (made inside the graph) cannot be captured or restored: error.
@@ -52,6 +54,9 @@ def checkpoint_hook(gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphMod
                                           "slots": str(arg(n, 4, "slots")),
                                           "page_table": None if table is None else str(table)}
         sites.append((n.name, "kv_suffix", layer))
+    for n in nodes_of(gm, "checkpoint_capture"):
+        n.meta["kvcompile_checkpoint"] = {"kind": "row_states"}
+        sites.append((n.name, "row_states", None))
     for n in gm.graph.nodes:
         if (n.op == "call_method" and n.target.endswith("_") and not n.target.startswith("_")
                 and isinstance(_root(n.args[0]), fx.Node) and _root(n.args[0]).op in _STATE_ROOTS):

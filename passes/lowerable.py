@@ -21,6 +21,7 @@ LOWERINGS = {
     "kvcompile.gemv": "ops/gemv (triton_op: weight-streaming GEMV for <= 8 rows)",
     "kvcompile.qlinear": "ops/qlinear (triton_op: products with GGUF block-format weights)",
     "kvcompile.qembedding": "ops/qlinear (triton_op: quantized embedding rows)",
+    "kvcompile.checkpoint_capture": "ops/checkpoint (two device copies into fixed buffers)",
 }
 # namespaces torch itself lowers (inductor / the eager fallback)
 BUILTIN_NAMESPACES = {"aten", "prims", "higher_order", "_c10d_functional", "_dtensor"}

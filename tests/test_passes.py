@@ -292,6 +292,29 @@ def test_checkpoint_hook_records_sites():
     assert not any("checkpoint" in t for t in P.call_targets(gm))
 
 
+def test_checkpoint_hook_records_row_state_captures_and_they_are_lowerable():
+    """A verify forward of a hybrid model calls checkpoint_capture after each GDN row: the
+    hook records those sites and check_lowerable knows the op."""
+    g = fx.Graph()
+    conv_rows, ssm_rows = g.placeholder("conv_rows"), g.placeholder("ssm_rows")
+    conv, ssm = g.placeholder("conv"), g.placeholder("ssm")
+    cap = torch.ops.kvcompile.checkpoint_capture.default
+    for row in range(3):
+        g.call_function(cap, (conv_rows, ssm_rows, conv, ssm, row))
+    g.output(None)
+    gm = P.check_lowerable(P.checkpoint_hook(fx.GraphModule(torch.nn.Module(), g), []), [])
+    assert [kind for _, kind, _ in gm.meta["kvcompile_checkpoint_sites"]] == ["row_states"] * 3
+    # and the op is what a rollback reads back: row r of the buffers holds the state given
+    rows = (torch.zeros(3, 2, 5), torch.zeros(3, 2, 4, 4))
+    states = [(torch.randn(2, 5), torch.randn(2, 4, 4)) for _ in range(3)]
+    for r, (c, m) in enumerate(states):
+        cap(*rows, c, m, r)
+    assert all(torch.equal(rows[0][r], c) and torch.equal(rows[1][r], m)
+               for r, (c, m) in enumerate(states))
+    with pytest.raises(Exception, match="outside the 3 rows"):
+        cap(*rows, *states[0], 3)
+
+
 def test_checkpoint_hook_rejects_a_pool_made_inside_the_graph():
     g = fx.Graph()
     rows, slots = g.placeholder("rows"), g.placeholder("slots")
