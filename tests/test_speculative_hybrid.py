@@ -167,3 +167,26 @@ def test_oracle_drafts_rejected_at_every_depth_keep_tokens_equal(hybrid_file, wh
     assert r.token_ids == plain.token_ids, (SEED, where)
     assert oracle.round >= 20 and r.speculative["accepted"] > 0
     assert all(want == got for want, got in accepted), accepted    # each round's prefix
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("where", list(ARENAS))
+@pytest.mark.parametrize("spec", ["draft-mtp", "ngram-simple,draft-mtp"])
+def test_greedy_speculation_equals_plain_cuda(hybrid_file, spec, where):
+    """The CUDA path: one-row steps as piecewise graphs, verify and MTP steps eagerly, fla's
+    recurrent kernel row by row; fp32 weights (a different row count may round differently,
+    fp32 keeps that far below the tiny model's logit gaps)."""
+    w = load_weights(hybrid_file, progress=False)
+    model = Qwen35Model.from_weights(w.config, w.tensors, dtype=torch.float32, device="cuda")
+    unit = _ids(19, 6)
+    prompt = unit * 8 + unit[:4]
+    opts = dict(ctx_size=512, ubatch=64, progress=False, kv_stream_arena_mib=ARENAS[where])
+    plain = Engine.from_model(model, **opts).generate(prompt, max_tokens=40, temperature=0)
+    e = Engine.from_model(model, spec_type=spec, spec_ngram_size_n=1, spec_ngram_size_m=4,
+                          spec_draft_n_max=5, spec_draft_p_min=0.0, **opts)
+    for _ in range(2):
+        r = e.generate(prompt, max_tokens=40, temperature=0)
+        assert r.token_ids == plain.token_ids, (SEED, spec, where)
+        assert r.speculative["drafted"] > 0
+    assert e.runner.mode == "piecewise graphs"
