@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcompile.errors import KvcompileError, UnsupportedModelError
+from kvcompile.speculative.mtp import MtpDrafter, NgramThenMtp
 from kvcompile.speculative.ngram import NgramDrafter
 
 SPEC_TYPES = ("none", "ngram-simple", "draft-mtp", "ngram-simple,draft-mtp")
@@ -60,7 +61,6 @@ class SpecOptions:
         runner's MTP step."""
         if not self.enabled:
             return None
-        from kvcompile.speculative.mtp import MtpDrafter, NgramThenMtp
         ngram = NgramDrafter(self.ngram_n, self.ngram_m) if self.uses_ngram else None
         mtp = (MtpDrafter(runner.mtp, self.draft_n_max, self.draft_p_min)
                if self.uses_mtp else None)
