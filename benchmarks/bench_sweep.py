@@ -213,15 +213,17 @@ def plot_rows(rows: list[dict], path: str) -> None:
         lines.setdefault(f"{r['system']}{arena}, KV {r['kv_type']}", []).append(r)
     fig, axes = plt.subplots(1, 2, figsize=(14, 7))
     ctxs = sorted({r["ctx"] for r in rows})
+    # one colour a line in both panels (a peer without prefill figures skips one there)
+    colour = {name: f"C{i}" for i, name in enumerate(lines)}
     for ax, key in zip(axes, ("decode_tok_s", "prefill_tok_s")):
         for name, rs in lines.items():
             pts = [(r["ctx"], r[key]) for r in rs if r.get(key)]
             bpts = [(r["ctx"], r["bound_tok_s"]) for r in rs if r["system"] == "kvcompile"
                     and r.get("bound_kind") == "pcie" and key == "decode_tok_s"]
             if pts:
-                (ln,) = ax.plot(*zip(*pts), marker="o", label=name)
+                ax.plot(*zip(*pts), marker="o", label=name, color=colour[name])
             if pts and bpts:
-                ax.plot(*zip(*bpts), ls="--", color=ln.get_color(), alpha=0.6,
+                ax.plot(*zip(*bpts), ls="--", color=colour[name], alpha=0.6,
                         label=f"PCIe bound, arena {rs[0]['arena_mib_used']:g} MiB")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
