@@ -64,7 +64,9 @@ class GenerationResult:
                 f"{steps['max']:.1f} ms" if steps else "")
         spec = self.speculative
         spec = (f"; speculative: {spec['accepted']} of {spec['drafted']} drafted tokens "
-                f"accepted, {spec['tokens_per_forward']:.2f} tokens a forward" if spec else "")
+                f"accepted, verify width {spec['verify_width']:.2f}, "
+                f"{spec['tokens_per_forward']:.2f} tokens a forward of "
+                f"{spec['ms_per_forward']:.1f} ms" if spec else "")
         return (f"[{self.prompt_tokens} prompt tokens, {self.completion_tokens} generated "
                 f"({self.finish_reason}); first token after {self.prefill_s:.2f} s; prefill "
                 f"{self.prefill_tok_s:.1f} tok/s, decode {self.decode_tok_s:.1f} tok/s{step}"

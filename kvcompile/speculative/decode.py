@@ -41,7 +41,7 @@ def speculative_tokens(verify, rollback, drafter, logits, sampler, history, budg
         rollback(len(emitted), len(draft) + 1)
         drafter.accepted(pos, emitted, hidden)
         step_s.append(time.perf_counter() - t)
-        stats.record(len(draft), len(emitted) - 1)
+        stats.record(len(draft), len(emitted) - 1, step_s[-1])
         for tok in emitted:
             made += 1
             yield tok
