@@ -52,9 +52,8 @@ class StepRunner:
                  cuda_graphs: bool = False, trace: bool = False):
         self.model, self.cache, self.device = model, cache, torch.device(device)
         self.ubatch, self.trace = ubatch, trace
-        # The KV layers a plain forward acquires: a hybrid model's attention layers without
-        # its MTP layer (no speculative step runs here, so its pages are never read);
-        # None = every layer of the cache.
+        # The KV layers a trunk forward acquires: a hybrid model's attention layers without
+        # its MTP layer (only `mtp` steps read and write that one); None = every layer.
         self.trunk_layers = getattr(model, "trunk_kv_layers", None)
         self.phases = self.piecewise = None
         if cuda_graphs:
@@ -97,13 +96,14 @@ class StepRunner:
             print(f"[kv step] {self.cache.telemetry[-1].as_dict()}", file=sys.stderr)
         return logits
 
-    def _eager(self, ids: list[int], start: int, all_rows: bool, **model_kw):
+    def _eager(self, ids: list[int], start: int, all_rows: bool, ahead: bool = True,
+               **model_kw):
         if self.phases is not None:
             self.phases.enter("prefill")   # a wide eager step: the prefill layout
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
         return run_forward(self.model, self.cache, tokens, positions, last_only=not all_rows,
-                           layers=self.trunk_layers, start=start, **model_kw)
+                           layers=self.trunk_layers, start=start, ahead=ahead, **model_kw)
 
     # ---- speculative steps ---------------------------------------------------------------
     @property
@@ -125,8 +125,9 @@ class StepRunner:
             state.reserve_rows(len(ids))
             state.capturing = True
         try:
-            out = self._eager(ids, start, all_rows=True, **({"return_hidden": True}
-                                                             if hidden else {}))
+            # with hidden rows an MTP step comes next, not the next decode step
+            out = self._eager(ids, start, all_rows=True, ahead=not hidden,
+                              **({"return_hidden": True} if hidden else {}))
         finally:
             if state is not None:
                 state.capturing = False
@@ -137,7 +138,8 @@ class StepRunner:
         """A prefill chunk that also returns its rows' final hidden states (the MTP
         drafter's input): (logits of the last row, hidden [n, hidden])."""
         t = time.perf_counter()
-        logits, hidden = self._eager(ids, start, all_rows=False, return_hidden=True)
+        logits, hidden = self._eager(ids, start, all_rows=False, ahead=False,
+                                     return_hidden=True)
         self.host_s.append(time.perf_counter() - t)
         return logits[-1], hidden
 
@@ -151,14 +153,17 @@ class StepRunner:
 
     def mtp(self, ids: list[int], hidden: torch.Tensor, start: int):
         """The model's MTP layer over rows at positions start..: row i pairs the trunk's
-        hidden state at position start + i with the token after it, ids[i]. Returns (logits
-        of every row, the MTP layer's output hidden rows)."""
+        hidden state at position start + i with the token after it, ids[i]. Returns (the
+        last row's logits [1, vocab], the MTP layer's output hidden rows)."""
+        t = time.perf_counter()
         layer = self.model.config.n_layers
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
-        with forward_bracket(self.cache, positions, (layer,), start):
-            return self.model.mtp_forward(tokens, hidden, positions, self.cache,
-                                          return_hidden=True)
+        with forward_bracket(self.cache, positions, (layer,), start, ahead=False):
+            out = self.model.mtp_forward(tokens, hidden, positions, self.cache,
+                                         return_hidden=True, last_only=True)
+        self.host_s.append(time.perf_counter() - t)
+        return out
 
     # ---- requests ----------------------------------------------------------------------
     def begin_request(self, n_tokens: int | None = None) -> None:

@@ -126,11 +126,12 @@ class Qwen35Model(nn.Module):
         return (logits, hidden) if return_hidden else logits
 
     def mtp_forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                    cache, return_hidden: bool = False):
+                    cache, return_hidden: bool = False, last_only: bool = False):
         """One MTP step for each row: row i mixes the embedding of tokens[i] with the main
         model's normed hidden state hidden[i] and attends (MTP layer KV) up to positions[i].
         Which token/position pairs with which hidden state is the caller's convention
-        (typically hidden of position p with the token at p + 1)."""
+        (typically hidden of position p with the token at p + 1). last_only: logits of the
+        last row only ([1, vocab]; the hidden rows stay whole)."""
         if self.mtp is None:
             raise UnsupportedModelError("this model has no NextN/MTP layer; speculative "
                                         "decoding needs a drafter of another kind")
@@ -144,7 +145,8 @@ class Qwen35Model(nn.Module):
         cos, sin = rope_rows(self.rope_cos[positions], self.rope_sin[positions], neox=True)
         emb = (self.embed if self.mtp_embed is None else self.mtp_embed)(tokens)
         h = self.mtp(emb, hidden.to(emb.dtype), cos, sin, positions.to(torch.int32), kv)
-        logits = (self.lm_head if self.mtp_head is None else self.mtp_head)(h).float()
+        head = self.lm_head if self.mtp_head is None else self.mtp_head
+        logits = head(h[-1:] if last_only else h).float()
         return (logits, h) if return_hidden else logits
 
     def _check_positions(self, positions, cache) -> tuple[int, int]:

@@ -176,7 +176,10 @@ class StreamingKvCache:
             self.pool.begin(n_pages, range(lo // self.page_size, n_pages), layers)
         self._next = None
 
-    def end_forward(self, ok: bool = True) -> None:
+    def end_forward(self, ok: bool = True, ahead: bool = True) -> None:
+        """Publish the forward's rows (ok) and, with prefetch_next, begin the next decode
+        step's copies; ahead=False when the caller knows another kind of forward comes next
+        (a speculative round's MTP step), whose begin would only drop the guess."""
         if self._step is None:
             return
         s, self._step = self._step, None
@@ -203,7 +206,7 @@ class StreamingKvCache:
             resident_reads=c.resident_reads, streamed_reads=c.streamed_reads, layers=len(s["layers"]),
             repartitioned=s["repart"], policy=s["reason"], wall_ms=1e3 * wall))
         self._last = (s["t0"], s["busy"])
-        if self.prefetch_next:
+        if self.prefetch_next and ahead:
             self._begin_next(s["hi"], s["layers"])
 
     def _begin_next(self, hi: int, layers) -> None:
@@ -321,10 +324,11 @@ def is_streamed(cache) -> bool:
 
 @contextmanager
 def forward_bracket(cache, positions, layers=None, start: int | None = None,
-                    keep: bool = True):
+                    keep: bool = True, ahead: bool = True):
     """begin_forward / end_forward around the body when the cache has them (a resident
     cache has none). The forward's rows become history when the body returns and `keep`
-    (a CUDA graph capture, which computes nothing, passes keep=False)."""
+    (a CUDA graph capture, which computes nothing, passes keep=False); `ahead`: see
+    end_forward."""
     if not is_streamed(cache):
         yield
         return
@@ -334,15 +338,15 @@ def forward_bracket(cache, positions, layers=None, start: int | None = None,
         yield
         ok = keep
     finally:
-        cache.end_forward(ok)
+        cache.end_forward(ok, ahead)
 
 
 def forward(model, cache, tokens, positions, last_only: bool = False, layers=None,
-            start: int | None = None, **model_kw):
+            start: int | None = None, ahead: bool = True, **model_kw):
     """model(tokens, positions, cache) with the streaming bracket when the cache has one.
     start: positions are start, start + 1, ... (saves the cache a read of the tensor);
-    model_kw go to the model (return_hidden)."""
-    with forward_bracket(cache, positions, layers, start):
+    ahead: see end_forward; model_kw go to the model (return_hidden)."""
+    with forward_bracket(cache, positions, layers, start, ahead=ahead):
         return model(tokens, positions, cache, last_only=last_only, **model_kw)
 
 

@@ -29,6 +29,8 @@ def speculative_tokens(verify, rollback, drafter, logits, sampler, history, budg
     it. `rollback(keep, rows)` undoes the recurrent state of the rejected rows; their KV rows
     are rewritten by the next step (attention is causal by position: never read before).
     A round's time (drafting, verify, acceptance) goes to step_s."""
+    if budget <= 0:
+        return
     made = 1
     yield sampler(logits, history)
     while made < budget:

@@ -17,15 +17,16 @@ import torch
 
 from kvcompile.speculative.ngram import NgramDrafter
 
-BACKLOG_ROWS = 256     # feed the backlog before it grows past this (rounds drafted by ngram)
+BACKLOG_ROWS = 64      # feed the backlog before it grows past this (rounds drafted by ngram)
 
 
 class MtpDrafter:
     wants_hidden = True
 
-    def __init__(self, mtp_step, n_max: int = 3, p_min: float = 0.7):
+    def __init__(self, mtp_step, n_max: int = 3, p_min: float = 0.7, max_rows: int = 256):
         self.mtp_step = mtp_step            # StepRunner.mtp: (ids, hidden, start) -> (logits, h)
         self.n_max, self.p_min = n_max, p_min
+        self.max_rows = max_rows            # rows a step feeds at most (the prefill ubatch)
         self._rows: list[torch.Tensor] = []  # verified trunk hidden rows not yet fed
         self._start = 0                      # position of the first of them
 
@@ -59,8 +60,10 @@ class MtpDrafter:
         if n <= 0:
             return None
         rows = torch.cat(self._rows) if len(self._rows) > 1 else self._rows[0]
-        out = self.mtp_step(history[self._start + 1:self._start + 1 + n], rows[:n],
-                            self._start)
+        for at in range(0, n, self.max_rows):   # a step's activations stay within a ubatch's
+            m = min(self.max_rows, n - at)
+            s = self._start + at
+            out = self.mtp_step(history[s + 1:s + 1 + m], rows[at:at + m], s)
         self._rows = [rows[n:]] if rows.shape[0] > n else []
         self._start += n
         return out
@@ -68,8 +71,10 @@ class MtpDrafter:
     def propose(self, history, limit: int) -> list[int]:
         """Up to min(n_max, limit) tokens after history (history[-1] is the pending token;
         the backlog ends at the position before it)."""
+        if limit <= 0:
+            return []                        # the request's last token: nothing to draft
         out = self.flush(history)
-        if out is None or limit <= 0:
+        if out is None:
             return []
         logits, h = out
         pos, draft = len(history) - 1, []

@@ -62,7 +62,7 @@ class SpecOptions:
         if not self.enabled:
             return None
         ngram = NgramDrafter(self.ngram_n, self.ngram_m) if self.uses_ngram else None
-        mtp = (MtpDrafter(runner.mtp, self.draft_n_max, self.draft_p_min)
+        mtp = (MtpDrafter(runner.mtp, self.draft_n_max, self.draft_p_min, runner.ubatch)
                if self.uses_mtp else None)
         if ngram is not None and mtp is not None:
             return NgramThenMtp(ngram, mtp)
