@@ -116,7 +116,7 @@ class StepRunner:
         """Every row's logits of ids at start.. (a speculative verify step), and with
         hidden=True the rows' final hidden states too (an MTP drafter's input): (logits,
         hidden or None). A hybrid model records its recurrent state after each row, so that
-        `rollback(keep)` can undo the rows a rejected draft added."""
+        `rollback` can undo the rows a rejected draft added."""
         state = self.recurrent
         if not hidden and (state is None or len(ids) == 1):
             return self.step(ids, start, all_rows=True), None
@@ -143,13 +143,18 @@ class StepRunner:
         self.host_s.append(time.perf_counter() - t)
         return logits[-1], hidden
 
-    def rollback(self, keep: int, rows: int) -> None:
-        """Keep the first `keep` of the `rows` rows of the latest verify step: a hybrid
-        model's recurrent state goes back to its checkpoint after row keep-1 (KV rows past
-        it need nothing: the next step rewrites their positions before any row reads them)."""
+    def rollback(self, keep: int, rows: int, start: int) -> None:
+        """Keep the first `keep` of the `rows` rows of the verify step at `start`: a hybrid
+        model's recurrent state goes back to its checkpoint after row keep-1, and a streamed
+        cache's host history forgets the rows after it (their device copies are rewritten by
+        the next step before any row reads those positions)."""
+        if keep >= rows:
+            return
         state = self.recurrent
-        if state is not None and keep < rows:
+        if state is not None:
             state.rollback(keep)
+        if hasattr(self.cache, "truncate"):
+            self.cache.truncate(start + keep)
 
     def mtp(self, ids: list[int], hidden: torch.Tensor, start: int):
         """The model's MTP layer over rows at positions start..: row i pairs the trunk's

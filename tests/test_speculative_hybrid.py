@@ -62,7 +62,9 @@ def test_rollback_equals_decoding_only_the_kept_tokens(hybrid_file, where):
         for keep in range(1, depth + 2):
             state.restore(before)
             runner.verify(rows, start)
-            runner.rollback(keep, depth + 1)
+            runner.rollback(keep, depth + 1, start)
+            if where == "streamed":       # the host history forgot the rejected rows
+                assert {cache.host.rows[i] for i in runner.trunk_layers} == {start + keep}
             got = (state.conv.clone(), state.ssm.clone())
             got_next = runner.step(after, start + keep, all_rows=True).clone()
             state.restore(before)

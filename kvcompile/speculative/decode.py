@@ -26,8 +26,9 @@ def speculative_tokens(verify, rollback, drafter, logits, sampler, history, budg
     """Tokens from verify steps: the pending token and the drafter's proposal go through
     one step (every row's logits, and the rows' hidden states when the drafter wants them);
     the acceptance rule keeps the draft's valid prefix and adds the target's own token after
-    it. `rollback(keep, rows)` undoes the recurrent state of the rejected rows; their KV rows
-    are rewritten by the next step (attention is causal by position: never read before).
+    it. `rollback(keep, rows, start)` undoes the rejected rows (recurrent state, host history);
+    their KV rows on the device are rewritten by the next step (attention is causal by
+    position: never read before).
     A round's time (drafting, verify, acceptance) goes to step_s."""
     if budget <= 0:
         return
@@ -40,7 +41,7 @@ def speculative_tokens(verify, rollback, drafter, logits, sampler, history, budg
         draft = drafter.propose(history, room)
         rows, hidden = verify([history[-1]] + draft, pos, hidden=drafter.wants_hidden)
         emitted = accept(draft, rows, sampler, history)
-        rollback(len(emitted), len(draft) + 1)
+        rollback(len(emitted), len(draft) + 1, pos)
         drafter.accepted(pos, emitted, hidden)
         step_s.append(time.perf_counter() - t)
         stats.record(len(draft), len(emitted) - 1, step_s[-1])
