@@ -72,8 +72,16 @@ def small_k(name: str) -> int:
     return 200 if block == 1 else 512 + 3 * block if block == 32 else 5 * 256
 
 
-def test_kernels_interpreted_match_gguf_dequantized_products():
-    """Every type: one row (FMAs), 3 rows (tensor-core GEMV), 20 rows (GEMM), 70 rows
+# the README's test command checks the types people download most and the seed's file type;
+# -m slow (CI) and ./dev test-triton-latest check every type
+COMMON_TYPES = ("Q4_K", "Q6_K", "Q8_0", "IQ4_XS")
+
+
+@pytest.mark.parametrize("types", [
+    pytest.param(COMMON_TYPES, id="common-types"),
+    pytest.param(tuple(TYPES), id="every-type", marks=pytest.mark.slow)])
+def test_kernels_interpreted_match_gguf_dequantized_products(types):
+    """Each type: one row (FMAs), 3 rows (tensor-core GEMV), 20 rows (GEMM), 70 rows
     (prefill: dequantized in chunks of 16 rows, then a dense product), the fused SwiGLU GEMV
     at 1 and 3 rows, and the embedding rows (dequantized exactly), N = 38 (off every row
     tile) and K off the 256-value tiles."""
@@ -82,7 +90,7 @@ def test_kernels_interpreted_match_gguf_dequantized_products():
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
     jobs, refs = [], []
-    for name in TYPES:
+    for name in types:
         k = small_k(name)
         w, deq = case(name, 38, k, rng)
         for m in (1, 3, 20):
