@@ -1,6 +1,8 @@
 """Speculative decoding with ngram drafts: text that repeats earlier text (a quote of the
 prompt, code, a list) is proposed from its earlier occurrence and verified in one forward;
-the output is exactly what plain greedy decoding gives, in fewer forwards.
+the output is exactly what plain greedy decoding gives, in fewer forwards. A model with an
+MTP (NextN) layer, such as a Qwen3.5 GGUF that keeps it, can draft with that layer instead:
+spec_type="draft-mtp" (spec_draft_n_max tokens a round, 3), or "ngram-simple,draft-mtp".
 
     python examples/speculative.py [--max-tokens 48]
 """
