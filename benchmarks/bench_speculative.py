@@ -24,12 +24,14 @@ acceptance at that depth buys. Then, on the same context, one verify step of eac
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
+from bench_runner import save  # noqa: E402
 from bench_util import log, run_meta  # noqa: E402
+
+from kvcompile.speculative.decode import Drafter  # noqa: E402
 
 PARAGRAPH = (
     "The keeper climbed the tower at dusk, trimmed the wick and lit the lamp. He wrote in "
@@ -53,21 +55,11 @@ def run_mode(args, spec: str) -> dict:
                 completion_tokens=r.completion_tokens, text=r.text)
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Drafts the known greedy continuation, `depth` tokens a round."""
-    wants_hidden = False
 
     def __init__(self, continuation: list[int], prompt_len: int, depth: int):
         self.cont, self.n0, self.depth = continuation, prompt_len, depth
-
-    def reset(self, history) -> None:
-        pass
-
-    def add(self, start, hidden, history) -> None:
-        pass
-
-    def accepted(self, start, emitted, hidden) -> None:
-        pass
 
     def propose(self, history, limit: int) -> list[int]:
         at = len(history) - self.n0
@@ -150,7 +142,8 @@ def main(argv=None) -> dict:
         row = oracle_run(args, meta)
         log(f"oracle: {row['speedup']:.2f}x plain; verify cost over width 1: "
             + ", ".join(f"{w}: {c:.2f}" for w, c in row["verify_cost_over_width1"].items()))
-        return save(row, args.out)
+        save([row], args.out)
+        return row
     plain = run_mode(args, "none")
     log(f"plain: {plain['decode_tok_s']:.1f} tok/s")
     spec = run_mode(args, args.spec)
@@ -168,17 +161,7 @@ def main(argv=None) -> dict:
     log(f"{args.spec}: {spec['decode_tok_s']:.1f} tok/s = {row['speedup']:.2f}x plain; "
         f"{row['tokens_per_forward']:.2f} tokens a forward, acceptance "
         f"{row['acceptance']:.2f}; tokens equal: {row['tokens_equal']}")
-    return save(row, args.out)
-
-
-def save(row: dict, out: str) -> dict:
-    rows = []
-    if os.path.exists(out):
-        with open(out) as f:
-            rows = json.load(f).get("rows", [])
-    rows.append(row)
-    with open(out, "w") as f:
-        json.dump(dict(rows=rows), f, indent=1)
+    save([row], args.out)
     return row
 
 

@@ -82,7 +82,7 @@ class Engine:
         # the device-memory budget, split before the load (memory_budget.py)
         memory = plan_engine_memory(source, device, dtype, ctx, ubatch, cache_type_k,
                                     cache_type_v, kv_stream_arena_mib, gpu_memory_gib,
-                                    spec.max_draft + 1 if spec.enabled else 0)
+                                    spec.verify_rows)
         loaded = load_model(source, device=device, dtype=dtype, progress=progress)
         self._setup(loaded.model, loaded.config, loaded.tokenizer, loaded.path, device, dtype,
                     ctx, ubatch, cache_type_k, cache_type_v, kv_stream_arena_mib, memory,
@@ -138,7 +138,7 @@ class Engine:
                                  cuda_graphs=cuda_graphs, trace=trace)
         if spec.enabled and self.runner.recurrent is not None:
             # checkpoints of every row a verify step can hold, allocated once, up front
-            self.runner.recurrent.reserve_rows(spec.max_draft + 1)
+            self.runner.recurrent.reserve_rows(spec.verify_rows)
 
     @property
     def phases(self):

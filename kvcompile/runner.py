@@ -121,16 +121,12 @@ class StepRunner:
         if not hidden and (state is None or len(ids) == 1):
             return self.step(ids, start, all_rows=True), None
         t = time.perf_counter()
+        model_kw = {"return_hidden": True} if hidden else {}
         if state is not None:
             state.reserve_rows(len(ids))
-            state.capturing = True
-        try:
-            # with hidden rows an MTP step comes next, not the next decode step
-            out = self._eager(ids, start, all_rows=True, ahead=not hidden,
-                              **({"return_hidden": True} if hidden else {}))
-        finally:
-            if state is not None:
-                state.capturing = False
+            model_kw["checkpoints"] = True
+        # with hidden rows an MTP step comes next, not the next decode step
+        out = self._eager(ids, start, all_rows=True, ahead=not hidden, **model_kw)
         self.host_s.append(time.perf_counter() - t)
         return out if hidden else (out, None)
 

@@ -20,6 +20,7 @@ import torch
 from kvcompile.engine import Engine
 from kvcompile.models.qwen35 import Qwen35Model
 from kvcompile.runner import StepRunner, make_sequence_cache
+from kvcompile.speculative.decode import Drafter
 from kvcompile.weights import load_weights
 from tiny_hybrid import write_tiny_hybrid
 
@@ -124,10 +125,9 @@ def test_greedy_speculation_equals_plain(hybrid_file, spec, where):
         assert s["drafted"] > 0, s
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Proposes the known greedy continuation, with the token at a scheduled depth replaced:
     rounds cycle through draft lengths 1..5 and every error depth (or none)."""
-    wants_hidden = False
 
     def __init__(self, continuation, prompt_len):
         self.cont, self.n0 = continuation, prompt_len
@@ -144,12 +144,6 @@ class OracleDrafter:
             draft[bad] = (draft[bad] + 1) % VOCAB
         self.expect = min(bad, len(draft))
         return draft
-
-    def accepted(self, start, emitted, hidden):
-        pass
-
-    def reset(self, history):
-        pass
 
 
 @pytest.mark.parametrize("where", list(ARENAS))

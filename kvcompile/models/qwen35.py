@@ -104,10 +104,11 @@ class Qwen35Model(nn.Module):
     # ---- compute ----------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache,
                 last_only: bool = False, state: RecurrentState | None = None,
-                return_hidden: bool = False):
+                return_hidden: bool = False, checkpoints: bool = False):
         """tokens, positions int64 [T] (consecutive); returns float32 logits [T, vocab]
         ([1, vocab] with last_only), plus the final normed hidden [T, hidden] (the MTP
-        layer's input) with return_hidden."""
+        layer's input) with return_hidden. checkpoints: record the recurrent state after each
+        row (a speculative verify step; RecurrentState.rollback)."""
         state = state if state is not None else self.recurrent_state(cache)
         if not torch.compiler.is_compiling():
             lo, _ = self._check_positions(positions, cache)   # consecutive: lo = positions[0]
@@ -120,7 +121,7 @@ class Qwen35Model(nn.Module):
                 kv = cache.layer(i)
                 x = block(x, cos, sin, q_pos, kv)
             else:
-                x = block(x, *state.layer(i), state.checkpoints(i))
+                x = block(x, *state.layer(i), state.checkpoints(i) if checkpoints else None)
         hidden = self.norm(x)
         logits = self.lm_head(hidden[-1:] if last_only else hidden).float()
         return (logits, hidden) if return_hidden else logits

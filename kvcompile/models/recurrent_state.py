@@ -8,10 +8,10 @@ The tensors are allocated once and only ever updated in place (copy_), so their 
 stay fixed for CUDA graphs; snapshot/restore copy into and out of them. This state never
 enters the KV page pool: the KV policy only sees attention layers.
 
-Speculative verify: `reserve_rows(R)` allocates checkpoint buffers of R rows; while
-`capturing` is set, each GDN layer runs a forward's rows one at a time (the decode rule) and
-records its state after every row (`kvcompile::checkpoint_capture`), so `rollback(keep)`
-restores the state after row keep-1 of the last forward by one copy: no recompute.
+Speculative verify: `reserve_rows(R)` allocates checkpoint buffers of R rows; a forward
+asked for checkpoints runs each GDN layer's rows one at a time (the decode rule) and records
+the state after every row (`kvcompile::checkpoint_capture`), so `rollback(keep)` restores
+the state after row keep-1 of the last forward by one copy: no recompute.
 """
 from __future__ import annotations
 
@@ -41,7 +41,6 @@ class RecurrentState:
                                 dtype=torch.float32, device=device)
         self.ssm = torch.zeros(n, config.ssm_v_heads, kd, vd, dtype=torch.float32, device=device)
         self.n_tokens = 0   # positions consumed since the last reset (host-side bookkeeping)
-        self.capturing = False     # record per-row checkpoints in the next forwards
         self.conv_rows = self.ssm_rows = None      # [R, n, ...] once reserve_rows(R) ran
         self._forward_start = 0    # first position of the latest forward
 
@@ -61,17 +60,15 @@ class RecurrentState:
             self.ssm_rows = self.ssm.new_zeros((rows, *self.ssm.shape))
 
     def checkpoints(self, i: int):
-        """(conv rows [R, K-1, C], ssm rows [R, Hv, Dk, Dv]) of model layer i while
-        capturing, else None (a plain forward)."""
-        if not self.capturing:
-            return None
+        """(conv rows [R, K-1, C], ssm rows [R, Hv, Dk, Dv]): model layer i's views of the
+        checkpoint buffers."""
         if self.conv_rows is None:
             raise KvLayoutError("capturing verify checkpoints needs reserve_rows() first")
         j = self._slot[i]
         return self.conv_rows[:, j], self.ssm_rows[:, j]
 
     def rollback(self, keep: int) -> None:
-        """Keep rows 0..keep-1 of the latest (capturing) forward: the state after row
+        """Keep rows 0..keep-1 of the latest (checkpointed) forward: the state after row
         keep-1, as recorded, becomes the live state."""
         consumed = self.n_tokens - self._forward_start
         if keep == consumed:

@@ -9,6 +9,25 @@ import time
 from kvcompile.speculative.accept import accept_greedy, accept_sampled
 
 
+class Drafter:
+    """What speculative_tokens asks of a drafter; the hooks a drafter needs no state for do
+    nothing here."""
+    wants_hidden = False        # True: verify steps return the rows' hidden states
+
+    def reset(self, history) -> None:
+        """A new request whose prompt is history (before its prefill)."""
+
+    def add(self, start: int, hidden, history) -> None:
+        """A prefill chunk at start computed these hidden rows (wants_hidden only)."""
+
+    def propose(self, history, limit: int) -> list[int]:
+        """Up to `limit` tokens to follow history (history[-1]: the pending token)."""
+        raise NotImplementedError
+
+    def accepted(self, start: int, emitted: list[int], hidden) -> None:
+        """The verify step at start kept len(emitted) rows (hidden: its rows, or None)."""
+
+
 def plain_tokens(forward, logits, sampler, history, budget, step_s):
     """One token a forward: sampled from the logits, fed back at the next position."""
     for step in range(budget):

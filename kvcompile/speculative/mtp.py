@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import torch
 
+from kvcompile.speculative.decode import Drafter
 from kvcompile.speculative.ngram import NgramDrafter
 
 BACKLOG_ROWS = 64      # feed the backlog before it grows past this (rounds drafted by ngram)
 
 
-class MtpDrafter:
+class MtpDrafter(Drafter):
     wants_hidden = True
 
     def __init__(self, mtp_step, n_max: int = 3, p_min: float = 0.7, max_rows: int = 256):
@@ -42,16 +43,19 @@ class MtpDrafter:
         """Trunk hidden rows at positions start.. were computed (a prefill chunk): feed every
         row whose next token is in history (the last prompt row waits for the first
         generated token)."""
-        self.accepted(start, [None] * hidden.shape[0], hidden)
+        self._append(start, hidden)
         self.flush(history)
 
     def accepted(self, start: int, emitted: list, hidden) -> None:
         """After a verify step at `start`: its first len(emitted) rows were kept."""
+        self._append(start, hidden[:len(emitted)])
+
+    def _append(self, start: int, rows: torch.Tensor) -> None:
         if not self._rows:
             self._start = start
         elif start != self._start + self.backlog:
             raise AssertionError("MTP backlog rows must arrive in position order")
-        self._rows.append(hidden[:len(emitted)])
+        self._rows.append(rows)
 
     def flush(self, history):
         """Feed the backlog rows whose next token history holds; (logits, hidden) of that
@@ -89,7 +93,7 @@ class MtpDrafter:
         return draft
 
 
-class NgramThenMtp:
+class NgramThenMtp(Drafter):
     """ngram-simple,draft-mtp: the ngram drafter's (wide) draft when the history has a match,
     else the MTP layer's (narrow) one. The MTP backlog keeps every verified row, so the MTP
     KV stays complete whichever drafter proposed."""

@@ -5,11 +5,10 @@ arrive, so a lookup is one dict read whatever the history's length."""
 from __future__ import annotations
 
 from kvcompile.errors import KvcompileError
+from kvcompile.speculative.decode import Drafter
 
 
-class NgramDrafter:
-    wants_hidden = False
-
+class NgramDrafter(Drafter):
     def __init__(self, n: int = 3, m: int = 8):
         for name, v, lo in (("--spec-ngram-size-n", n, 1), ("--spec-ngram-size-m", m, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
@@ -54,13 +53,7 @@ class NgramDrafter:
         k = self.m if limit is None else min(self.m, limit)
         return h[at:at + k]
 
-    # ---- the drafter interface of speculative.decode ----------------------------------------
     def propose(self, history, limit: int) -> list[int]:
+        """(the accepted tokens arrive here, with the history)"""
         self.extend(history[len(self.history):])
         return self.draft(limit=limit) if limit > 0 else []
-
-    def add(self, start, hidden, history) -> None:
-        """(prefill rows: nothing to do)"""
-
-    def accepted(self, start, emitted, hidden) -> None:
-        """(the accepted tokens arrive with the history at the next propose)"""

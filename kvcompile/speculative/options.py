@@ -50,10 +50,13 @@ class SpecOptions:
         return "draft-mtp" in self.spec_type
 
     @property
-    def max_draft(self) -> int:
-        """The most tokens one round drafts (a verify step scores one more row)."""
-        return max(self.ngram_m if self.uses_ngram else 0,
-                   self.draft_n_max if self.uses_mtp else 0)
+    def verify_rows(self) -> int:
+        """The most rows a verify step scores: the pending token and the longest draft
+        (0 without speculation)."""
+        if not self.enabled:
+            return 0
+        return 1 + max(self.ngram_m if self.uses_ngram else 0,
+                       self.draft_n_max if self.uses_mtp else 0)
 
 
     def drafter(self, runner):
