@@ -21,7 +21,7 @@ qlinear kernels and the quantized embedding), one model after the other in this 
   ours-captured-nopdl  ours-captured with programmatic dependent launch off (ops/pdl.py):
                   what overlapping each kernel with its predecessor's tail buys
   ours-resident   all resident, eager: the compiled path's speed-up is over this row
-  ours-graphs     streamed through --arena-mib, decode as piecewise CUDA graphs
+  ours-graphs     streamed through --arena-mib, each decode step one CUDA graph
   ours            streamed, eager
 
 Resident rows carry the HBM roofline, `hbm_roofline_tok_s = hbm_gbps_measured / (weight

@@ -16,8 +16,7 @@ fp32, as a `--type bf16` file stores them) and handed to Qwen35Model.from_weight
 
 Systems (`ours*` run once per --kv entry):
   ours            attention KV history on the host, streamed through an arena of --arena-mib
-  ours-graphs     ours, decode replayed as piecewise CUDA graphs between the attention
-                  layers' KV hooks (kvcompile/phase/piecewise.py)
+  ours-graphs     ours, each decode step one CUDA graph (kvcompile/phase/decode_graph.py)
   ours-resident   the whole KV on the device (arena 0, PagedKvCache)
 
 The KV cache holds pages for the 16 main attention layers only: the GDN state

@@ -45,10 +45,10 @@ def build_model(g, ctx: int, weights: str, device, dtype, seed: int):
 
 
 def launches_per_step(stats: dict) -> int | None:
-    """Graph launches a decode step makes: piecewise graphs, one phase program, or None
+    """Graph launches a decode step makes: one (a decode graph or a phase program), or None
     (eager: every kernel its own launch)."""
-    if "piecewise_graphs" in stats:
-        return stats["piecewise_graphs"] or None
+    if "decode_graphs" in stats:
+        return 1 if stats["decode_graphs"] and stats.get("replays") else None
     if "captures" in stats and stats.get("lower") != "eager":
         return 1
     return None

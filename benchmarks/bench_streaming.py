@@ -10,8 +10,8 @@ shared by our LlamaModel and Hugging Face's LlamaForCausalLM, so a short-prompt 
 compares the two implementations on the same weights. Systems:
 
   ours            KV history on the host, streamed through an arena of --arena-mib MiB
-  ours-graphs     ours, decode steps replayed as piecewise CUDA graphs between the per-layer
-                  KV hooks (kvcompile/phase/piecewise.py; prefill eager)
+  ours-graphs     ours, each decode step one CUDA graph, ring copies included
+                  (kvcompile/phase/decode_graph.py; prefill eager)
   ours-resident   the whole KV on the device (arena 0, PagedKvCache)
   hf-offload      transformers DynamicCache(offloading=True), bf16 KV
   hf-dynamic      transformers DynamicCache(), bf16 KV
@@ -209,7 +209,7 @@ def ours_prefill(model, cache, ids: torch.Tensor, ubatch: int, device, desc: str
 def ours_decode(model, cache, first: int, start: int, n: int, device, program=None
                 ) -> list[int]:
     """n greedy steps from token `first` at position `start`; through `program` (anything
-    with step(ids, start) -> logits rows: a PiecewiseDecode) when given, else eager
+    with step(ids, start) -> logits rows: a DecodeGraph) when given, else eager
     forwards."""
     if program is not None:
         return greedy_steps(program.step, first, start, n)
@@ -224,7 +224,7 @@ def ours_decode(model, cache, first: int, start: int, n: int, device, program=No
 
 def greedy_steps(step, first: int, start: int, n: int) -> list[int]:
     """n greedy one-token steps of `step(ids, start) -> logits rows` from token `first` at
-    position `start` (a PhaseManager's forward, a piecewise program's step, an eager one)."""
+    position `start` (a PhaseManager's forward, a decode graph's step, an eager one)."""
     toks, tok = [], first
     for i in range(n):
         tok = int(step([tok], start + i)[-1].argmax())
@@ -259,8 +259,11 @@ def timed_generation(model, cache, ids: torch.Tensor, ctx: int, args, device,
     decoded tokens (warm steps included) and the cache's telemetry (h2d bytes a token)."""
     program = None
     if graphs:
-        from kvcompile.phase.piecewise import PiecewiseDecode
-        program = PiecewiseDecode(model, cache, layers=trunk_layers(model))
+        from kvcompile.errors import PhaseError
+        from kvcompile.phase.decode_graph import DecodeGraph
+        if torch.device(device).type != "cuda":
+            raise PhaseError("decode graphs are CUDA graphs (on the CPU they rerun the step)")
+        program = DecodeGraph(model, cache, layers=trunk_layers(model))
     tel = getattr(cache, "telemetry", None)
     marks = {}
     row = timed_prefill_decode(
@@ -271,7 +274,7 @@ def timed_generation(model, cache, ids: torch.Tensor, ctx: int, args, device,
         after_warm=lambda: marks.update(n_before=len(tel) if tel is not None else 0))
     n_before = marks["n_before"]
     if program is not None:
-        row.update(graphs=len(program.graphs), graph_replays=program.replays)
+        row.update(graphs=program.captures, graph_replays=program.replays)
     if tel is not None:
         from kvcompile.runtime.telemetry import summarize
         dec = tel[n_before:]

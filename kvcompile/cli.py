@@ -63,8 +63,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run steps as phase programs: CUDA graphs per decode width and prefill "
                         "ubatch, in prefill / decode layouts of one arena, kept across "
-                        "requests; with --kv-stream-arena-mib or a hybrid model, decode runs "
-                        "as piecewise CUDA graphs between the per-layer KV hooks. Default: on "
+                        "requests; with --kv-stream-arena-mib or a hybrid model, each decode "
+                        "step is one CUDA graph, ring copies included. Default: on "
                         "with a cuda device, off on the CPU (where --cuda-graphs runs the "
                         "same programs eagerly); --no-cuda-graphs debugs eagerly")
     p.add_argument("--spec-type", default="none",
@@ -172,10 +172,10 @@ def _run_generate(args) -> int:
 
 
 def _graphs_line(phases: dict) -> str:
-    """The --cuda-graphs statistics: phase programs, or piecewise decode graphs."""
-    if "piecewise_graphs" in phases:
-        line = (f"[cuda graphs: decode as {phases['piecewise_graphs']} piecewise graphs, "
-                f"{phases['replays']} replays")
+    """The --cuda-graphs statistics: phase programs, or decode graphs."""
+    if "decode_graphs" in phases:
+        line = (f"[cuda graphs: {phases['replays']} decode steps replayed, "
+                f"{phases['captures']} captured, {phases['eager_steps']} eager")
         if phases.get("fallback"):
             line += f"; capture failed, decoded eagerly: {phases['fallback']}"
         return line + "]"

@@ -145,8 +145,8 @@ class Engine:
         return self.runner.phases
 
     @property
-    def piecewise(self):
-        return self.runner.piecewise
+    def decode_graph(self):
+        return self.runner.decode_graph
 
     # ---- requests ---------------------------------------------------------------------------
     def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,

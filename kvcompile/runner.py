@@ -8,8 +8,7 @@ runs it is decided once, when the runner is built, from the cache and `cuda_grap
 | --- | --- | --- |
 | any | off | eagerly: `runtime.forward` (the streaming bracket when the cache streams) |
 | all resident, attention-only | on | phase programs (`phase/manager.py`): prefill and decode layouts of one arena, programs kept across requests |
-| streamed, or hybrid, on CUDA | on | decode as piecewise CUDA graphs between the per-layer KV hooks (`phase/piecewise.py`), prefill eagerly |
-| streamed, or hybrid, on the CPU | on | eagerly (nothing to capture) |
+| streamed, or hybrid | on | each decode step one CUDA graph per layout, ring copies and fences included (`phase/decode_graph.py`; on the CPU the same fixed-layout steps, rerun), prefill eagerly |
 
 The runner counts what each step cost on the host (`host_s`: from the call until the step's
 work is queued, before anything waits for the device) and the program events of the current
@@ -29,7 +28,7 @@ from kvcompile.runtime import make_kv_cache
 from kvcompile.runtime.streaming_cache import forward_bracket, is_streamed
 
 # counters of the program stats that count events (reported per request as differences)
-EVENT_COUNTERS = ("captures", "transitions", "invalidated", "revived", "replays")
+EVENT_COUNTERS = ("captures", "transitions", "invalidated", "revived", "replays", "eager_steps")
 
 
 def make_sequence_cache(model, config, ctx: int, k_type: str, v_type: str, arena_mib: float,
@@ -55,14 +54,12 @@ class StepRunner:
         # The KV layers a trunk forward acquires: a hybrid model's attention layers without
         # its MTP layer (only `mtp` steps read and write that one); None = every layer.
         self.trunk_layers = getattr(model, "trunk_kv_layers", None)
-        self.phases = self.piecewise = None
+        self.phases = self.decode_graph = None
         if cuda_graphs:
             if is_streamed(cache) or self.trunk_layers is not None:   # streamed or hybrid
-                if self.device.type == "cuda":
-                    from kvcompile.phase.piecewise import PiecewiseDecode
-                    self.piecewise = PiecewiseDecode(model, cache, layers=self.trunk_layers,
-                                                     strict=False)
-                # on the CPU there is nothing to capture: such steps run eagerly
+                from kvcompile.phase.decode_graph import DecodeGraph
+                self.decode_graph = DecodeGraph(model, cache, layers=self.trunk_layers,
+                                                strict=False)
             else:
                 from kvcompile.phase import PhaseManager
                 self.phases = PhaseManager(model, cache, ubatch=min(ubatch, cache.capacity))
@@ -73,8 +70,8 @@ class StepRunner:
     def mode(self) -> str:
         if self.phases is not None:
             return "phase programs"
-        if self.piecewise is not None:
-            return "piecewise graphs"
+        if self.decode_graph is not None:
+            return "decode graphs"
         return "eager"
 
     # ---- one step ----------------------------------------------------------------------
@@ -86,8 +83,8 @@ class StepRunner:
         n = len(ids)
         if self.phases is not None and (not all_rows or n <= self.phases.buckets[-1]):
             logits = self.phases.forward(ids, start)      # a decode program: every row
-        elif self.piecewise is not None and n == self.piecewise.rows:
-            logits = self.piecewise.step(ids, start)
+        elif self.decode_graph is not None and n == self.decode_graph.rows:
+            logits = self.decode_graph.step(ids, start)
         else:
             logits = self._eager(ids, start, all_rows)
         logits = logits if all_rows else logits[-1]
@@ -180,8 +177,8 @@ class StepRunner:
     def program_stats(self) -> dict:
         if self.phases is not None:
             return self.phases.stats()
-        if self.piecewise is not None:
-            return self.piecewise.stats()
+        if self.decode_graph is not None:
+            return self.decode_graph.stats()
         return {}
 
     def request_stats(self) -> dict:

@@ -28,7 +28,7 @@ def test_tiny_run_appends_rows_and_keeps_the_file(tmp_path):
     for name in ("ours-compiled", "ours-captured", "ours-captured-nopdl", "ours-resident",
                  "ours"):
         assert by[name]["status"] == "ok" and by[name]["decode_tok_s"] > 0, by[name]
-    # on the CPU no piecewise graphs: recorded as skipped, with the reason
+    # on the CPU no decode graphs: recorded as skipped, with the reason
     assert by["ours-graphs"]["status"] == "skipped" and "CUDA" in by["ours-graphs"]["reason"]
     # the compiled program decodes the eager path's greedy tokens
     # (inductor is not bitwise: its numerics are tested in test_phase_manager)

@@ -66,11 +66,11 @@ def test_cuda_graphs_flag_reports_its_programs():
     assert "[cuda graphs:" in r.stderr and "phase transitions" in r.stderr
 
 
-def test_graphs_line_names_piecewise_replays_and_a_fallback():
+def test_graphs_line_names_decode_replays_and_a_fallback():
     from kvcompile.cli import _graphs_line
-    ok = _graphs_line({"piecewise_graphs": 17, "captures": 1, "replays": 31})
-    assert ok == "[cuda graphs: decode as 17 piecewise graphs, 31 replays]"
-    bad = _graphs_line({"piecewise_graphs": 0, "captures": 0, "replays": 0,
+    ok = _graphs_line({"decode_graphs": 2, "captures": 2, "replays": 31, "eager_steps": 1})
+    assert ok == "[cuda graphs: 31 decode steps replayed, 2 captured, 1 eager]"
+    bad = _graphs_line({"decode_graphs": 0, "captures": 0, "replays": 0, "eager_steps": 9,
                         "fallback": "RuntimeError: x"})
     assert "capture failed, decoded eagerly: RuntimeError: x" in bad
 

@@ -1,4 +1,4 @@
-"""Device: the step runner's captured, streamed decode (piecewise CUDA graphs over a tiny
+"""Device: the step runner's captured, streamed decode (one CUDA graph per step over a tiny
 arena) equals the eager all-resident step bit for bit — every decode step's logits and 64
 greedy tokens — for llama and qwen35, at 4K, 16K and 64K (issue 26)."""
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_captured_streamed_decode_equals_eager_resident(models, arch, ctx, kv):
     tiny = min_arena_bytes(full, ctx, kv, kv) * 1.1 / MIB
     cache = make_sequence_cache(model, c, ctx, kv, kv, tiny, DEV)
     streamed = StepRunner(model, cache, device=DEV, ubatch=2048, cuda_graphs=True)
-    assert streamed.mode == "piecewise graphs"
+    assert streamed.mode == "decode graphs"
     ids, got = greedy(streamed, prompt)
     stats = streamed.request_stats()
     decode = cache.telemetry[-DECODE:]
@@ -82,5 +82,5 @@ def test_captured_streamed_decode_equals_eager_resident(models, arch, ctx, kv):
           f"programs {stats}, max |dlogit| {(got - ref).abs().max().item():.3g}")
     assert ids == ref_ids, (SEED, arch, ctx)
     assert torch.equal(got, ref), (SEED, arch, ctx)
-    assert stats["replays"] >= DECODE - 2 and frac > 0.5
+    assert stats["replays"] >= DECODE - 2 and frac > 0.5 and "fallback" not in stats
     cache.close()

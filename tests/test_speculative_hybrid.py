@@ -229,7 +229,7 @@ def test_max_tokens_zero_generates_nothing(hybrid_file, spec):
 @pytest.mark.parametrize("spec", ["ngram-simple", "draft-mtp", "ngram-simple,draft-mtp"])
 def test_greedy_speculation_equals_plain_cuda(hybrid_file, spec, where):
     """The CUDA path: fla's recurrent kernel row by row with checkpoints; ngram-simple
-    alternates piecewise-graph replays (one-row steps) with checkpointed verify steps and
+    alternates decode-graph replays (one-row steps) with checkpointed verify steps and
     rollbacks; with MTP every step runs eagerly (it needs the hidden rows). fp32 weights (a
     different row count may round differently; fp32 keeps that far below the logit gaps)."""
     w = load_weights(hybrid_file, progress=False)

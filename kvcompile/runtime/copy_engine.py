@@ -61,6 +61,26 @@ class CopyEngine(ABC):
     def close(self) -> None:
         pass
 
+    # ---- captured steps (CUDA graphs; on the CPU a "graph" reruns the step: nothing to do)
+    def begin_capture(self) -> None:
+        """Copies issued until end_capture join the CUDA graph being captured."""
+
+    def end_capture(self) -> tuple[int, int]:
+        """Close the copies into the capture; returns the (h2d, d2h) bytes each replay
+        moves, which `count_replay` adds when it runs (a capture itself moves nothing)."""
+        return 0, 0
+
+    def abandon_capture(self) -> None:
+        """A capture failed: forget it without joining."""
+
+    def count_replay(self, h2d: int, d2h: int) -> None:
+        self.bytes_h2d += h2d
+        self.bytes_d2h += d2h
+
+    def join(self) -> None:
+        """Order the compute side after every copy issued so far, without a host wait (a
+        replayed step's fills assume the copy side is idle)."""
+
     def _run(self, pairs, note: CopyNote) -> None:
         chk, delay = self.instrument.checker, self.instrument.copy_delay
         if chk is not None:

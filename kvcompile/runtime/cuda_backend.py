@@ -89,6 +89,7 @@ class CudaCopyEngine(CopyEngine):
         self._key = _key(self.stream)
         self._waited: dict = {}         # stream key -> seq of the last fence this stream waited on
         self._timed: list = []          # (start, end) timing events of copies not yet counted
+        self._captured: list | None = None   # [h2d, d2h] bytes of the copies being captured
         self._gather = None
         if gather:                      # fills by an SM kernel reading pinned memory
             from kvcompile.runtime.cuda_gather import gather_copy
@@ -111,7 +112,8 @@ class CudaCopyEngine(CopyEngine):
             if chk is not None:             # TimelineChecker: stamps this point of the stream
                 (chk.fill_start(note.pages, note.owners, note.host_keys) if fill
                  else chk.publish_start(note.pages, note.host_keys))
-            start = record(s, self.device, "copy start", timing=True)
+            timed = self._captured is None  # a capture cannot time (nor read) its events
+            start = record(s, self.device, "copy start", timing=True) if timed else None
             for dst, src in pairs:
                 if fill and self._gather is not None and _gatherable(dst, src):
                     self._gather(dst, src)
@@ -121,7 +123,10 @@ class CudaCopyEngine(CopyEngine):
             if chk is not None:             # before the fence, so its waiters come later
                 (chk.fill_end(note.pages) if fill
                  else chk.publish_end(note.pages, note.host_keys))
-            end = record(s, self.device, note.kind, timing=True)
+            end = record(s, self.device, note.kind, timing=timed)
+        if not timed:
+            self._captured[0 if fill else 1] += n
+            return end
         self._timed.append((start.event, end.event))
         if fill:
             self.bytes_h2d += n
@@ -146,6 +151,30 @@ class CudaCopyEngine(CopyEngine):
     def synchronize(self) -> None:
         self.stream.synchronize()
         self._harvest()
+
+    def begin_capture(self) -> None:
+        """Fork the copy stream from the capturing (current) stream: from here on its work
+        is part of the graph. Waits skipped as implied by earlier ones are forgotten (those
+        were not captured)."""
+        fork = record(torch.cuda.current_stream(self.device), self.device, "capture fork")
+        self.stream.wait_event(fork.event)
+        self._waited = {fork.stream_key: fork.seq}
+        self._captured = [0, 0]
+
+    def end_capture(self) -> tuple[int, int]:
+        """Join the copy stream back into the capturing stream (a capture must end joined)."""
+        moved, self._captured = self._captured, None
+        self._waited = {}               # what was waited on inside the graph is not history
+        self.join()
+        return (moved[0], moved[1]) if moved else (0, 0)
+
+    def abandon_capture(self) -> None:
+        self._captured, self._waited = None, {}
+
+    def join(self) -> None:
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        torch.cuda.current_stream(self.device).wait_event(ev)
 
     def close(self) -> None:
         self.synchronize()

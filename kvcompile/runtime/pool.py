@@ -13,6 +13,11 @@ layer only takes slots already released by earlier layers, so a copy waits only 
 consumed fences that exist (recorded), never on future work; prefetch of later layers
 stops at the first layer the ring cannot take yet. Release publishes the rows written this
 forward to host history and records each page's consumed fence.
+
+A fixed forward (`begin(..., fixed=True)`, a step captured as one CUDA graph) does the same
+device work whatever the position within its pages: slots from ring slot 0, every streamed
+page filled whether or not the host holds rows for it yet (a page the context has not
+reached is read as junk and never attended to), and every page of `written` published.
 """
 from __future__ import annotations
 
@@ -76,6 +81,7 @@ class StreamingPool:
         self.valid_upto = [0] * self.L           # resident pages [0, v) hold host content
         self.issued: dict[int, Placement] = {}
         self.active = None                       # (n_pages, written logical pages) of a forward
+        self.fixed = False                       # the active forward is a fixed one
         self.current = None
         self.order: list[int] = []
         self.count = ForwardCounters()
@@ -139,10 +145,13 @@ class StreamingPool:
         wait_all(set(self.last_use))
 
     # ---- one forward -----------------------------------------------------------------------
-    def begin(self, n_pages: int, written: range, layers=None) -> None:
+    def begin(self, n_pages: int, written: range, layers=None, fixed: bool = False) -> None:
         """Start a forward over n_pages per layer that writes logical pages `written`;
-        `layers` (default all) are the layers it will acquire, in this order."""
+        `layers` (default all) are the layers it will acquire, in this order. fixed: the
+        device work must not depend on the host's rows (module docstring)."""
         self._idle("begin a forward")
+        if fixed:
+            self.cursor = 0
         self.order = [self.index[l] for l in (self.layers if layers is None else layers)]
         if len(set(self.order)) != len(self.order):
             raise KvLayoutError(f"a forward acquires each layer once; got {layers}")
@@ -150,6 +159,7 @@ class StreamingPool:
             raise KvLayoutError(f"{n_pages} pages per layer need a ring of "
                                 f"{n_pages - self.r} slots; the ring has {self.ring.n_slots}")
         self.active, self.issued, self.current = (n_pages, written), {}, None
+        self.fixed = fixed
         self.count = ForwardCounters()
         self._tables_written = self._write_all_tables(n_pages)
         self._prefetch()
@@ -189,7 +199,7 @@ class StreamingPool:
         if job.released:
             raise KvLayoutError(f"layer {layer} was already acquired in this forward; its "
                                 f"ring slots may be reused by now")
-        if self.backend.readiness_miss(job.ready):
+        if not self.fixed and self.backend.readiness_miss(job.ready):   # (a capture cannot ask)
             self.count.misses += 1
         if "skip_ready_wait" not in self.unsafe:
             # The compute side waits for the copies; on CUDA a stream wait, no host sync.
@@ -274,12 +284,13 @@ class StreamingPool:
         v = self.valid_upto[li]
         todo = job.runs(min(v, r), r) + job.ring_runs   # stale resident pages, then streamed
         self.valid_upto[li] = max(v, r)
-        cut = self.host.rows_pages(layer)                # pages from here on have no rows
+        rows_cut = self.host.rows_pages(layer)           # pages from here on have no rows
+        ring_cut = self.host.max_pages if self.fixed else rows_cut
         chk = self.checker is not None
         pairs, after, pages, owners = [], set(), [], []
         hk, hv = self.host.k[layer], self.host.v[layer]
         for lp0, p0, n in todo:
-            k = max(0, min(n, cut - lp0))
+            k = max(0, min(n, (rows_cut if lp0 < r else ring_cut) - lp0))
             if k:      # published rows: copy them (all runs of the layer in one group)
                 pairs += [(self.k_pool[p0:p0 + k], hk[lp0:lp0 + k]),
                           (self.v_pool[p0:p0 + k], hv[lp0:lp0 + k])]
@@ -303,6 +314,27 @@ class StreamingPool:
             self.count.copies += 1
         self.issued[li] = job
         return True
+
+    # ---- fixed forwards ---------------------------------------------------------------------
+    def refills(self, n_pages: int, layers) -> bool:
+        """Would a forward over n_pages copy stale resident pages from host history (once,
+        after a repartition or drop_resident: such a forward must not be captured)?"""
+        r = min(self.r, n_pages)
+        return any(min(self.valid_upto[self.index[l]], r) < min(r, self.host.rows_pages(l))
+                   for l in layers)
+
+    def forget_fences(self, drain: bool = True) -> None:
+        """Before a capture: everything issued so far has completed (drain), and a
+        captured step may only wait on what it records itself. drain=False: after a failed
+        capture, whose events were never recorded (the caller synchronized the device)."""
+        if drain:
+            self.drain()
+        self.last_use = [DONE] * self.P
+
+    def replayed(self, fence) -> None:
+        """A captured step ran: every page's last use is that step (`fence`, recorded after
+        its replay, covers its copies too)."""
+        self.last_use = [fence] * self.P
 
     def _unhold(self, job: Placement, fence) -> None:
         for s in job.slot_ranges():

@@ -28,6 +28,7 @@ from kvcompile.runtime.backend import CpuBackend
 from kvcompile.runtime.fences import AllOf
 from kvcompile.runtime.host_history import HostHistory
 from kvcompile.runtime.pool import StreamingPool
+from kvcompile.runtime.step_layout import StepLayout
 from kvcompile.runtime.telemetry import StepStats, summarize
 
 
@@ -104,6 +105,8 @@ class StreamingKvCache:
         self._next = None                 # (lo, hi, n_pages, layers) begun ahead
         self._step = None
         self._last = None                 # (t0, busy) of the forward telemetry[-1] records
+        self._layout: StepLayout | None = None   # of the captured decode steps (step_layout)
+        self.layout_slack = 0             # pages a new layout reaches past its step
 
     # ---- the surface the model reads ----------------------------------------------------
     def layer(self, i: int) -> LayerKv:
@@ -149,6 +152,14 @@ class StreamingKvCache:
         """Start a forward at these positions that will acquire `layers` (default: all KV
         layers, in order; an MTP step names only its own layer). `start`: the positions
         are start, start + 1, ... (the caller's ints: no host read of the tensor)."""
+        self.open_forward(positions, layers, start)
+        self.issue_forward()
+
+    def open_forward(self, positions: torch.Tensor, layers=None,
+                     start: int | None = None) -> None:
+        """The host half of begin_forward: checks, the policy's split for this forward,
+        its bookkeeping. `issue_forward` then issues its device work (or a captured step
+        replays it)."""
         layers = self.layers if layers is None else tuple(layers)
         if self._step is not None:
             raise KvLayoutError("begin_forward called twice without end_forward")
@@ -172,8 +183,17 @@ class StreamingKvCache:
         self._step = dict(t0=t0, busy=busy, lo=lo, hi=hi, h2d=h2d, d2h=self.engine.bytes_d2h,
                           tokens=int(positions.numel()), pages=n_pages, repart=repart,
                           reason=reason, layers=layers, positions=positions)
-        if self._next is None:
-            self.pool.begin(n_pages, range(lo // self.page_size, n_pages), layers)
+
+    def issue_forward(self, layout: StepLayout | None = None) -> None:
+        """Issue the open forward's placement and first copies (unless it was begun ahead),
+        or with a layout the fixed work of a captured step (step_layout)."""
+        s = self._step
+        if layout is not None:
+            self.pool.begin(layout.pages, range(layout.first, layout.pages), s["layers"],
+                            fixed=True)
+        elif self._next is None:
+            self.pool.begin(s["pages"], range(s["lo"] // self.page_size, s["pages"]),
+                            s["layers"])
         self._next = None
 
     def end_forward(self, ok: bool = True, ahead: bool = True) -> None:
@@ -193,6 +213,61 @@ class StreamingKvCache:
             self.engine.synchronize()     # CPU: trivial; the published rows are in place
         # CUDA: no host sync; the next forward's fills follow these publishes on the same
         # in-order copy stream, and host readers call synchronize() first.
+        self._close(s)
+        if self.prefetch_next and ahead:
+            self._begin_next(s["hi"], s["layers"])
+
+    # ---- captured decode steps ------------------------------------------------------------
+    def step_layout(self) -> StepLayout | None:
+        """The fixed layout the open forward can run in as a captured step: the last one
+        while it serves, else a new one from this step's page on. None while resident
+        pages wait for their refill from host history (run this forward eagerly: a capture
+        would repeat the refill every step)."""
+        s = self._step
+        first, r = s["lo"] // self.page_size, self.pool.r
+        lay = self._layout
+        if lay is None or not lay.serves(r, first, s["pages"], s["layers"]):
+            room = min(self.num_pages, r + self.pool.ring.n_slots)
+            lay = StepLayout.around(r, first, s["pages"], s["layers"], room,
+                                    self.layout_slack)
+        if self.pool.refills(lay.pages, s["layers"]):
+            return None
+        self._drop_next()                 # a forward begun ahead is not a fixed one
+        self._layout = lay
+        return lay
+
+    def prepare_capture(self) -> None:
+        """Before capturing the open forward: no copy in flight, no fence from before."""
+        self.pool.forget_fences()
+
+    def abandon_capture(self) -> None:
+        """After a failed capture (the device synchronized): its forward and events go."""
+        self.engine.abandon_capture()
+        self.pool.end()
+        self.pool.forget_fences(drain=False)
+
+    def end_issue(self) -> None:
+        """The end of a captured step's device work: the last layer's release."""
+        self.pool.end()
+
+    def end_replayed(self, moved: tuple[int, int] = (0, 0), fence=None) -> None:
+        """Close the open forward after its captured work ran (a CUDA graph replay, or on
+        the CPU its rerun): `moved` = the (h2d, d2h) bytes a replay copies, `fence` = the
+        compute stream after the replay (CUDA), the last use of every page."""
+        s, self._step = self._step, None
+        self.engine.count_replay(*moved)
+        if fence is not None:
+            self.pool.replayed(fence)
+        elif self.backend.sync_each_forward:
+            self.engine.synchronize()
+        self._close(s)
+
+    def join_copies(self) -> None:
+        """Order the compute side after every copy issued so far (no host wait)."""
+        self.engine.join()
+
+    def _close(self, s: dict) -> None:
+        """The forward's rows are history; its telemetry."""
         self.host.publish(s["hi"] + 1, s["layers"])
         c, ring = self.pool.count, self.pool.ring.n_slots
         wall = max(time.perf_counter() - s["t0"], 1e-9)
@@ -206,8 +281,6 @@ class StreamingKvCache:
             resident_reads=c.resident_reads, streamed_reads=c.streamed_reads, layers=len(s["layers"]),
             repartitioned=s["repart"], policy=s["reason"], wall_ms=1e3 * wall))
         self._last = (s["t0"], s["busy"])
-        if self.prefetch_next and ahead:
-            self._begin_next(s["hi"], s["layers"])
 
     def _begin_next(self, hi: int, layers) -> None:
         """Begin the forward of position hi + 1 (the next decode step) now: the copy engine

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5's benchmark: compiled + captured decode (all resident, 8K) and piecewise graphs
+# Issue 5's benchmark: compiled + captured decode (all resident, 8K) and decode graphs
 # (streamed, 128K, arena 2048 MiB) beside their eager twins, Llama-3-8B geometry.
 # ~2.5 min on one H200 with ARGS="--systems ours-captured,ours-captured-nopdl,ours-resident,
 # ours-graphs,ours" (ours-compiled, in the default list, adds ~2.5 min of inductor compile;

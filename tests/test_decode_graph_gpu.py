@@ -1,5 +1,5 @@
-"""Device: decode as piecewise CUDA graphs (kvcompile/phase/piecewise.py) gives bitwise the
-eager decode's logits and tokens -- llama and hybrid qwen35 models, KV streamed through a
+"""Device: decode as one CUDA graph per step (kvcompile/phase/decode_graph.py) gives bitwise
+the eager decode's logits and tokens -- llama and hybrid qwen35 models, KV streamed through a
 tiny arena (every layer's pages pass the ring, the policy repartitions) or all resident,
 across page boundaries."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvcompile.errors import ContextLengthError, PhaseError
-from kvcompile.phase.piecewise import PiecewiseDecode
+from kvcompile.phase.decode_graph import DecodeGraph
 from kvcompile.runtime import forward, make_kv_cache, min_arena_bytes
 from kvcompile.runtime.arena import MIB
 
@@ -74,7 +74,7 @@ def run(model, cache, prompt, n_decode, program=None):
 @pytest.mark.parametrize("streamed", [True, False], ids=["tiny-arena", "resident"])
 @pytest.mark.parametrize("kv", [("f16", "f16"), ("q8_0", "q4_0")], ids=lambda k: "/".join(k))
 @pytest.mark.parametrize("arch", ["llama", "qwen35"])
-def test_piecewise_decode_is_bitwise_eager_decode(request, arch, kv, streamed):
+def test_decode_graph_is_bitwise_eager_decode(request, arch, kv, streamed):
     model = request.getfixturevalue("llama" if arch == "llama" else "hybrid")
     n_prompt, n_decode = 500, 40          # decode crosses the page boundary at 512
     g = torch.Generator().manual_seed(SEED)
@@ -82,14 +82,15 @@ def test_piecewise_decode_is_bitwise_eager_decode(request, arch, kv, streamed):
     ref_cache = make_cache(model, 600, kv, streamed)
     ids_ref, ref = run(model, ref_cache, prompt, n_decode)
     cache = make_cache(model, 600, kv, streamed)
-    program = PiecewiseDecode(model, cache, layers=trunk(model))
+    program = DecodeGraph(model, cache, layers=trunk(model))
     ids, got = run(model, cache, prompt, n_decode, program)
     diff = (got - ref).abs().max().item()
     print(f"{arch} {'/'.join(kv)} {'streamed' if streamed else 'resident'}: seed {SEED}, "
-          f"{len(program.graphs)} graphs, {program.replays} replays, max |dlogit| {diff:g}")
-    assert program.captures == 1 and program.replays == n_decode - 1, SEED
-    n_hooks = len(trunk(model) or range(model.config.n_layers))
-    assert len(program.graphs) == n_hooks + 1, SEED
+          f"{program.stats()}, max |dlogit| {diff:g}")
+    s = program.stats()
+    assert s["eager_steps"] + s["replays"] == n_decode and s["replays"] >= n_decode - 3, s
+    # resident: one layout; streamed: one per page the decode reaches (and per split)
+    assert s["captures"] == 1 if not streamed else s["captures"] >= 2, s
     assert ids == ids_ref and torch.equal(got, ref), SEED
     if streamed:
         assert cache.stats()["streamed_fraction"] > 0.5
@@ -97,9 +98,9 @@ def test_piecewise_decode_is_bitwise_eager_decode(request, arch, kv, streamed):
         ref_cache.close()
 
 
-def test_piecewise_decode_rejects_bad_steps(llama):
+def test_decode_graph_rejects_bad_steps(llama):
     cache = make_cache(llama, 600, ("f16", "f16"), streamed=False)
-    program = PiecewiseDecode(llama, cache)
+    program = DecodeGraph(llama, cache)
     with pytest.raises(PhaseError, match="runs 1 rows, got 2"):
         program.step([1, 2], 5)
     with pytest.raises(ContextLengthError, match="outside the KV cache"):
@@ -120,7 +121,7 @@ def test_engine_cuda_graphs_with_a_streamed_cache(tmp_path, arch):
     mib = min_arena_bytes(ref.config, 1024) * 1.05 / MIB     # ~everything streamed
     eng = Engine(str(path), ctx_size=1024, device=DEV, dtype="f32", progress=False,
                  kv_stream_arena_mib=mib, cuda_graphs=True)
-    assert eng.piecewise is not None and eng.phases is None
+    assert eng.decode_graph is not None and eng.phases is None
     assert eng.cache.backend.name == "cuda"
     for text in ("the quick brown fox " * 30, "a different prompt, " * 12):
         a = ref.generate(text, max_tokens=20, temperature=0)

@@ -1,0 +1,157 @@
+"""The captured decode step (kvcompile/phase/decode_graph.py) on the CPU, where a "graph"
+reruns the step's code in its fixed layout (runtime/step_layout.py):
+
+- the runner's captured, streamed decode through a tiny arena equals the eager all-resident
+  decode bit for bit, every step's logits and the greedy tokens, for llama and qwen35,
+  across page boundaries;
+- within a layout every step issues the same copies (same device and host addresses, same
+  sizes, same order): what makes one CUDA graph valid for all of them;
+- a layout is captured once: again per page boundary, none for a second request of the
+  same length; steps of other widths (verify) interleave with the replays.
+The same checks at 4K..64K on the device: tests/test_runner_gpu.py.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvcompile.engine import Engine
+from kvcompile.models.llama import LlamaModel
+from kvcompile.runner import StepRunner, make_sequence_cache
+from kvcompile.runtime import min_arena_bytes
+from kvcompile.runtime.arena import MIB
+from test_kv_cache import TINY, tiny_weights
+from tiny_hybrid import tiny_hybrid
+
+SEED = int.from_bytes(os.urandom(4), "little")
+CTX = 1024
+DECODE = 40
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    cfg = replace(TINY, context_length=CTX)
+    llama = LlamaModel.from_weights(cfg, tiny_weights(cfg, torch.Generator().manual_seed(SEED)))
+    return {"llama": llama, "qwen35": tiny_hybrid(tmp_path_factory.mktemp("dg"), SEED % 1000)}
+
+
+def tiny_arena(model, kv: str = "f32") -> float:
+    c = model.config
+    full = replace(c, n_layers=c.n_layers + c.nextn_layers)     # the MTP layer's KV too
+    return min_arena_bytes(full, CTX, kv, kv) * 1.1 / MIB
+
+
+@torch.inference_mode()
+def greedy(runner: StepRunner, prompt: list[int], n: int = DECODE, ubatch: int = 128):
+    runner.begin_request(len(prompt) + n + 1)
+    for s in range(0, len(prompt), ubatch):
+        logits = runner.step(prompt[s:s + ubatch], s)
+    ids, rows = [int(logits.argmax())], [logits.float().clone()]
+    for i in range(n):
+        logits = runner.step(ids[-1:], len(prompt) + i)
+        rows.append(logits.float().clone())
+        ids.append(int(logits.argmax()))
+    return ids, torch.stack(rows)
+
+
+def prompt_of(model, n: int, salt: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(SEED + salt)
+    return torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_captured_streamed_decode_equals_eager_resident(models, arch):
+    model = models[arch]
+    prompt = prompt_of(model, 500 - SEED % 12)          # decode crosses the page at 512
+    resident = StepRunner(model, make_sequence_cache(model, model.config, CTX, "f32", "f32",
+                                                     0, CPU), device=CPU, ubatch=128)
+    ref_ids, ref = greedy(resident, prompt)
+    cache = make_sequence_cache(model, model.config, CTX, "f32", "f32", tiny_arena(model), CPU)
+    runner = StepRunner(model, cache, device=CPU, ubatch=128, cuda_graphs=True,
+                        trace=False)
+    assert runner.mode == "decode graphs"
+    ids, got = greedy(runner, prompt)
+    stats = runner.request_stats()
+    decode = cache.telemetry[-DECODE:]
+    frac = sum(s.streamed_reads for s in decode) / sum(
+        s.streamed_reads + s.resident_reads for s in decode)
+    print(f"{arch}: seed {SEED}, streamed {frac:.2f}, {stats}")
+    assert ids == ref_ids and torch.equal(got, ref), SEED
+    # one eager warm-up step, then a capture per layout: the page the decode started in
+    # and the next one
+    assert stats["eager_steps"] == 1 and stats["captures"] == 2, stats
+    assert stats["replays"] == DECODE - 1 and frac > 0.5
+
+
+class RecordingEngine:
+    """Wraps the cache's copy engine: every copy's (dst address, src address, bytes, kind)."""
+
+    def __init__(self, engine):
+        self._engine, self.log = engine, []
+
+    def copy(self, pairs, note, after=()):
+        self.log.append(tuple((d.data_ptr(), s.data_ptr(), d.nbytes, note.kind)
+                              for d, s in pairs))
+        return self._engine.copy(pairs, note, after)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+@torch.inference_mode()
+def test_every_step_of_a_layout_issues_the_same_copies(models):
+    model = models["llama"]
+    cache = make_sequence_cache(model, model.config, CTX, "q8_0", "q8_0",
+                                tiny_arena(model, "q8_0"), CPU)
+    rec = cache.pool.engine = cache.engine = RecordingEngine(cache.engine)
+    runner = StepRunner(model, cache, device=CPU, ubatch=128, cuda_graphs=True)
+    prompt = prompt_of(model, 300, 1)
+    runner.begin_request(CTX)                          # planned: the split streams
+    for s in range(0, len(prompt), 128):
+        logits = runner.step(prompt[s:s + 128], s)
+    per_step, layouts = [], []
+    for i in range(40):                                  # positions 300..339: one page
+        n = len(rec.log)
+        logits = runner.step([int(logits.argmax())], len(prompt) + i)
+        per_step.append(rec.log[n:])
+        layouts.append(cache._layout)
+    replayed = [c for c, lay in zip(per_step, layouts) if lay is not None][1:]
+    assert len(replayed) == 38 and replayed[0], runner.request_stats()
+    assert all(c == replayed[0] for c in replayed)      # fills and publishes, all of them
+    kinds = {k for group in replayed[0] for *_, k in group}
+    assert kinds == {"fill", "publish"}
+    assert runner.request_stats()["captures"] == 1
+
+
+def test_a_second_request_of_the_same_length_captures_nothing(models):
+    model = models["qwen35"]
+    opts = dict(ctx_size=CTX, ubatch=128, progress=False)
+    ref = Engine.from_model(model, **opts)
+    e = Engine.from_model(model, kv_stream_arena_mib=tiny_arena(model), cuda_graphs=True,
+                          **opts)
+    for salt in (2, 3):                # different prompts, the same length
+        prompt = prompt_of(model, 200, salt)
+        a = ref.generate(prompt, max_tokens=24, temperature=0)
+        b = e.generate(prompt, max_tokens=24, temperature=0)
+        assert a.token_ids == b.token_ids, SEED
+    assert b.phases["captures"] == 0 and b.phases["total_captures"] == 1, b.phases
+    assert b.phases["replays"] == 23 and b.phases["eager_steps"] == 0   # warm: all replayed
+
+
+@pytest.mark.parametrize("spec", ["ngram-simple", "ngram-simple,draft-mtp"])
+def test_speculative_rounds_interleave_with_replays(models, spec):
+    """Verify steps (several rows, eager, with rollbacks) between one-row replays."""
+    model = models["qwen35"]
+    unit = prompt_of(model, 19, 4)
+    prompt = unit * 8 + unit[:4]
+    opts = dict(ctx_size=CTX, ubatch=64, progress=False, kv_stream_arena_mib=tiny_arena(model))
+    plain = Engine.from_model(model, **opts).generate(prompt, max_tokens=48, temperature=0)
+    e = Engine.from_model(model, spec_type=spec, spec_ngram_size_n=1, spec_ngram_size_m=4,
+                          spec_draft_n_max=3, spec_draft_p_min=0.0, cuda_graphs=True, **opts)
+    r = e.generate(prompt, max_tokens=48, temperature=0)
+    assert r.token_ids == plain.token_ids, (SEED, spec)
+    assert r.speculative["drafted"] > 0
