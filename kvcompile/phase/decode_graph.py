@@ -21,6 +21,7 @@ again, in the same fixed layout, so CI runs the same bookkeeping and the same de
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -195,8 +196,11 @@ class DecodeGraph:
                     engine.begin_capture()
                 out = self._work()
                 moved = engine.end_capture() if engine is not None else (0, 0)
-            finally:
-                graph.capture_end()
+            except BaseException:
+                with contextlib.suppress(RuntimeError):   # the first error is the one told
+                    graph.capture_end()
+                raise
+            graph.capture_end()
         except BaseException:
             self._abandon()
             raise

@@ -150,6 +150,7 @@ class StreamingPool:
         `layers` (default all) are the layers it will acquire, in this order. fixed: the
         device work must not depend on the host's rows (module docstring)."""
         self._idle("begin a forward")
+        self.fixed = fixed
         if fixed:
             self.cursor = 0
         self.order = [self.index[l] for l in (self.layers if layers is None else layers)]
@@ -159,7 +160,6 @@ class StreamingPool:
             raise KvLayoutError(f"{n_pages} pages per layer need a ring of "
                                 f"{n_pages - self.r} slots; the ring has {self.ring.n_slots}")
         self.active, self.issued, self.current = (n_pages, written), {}, None
-        self.fixed = fixed
         self.count = ForwardCounters()
         self._tables_written = self._write_all_tables(n_pages)
         self._prefetch()
@@ -175,7 +175,8 @@ class StreamingPool:
             return False
         a, r = o[0], min(self.r, n_pages)
         ns, rows, known = n_pages - r, self._tables[a:a + m], self._table_known[a:a + m]
-        if min(known) < r:
+        if self.fixed or min(known) < r:     # a captured step writes all: eager steps
+            # between its replays may have put ring pages where its resident ones go
             rows[:, :r].copy_(self._resident[a:a + m, :r])
         if ns:
             c = self.cursor
@@ -206,8 +207,9 @@ class StreamingPool:
             device_wait_all(job.ready)
         table = self.page_tables[layer]
         if not self._tables_written:
-            self._table_known[li] = job.write_table(table, self._resident[li],
-                                                    self._ring_pages, self._table_known[li])
+            self._table_known[li] = job.write_table(
+                table, self._resident[li], self._ring_pages,
+                0 if self.fixed else self._table_known[li])
         if self.check_plans:
             plan = job.span_plan(self.P, self.ring)
             if not torch.equal(plan.page_table(job.n), table[:job.n].cpu()):
