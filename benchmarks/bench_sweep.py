@@ -53,7 +53,7 @@ def auto_arena_mib(model, ctx: int, k: str, v: str, ubatch: int, device) -> floa
     """The Engine's `auto` (from_model refuses it: it plans from a file's header)."""
     import torch
     from kvcompile import memory_budget as M
-    from kvcompile.runtime.streaming_cache import min_arena_bytes
+    from kvcompile.runtime.kv_pages import min_arena_bytes
     if device.type != "cuda":
         return 0.0                                  # the Engine's rule: no budget on the CPU
     c = model.config

@@ -160,7 +160,7 @@ def plan_engine_memory(source, device: torch.device, dtype: torch.dtype, ctx: in
             raise BudgetError("--gpu-memory-gib bounds a GPU's memory: use it with --device "
                               "cuda")
         return None
-    from kvcompile.runtime.streaming_cache import min_arena_bytes
+    from kvcompile.runtime.kv_pages import min_arena_bytes
     config = source.config
     n_kv = kv_layer_count(config)
     plan = plan_budget(

@@ -25,7 +25,7 @@ import torch
 
 from kvcompile.runtime import forward as run_forward
 from kvcompile.runtime import make_kv_cache
-from kvcompile.runtime.streaming_cache import forward_bracket, is_streamed
+from kvcompile.runtime.bracket import forward_bracket, is_streamed
 
 # counters of the program stats that count events (reported per request as differences)
 EVENT_COUNTERS = ("captures", "transitions", "invalidated", "revived", "replays", "eager_steps")

@@ -95,7 +95,7 @@ def test_hybrid_streamed_equals_resident_through_the_runner(tmp_path, seed):
     """qwen35 (GDN recurrent layers + gated attention) from a synthetic file: up to 64
     greedy tokens through a tiny streamed arena equal the all-resident engine's."""
     from kvcompile.make_model import make_model
-    from kvcompile.runtime.streaming_cache import min_arena_bytes
+    from kvcompile.runtime.kv_pages import min_arena_bytes
     path = tmp_path / "qwen35.gguf"
     make_model("qwen35", "tiny", path, weight_type="f32", seed=seed % 1000)
     resident = Engine(str(path), ctx_size=1024, ubatch=128, progress=False)

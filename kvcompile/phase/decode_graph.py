@@ -28,7 +28,7 @@ import torch
 
 from kvcompile.errors import PhaseError
 from kvcompile.phase.programs import StaticInput, check_step_positions
-from kvcompile.runtime.streaming_cache import is_streamed
+from kvcompile.runtime.bracket import is_streamed
 
 
 class _Rerun:

@@ -22,7 +22,7 @@ from kvcompile.phase import layouts as L
 from kvcompile.phase.programs import PhaseProgram, check_step_positions
 from kvcompile.runtime.arena import Arena, align
 from kvcompile.runtime.fences import DONE
-from kvcompile.runtime.streaming_cache import is_streamed
+from kvcompile.runtime.bracket import is_streamed
 
 
 def _sms(device: torch.device) -> int | None:

@@ -83,7 +83,7 @@ def end_to_end(ctx: int = 16384, n_decode: int = 48, kv: str = "q8_0") -> dict:
     from kvcompile.models.llama import LlamaModel
     from kvcompile.runtime.arena import MIB
     from kvcompile.runtime.cuda_backend import CudaBackend
-    from kvcompile.runtime.streaming_cache import StreamingKvCache, forward, min_arena_bytes
+    from kvcompile.runtime import StreamingKvCache, forward, min_arena_bytes
     cfg = ModelConfig(arch="llama", n_layers=30, hidden=576, ffn=1536, n_heads=9, n_kv_heads=3,
                       head_dim=64, vocab_size=49152, context_length=ctx, rope_theta=1e5,
                       tie_embeddings=True)

@@ -2,7 +2,7 @@
 
 It offers the surface the models read from PagedKvCache (`layer(i)` -> LayerKv with pools,
 page table and types; `has_layer`, `check_positions`, `reset`, `capacity`), and brackets
-every forward with `begin_forward(positions)` / `end_forward()` (use `forward()` below,
+every forward with `begin_forward(positions)` / `end_forward()` (use `forward()` in bracket.py,
 which calls them around `model(...)`). `layer(i)` is the per-layer hook: it releases the
 previous layer, makes layer i's pages present (resident, or copied into ring slots while
 earlier layers computed) and has its page table in place (written for all layers at
@@ -13,31 +13,22 @@ so after every forward the host holds the authoritative KV.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
 
 from kvcompile.errors import ArenaError, ContextLengthError, KvLayoutError
-from kvcompile.kv_cache import (LayerKv, PagedKvCache, check_positions, check_range,
-                                decode_workspace)
+from kvcompile.kv_cache import LayerKv, check_positions, check_range, decode_workspace
 from kvcompile.ops import kv_format as F
 from kvcompile.runtime import policy as P
 from kvcompile.runtime.arena import MIB, Arena, align, mib_for
 from kvcompile.runtime.backend import CpuBackend
 from kvcompile.runtime.fences import AllOf
 from kvcompile.runtime.host_history import HostHistory
+from kvcompile.runtime.kv_pages import fit_pages, layer_extras, min_arena_bytes, page_bytes
 from kvcompile.runtime.pool import StreamingPool
 from kvcompile.runtime.step_layout import StepLayout
 from kvcompile.runtime.telemetry import StepStats, summarize
-
-
-def min_arena_bytes(config, max_tokens: int, k_type="f32", v_type="f32", page_size=256,
-                    workspace_bytes: int = 0) -> int:
-    """Smallest arena that serves max_tokens: the ring must hold one layer's whole context."""
-    kb, vb = _page_bytes(config, k_type, v_type, page_size)
-    pages = -(-max_tokens // page_size)
-    return align(workspace_bytes) + align(pages * kb) + align(pages * vb)
 
 
 def _busy_pct(busy_s: float, wall_s: float) -> float:
@@ -60,7 +51,7 @@ class StreamingKvCache:
         self.layers = tuple(range(config.n_layers)) if layers is None else tuple(sorted(set(layers)))
         self.num_pages = -(-max_tokens // page_size)
         self.capacity = self.num_pages * page_size
-        kb, vb = _page_bytes(config, self.k_type, self.v_type, page_size)
+        kb, vb = page_bytes(config, self.k_type, self.v_type, page_size)
         nbytes = int(arena_mib * MIB)
         need = min_arena_bytes(config, max_tokens, self.k_type, self.v_type, page_size,
                                workspace_bytes)
@@ -71,7 +62,7 @@ class StreamingKvCache:
                 f"whole context); use --kv-stream-arena-mib {mib_for(need)} or more, or "
                 f"lower --ctx-size")
         self.backend.check_host_bytes(len(self.layers) * self.num_pages * (kb + vb))
-        n_phys = _fit_pages(nbytes - align(workspace_bytes), kb, vb)
+        n_phys = fit_pages(nbytes - align(workspace_bytes), kb, vb)
         self.arena = Arena(nbytes, self.backend.device_buffer(nbytes))
         with self.arena.begin() as tx:
             tx.reserve("workspace", workspace_bytes).reserve("kv_k", n_phys * kb)
@@ -90,7 +81,7 @@ class StreamingKvCache:
         self.planned_pages = 0            # pages the current request will reach (plan())
         self.policy_state = P.PolicyState(depth=self.policy_config.max_depth)
         extras = {n: t.to(self.device) for n, t in
-                  _layer_extras(config, self.k_type, self.v_type, page_size,
+                  layer_extras(config, self.k_type, self.v_type, page_size,
                                 self.layers[0]).items()}
         # decode kernels' scratch (CUDA; None on the CPU), one for all layers like PagedKvCache
         extras["workspace"] = decode_workspace(self.device, config)
@@ -387,58 +378,3 @@ class StreamingKvCache:
         for lease in self._leases:
             if lease.active:
                 lease.release(AllOf(self.pool.last_use))
-
-
-def is_streamed(cache) -> bool:
-    """A cache whose forwards are bracketed (begin_forward / end_forward: the streaming
-    cache), as opposed to one whose pages all sit on the device."""
-    return hasattr(cache, "begin_forward")
-
-
-@contextmanager
-def forward_bracket(cache, positions, layers=None, start: int | None = None,
-                    keep: bool = True, ahead: bool = True):
-    """begin_forward / end_forward around the body when the cache has them (a resident
-    cache has none). The forward's rows become history when the body returns and `keep`
-    (a CUDA graph capture, which computes nothing, passes keep=False); `ahead`: see
-    end_forward."""
-    if not is_streamed(cache):
-        yield
-        return
-    cache.begin_forward(positions, layers, start)
-    ok = False
-    try:
-        yield
-        ok = keep
-    finally:
-        cache.end_forward(ok, ahead)
-
-
-def forward(model, cache, tokens, positions, last_only: bool = False, layers=None,
-            start: int | None = None, ahead: bool = True, **model_kw):
-    """model(tokens, positions, cache) with the streaming bracket when the cache has one.
-    start: positions are start, start + 1, ... (saves the cache a read of the tensor);
-    ahead: see end_forward; model_kw go to the model (return_hidden)."""
-    with forward_bracket(cache, positions, layers, start, ahead=ahead):
-        return model(tokens, positions, cache, last_only=last_only, **model_kw)
-
-
-def _layer_extras(config, k_type, v_type, page_size, layer) -> dict:
-    """Whatever else PagedKvCache hands the model per layer (e.g. the rotations quantized
-    KV is stored with), taken from a one-page PagedKvCache so both caches store the same
-    bytes and stay interchangeable."""
-    proto = PagedKvCache(config, 1, k_type, v_type, page_size, layers=(layer,)).layer(layer)
-    return {n: getattr(proto, n) for n in ("k_rot", "v_rot") if getattr(proto, n, None) is not None}
-
-
-def _page_bytes(config, k_type, v_type, page_size) -> tuple[int, int]:
-    h, d = config.n_kv_heads, config.head_dim
-    return (F.page_bytes(F.kv_type(k_type), page_size, h, d),
-            F.page_bytes(F.kv_type(v_type), page_size, h, d))
-
-
-def _fit_pages(nbytes: int, kb: int, vb: int) -> int:
-    n = nbytes // (kb + vb)
-    while n > 0 and align(n * kb) + align(n * vb) > nbytes:
-        n -= 1
-    return n

@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvcompile.config import ModelConfig
 from kvcompile.runtime.arena import MIB
-from kvcompile.runtime.streaming_cache import StreamingKvCache, forward, min_arena_bytes
+from kvcompile.runtime import StreamingKvCache, forward, min_arena_bytes
 
 HOST_READS = ("tolist", "item", "__int__", "__index__", "__float__", "__bool__", "cpu",
               "numpy")
