@@ -117,7 +117,7 @@ def parse_args(argv=None):
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="default: the Engine's (on for CUDA)")
     ap.add_argument("--prefetch-next", choices=("default", "on", "off", "both"),
-                    default="both", help="streamed cases: begin the next decode step at the "
+                    default="default", help="streamed cases: begin the next decode step at the "
                     "end of each forward (streaming_cache.py), or not, or both in turn")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a 4-layer model, small contexts")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -79,19 +80,25 @@ class StepRunner:
         """Run ids at positions start.. through the model; the logits of the last one, or
         of every row with all_rows (a verify step), on the device: reading them waits for
         the step. A program's output buffer is valid until its next step."""
-        t = time.perf_counter()
         n = len(ids)
-        if self.phases is not None and (not all_rows or n <= self.phases.buckets[-1]):
-            logits = self.phases.forward(ids, start)      # a decode program: every row
-        elif self.decode_graph is not None and n == self.decode_graph.rows:
-            logits = self.decode_graph.step(ids, start)
-        else:
-            logits = self._eager(ids, start, all_rows)
+        with self._host_time():
+            if self.phases is not None and (not all_rows or n <= self.phases.buckets[-1]):
+                logits = self.phases.forward(ids, start)      # a decode program: every row
+            elif self.decode_graph is not None and n == self.decode_graph.rows:
+                logits = self.decode_graph.step(ids, start)
+            else:
+                logits = self._eager(ids, start, all_rows)
         logits = logits if all_rows else logits[-1]
-        self.host_s.append(time.perf_counter() - t)
         if self.trace and getattr(self.cache, "telemetry", None):
             print(f"[kv step] {self.cache.telemetry[-1].as_dict()}", file=sys.stderr)
         return logits
+
+    @contextmanager
+    def _host_time(self):
+        """Count the body's host seconds as one step's (until its work is queued)."""
+        t = time.perf_counter()
+        yield
+        self.host_s.append(time.perf_counter() - t)
 
     def _eager(self, ids: list[int], start: int, all_rows: bool, ahead: bool = True,
                **model_kw):
@@ -117,23 +124,20 @@ class StepRunner:
         state = self.recurrent
         if not hidden and (state is None or len(ids) == 1):
             return self.step(ids, start, all_rows=True), None
-        t = time.perf_counter()
         model_kw = {"return_hidden": True} if hidden else {}
         if state is not None:
             state.reserve_rows(len(ids))
             model_kw["checkpoints"] = True
-        # with hidden rows an MTP step comes next, not the next decode step
-        out = self._eager(ids, start, all_rows=True, ahead=not hidden, **model_kw)
-        self.host_s.append(time.perf_counter() - t)
+        with self._host_time():   # with hidden rows an MTP step comes next, not a decode step
+            out = self._eager(ids, start, all_rows=True, ahead=not hidden, **model_kw)
         return out if hidden else (out, None)
 
     def step_hidden(self, ids: list[int], start: int):
         """A prefill chunk that also returns its rows' final hidden states (the MTP
         drafter's input): (logits of the last row, hidden [n, hidden])."""
-        t = time.perf_counter()
-        logits, hidden = self._eager(ids, start, all_rows=False, ahead=False,
-                                     return_hidden=True)
-        self.host_s.append(time.perf_counter() - t)
+        with self._host_time():
+            logits, hidden = self._eager(ids, start, all_rows=False, ahead=False,
+                                         return_hidden=True)
         return logits[-1], hidden
 
     def rollback(self, keep: int, rows: int, start: int) -> None:
@@ -153,15 +157,13 @@ class StepRunner:
         """The model's MTP layer over rows at positions start..: row i pairs the trunk's
         hidden state at position start + i with the token after it, ids[i]. Returns (the
         last row's logits [1, vocab], the MTP layer's output hidden rows)."""
-        t = time.perf_counter()
         layer = self.model.config.n_layers
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
-        with forward_bracket(self.cache, positions, (layer,), start, ahead=False):
-            out = self.model.mtp_forward(tokens, hidden, positions, self.cache,
-                                         return_hidden=True, last_only=True)
-        self.host_s.append(time.perf_counter() - t)
-        return out
+        with self._host_time(), forward_bracket(self.cache, positions, (layer,), start,
+                                                ahead=False):
+            return self.model.mtp_forward(tokens, hidden, positions, self.cache,
+                                          return_hidden=True, last_only=True)
 
     # ---- requests ----------------------------------------------------------------------
     def begin_request(self, n_tokens: int | None = None) -> None:
