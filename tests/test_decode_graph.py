@@ -155,3 +155,39 @@ def test_speculative_rounds_interleave_with_replays(models, spec):
     r = e.generate(prompt, max_tokens=48, temperature=0)
     assert r.token_ids == plain.token_ids, (SEED, spec)
     assert r.speculative["drafted"] > 0
+
+
+@torch.inference_mode()
+def test_an_abandoned_capture_publishes_nothing_and_the_next_step_is_right(models):
+    """What DecodeGraph does when a CUDA capture fails part way (layer 0 acquired, layer 1
+    issued): the pool forgets the forward without publishing a page its captured work never
+    wrote, restores its cursor and refill marks, and the step then runs eagerly, right."""
+    model = models["llama"]
+    prompt = prompt_of(model, 300, 5)
+    ref = StepRunner(model, make_sequence_cache(model, model.config, CTX, "f32", "f32", 0,
+                                                CPU), device=CPU, ubatch=128)
+    want_ids, want = greedy(ref, prompt, n=3)
+    cache = make_sequence_cache(model, model.config, CTX, "f32", "f32", tiny_arena(model), CPU)
+    runner = StepRunner(model, cache, device=CPU, ubatch=128)
+    ids, rows = greedy(runner, prompt, n=1)
+    pool, layers = cache.pool, cache.layers
+    history = {i: cache.host.k[i].clone() for i in layers}
+    positions = torch.tensor([301])
+    cache.open_forward(positions, layers, 301)
+    layout = cache.step_layout()
+    cache.prepare_capture()
+    before = (pool.cursor, list(pool.valid_upto))
+    cache.issue_forward(layout)
+    cache.layer(layers[0])
+    assert pool.held > 0 and pool.ring.n_slots > 0
+    ring = slice(pool.ring.first_physical_page, None)
+    pool.k_pool[ring] = 7        # a capture's fills never ran: the slots hold other bytes
+    cache.abandon_capture()
+    assert (pool.cursor, pool.valid_upto, pool.held, pool.active) == (*before, 0, None)
+    assert all(torch.equal(cache.host.k[i], history[i]) for i in layers)   # no publish
+    cache.issue_forward()                                 # the same step, eagerly
+    out = model(torch.tensor([ids[-1]]), positions, cache, last_only=True)
+    cache.end_forward()
+    nxt = runner.step([int(out[-1].argmax())], 302)
+    assert torch.equal(out[-1], want[2]) and torch.equal(nxt, want[3]), SEED
+    assert [ids[-1], int(out[-1].argmax())] == want_ids[1:3]

@@ -22,6 +22,7 @@ again, in the same fixed layout, so CI runs the same bookkeeping and the same de
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
 
 import torch
@@ -185,20 +186,27 @@ class DecodeGraph:
         if self.streamed:
             self.cache.prepare_capture()
         torch.cuda.synchronize(self.device)
-        # Blocks cached by the caching allocator go back first: under a device-memory budget
-        # (a per-process cap) the capture's pool must grow without freeing memory mid-capture.
+        # Python's collector must not free device tensors mid-capture, and blocks cached by
+        # the caching allocator go back first: under a device-memory budget (a per-process
+        # cap) the capture's pool must grow without freeing memory mid-capture.
+        gc.collect()
         torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         try:
-            graph.capture_begin()
+            # thread_local: another thread's CUDA calls (a server's) do not break it
+            graph.capture_begin(capture_error_mode="thread_local")
             try:
                 if engine is not None:
                     engine.begin_capture()
                 out = self._work()
                 moved = engine.end_capture() if engine is not None else (0, 0)
             except BaseException:
-                with contextlib.suppress(RuntimeError):   # the first error is the one told
-                    graph.capture_end()
+                # the first error is the one told; the copy stream joins back first, or
+                # capture_end fails before it gives the allocator back its normal mode
+                for end in ((engine.end_capture,) if engine is not None else ()) + (
+                        graph.capture_end,):
+                    with contextlib.suppress(Exception):
+                        end()
                 raise
             graph.capture_end()
         except BaseException:
@@ -207,6 +215,8 @@ class DecodeGraph:
         finally:
             if state is not None:             # the capture's state.begin() did not happen
                 state.n_tokens = n_tokens
+        if self.streamed:
+            self.cache.captured()
         self.programs[layout] = _Program(graph, out, moved)
         self.captures += 1
 

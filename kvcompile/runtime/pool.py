@@ -73,6 +73,7 @@ class StreamingPool:
         # resident page of a logical page does not depend on the split): not rewritten.
         self._table_known = [0] * self.L
         self.r = 0
+        self._ring_pages_of: dict = {}
         self._set_ring()
         self.cursor = 0                          # next ring slot, relative to the ring start
         self.holder: list = [None] * self.P      # ring slot -> layer holding it this forward
@@ -96,9 +97,14 @@ class StreamingPool:
         # The physical page of ring slot i % n_slots at i: the streamed pages of a layer
         # (which may wrap) are one slice from its first slot, and since slots go first-in
         # first-out, those of L consecutive layers from the cursor are one [L, n - r] view.
-        n = ring.n_slots + self.L * min(ring.n_slots, self.max_pages)
-        slots = torch.arange(n, dtype=torch.int32, device=self.k_pool.device)
-        self._ring_pages = slots % max(ring.n_slots, 1) + ring.first_physical_page
+        # One tensor per split, kept: a captured step reads the one of its split, by address.
+        have = self._ring_pages_of.get(self.r)
+        if have is None:
+            n = ring.n_slots + self.L * min(ring.n_slots, self.max_pages)
+            slots = torch.arange(n, dtype=torch.int32, device=self.k_pool.device)
+            have = self._ring_pages_of[self.r] = (slots % max(ring.n_slots, 1)
+                                                  + ring.first_physical_page)
+        self._ring_pages = have
 
     def leased_pages(self) -> frozenset:
         """Pages a layer holds or the device may still touch (consumed fence pending)."""
@@ -327,10 +333,24 @@ class StreamingPool:
 
     def forget_fences(self, drain: bool = True) -> None:
         """Before a capture: everything issued so far has completed (drain), and a
-        captured step may only wait on what it records itself. drain=False: after a failed
-        capture, whose events were never recorded (the caller synchronized the device)."""
+        captured step may only wait on what it records itself. drain=False: after a
+        capture, whose events were never recorded (nothing ran: DONE is exact)."""
         if drain:
             self.drain()
+            self._before_capture = (self.cursor, list(self.valid_upto),
+                                    list(self._table_known))
+        self.last_use = [DONE] * self.P
+
+    def abandon(self) -> None:
+        """After a failed capture: its forward goes without publishing (captured work never
+        ran), and the bookkeeping it changed comes back; every page table is rewritten by
+        the next forward."""
+        for job in self.issued.values():
+            self._unhold(job, None)
+            job.released = True
+        self.active, self.issued, self.current, self.fixed = None, {}, None, False
+        self.cursor, self.valid_upto, _ = self._before_capture
+        self._table_known = [0] * self.L
         self.last_use = [DONE] * self.P
 
     def replayed(self, fence) -> None:

@@ -221,9 +221,9 @@ class StreamingKvCache:
             room = min(self.num_pages, r + self.pool.ring.n_slots)
             lay = StepLayout.around(r, first, s["pages"], s["layers"], room,
                                     self.layout_slack)
-        if self.pool.refills(lay.pages, s["layers"]):
+        self._drop_next()                 # a forward begun ahead is not a fixed one (and
+        if self.pool.refills(lay.pages, s["layers"]):    # it may have refilled pages)
             return None
-        self._drop_next()                 # a forward begun ahead is not a fixed one
         self._layout = lay
         return lay
 
@@ -231,11 +231,14 @@ class StreamingKvCache:
         """Before capturing the open forward: no copy in flight, no fence from before."""
         self.pool.forget_fences()
 
+    def captured(self) -> None:
+        """After a capture: the fences it recorded never ran (nothing did)."""
+        self.pool.forget_fences(drain=False)
+
     def abandon_capture(self) -> None:
         """After a failed capture (the device synchronized): its forward and events go."""
         self.engine.abandon_capture()
-        self.pool.end()
-        self.pool.forget_fences(drain=False)
+        self.pool.abandon()
 
     def end_issue(self) -> None:
         """The end of a captured step's device work: the last layer's release."""
@@ -251,13 +254,13 @@ class StreamingKvCache:
             self.pool.replayed(fence)
         elif self.backend.sync_each_forward:
             self.engine.synchronize()
-        self._close(s)
+        self._close(s, replayed=True)
 
     def join_copies(self) -> None:
         """Order the compute side after every copy issued so far (no host wait)."""
         self.engine.join()
 
-    def _close(self, s: dict) -> None:
+    def _close(self, s: dict, replayed: bool = False) -> None:
         """The forward's rows are history; its telemetry."""
         self.host.publish(s["hi"] + 1, s["layers"])
         c, ring = self.pool.count, self.pool.ring.n_slots
@@ -270,7 +273,8 @@ class StreamingKvCache:
             copy_busy_pct=_busy_pct(self.engine.busy_s - s["busy"], wall),
             ring_occupancy=c.peak_held / ring if ring else 0.0,
             resident_reads=c.resident_reads, streamed_reads=c.streamed_reads, layers=len(s["layers"]),
-            repartitioned=s["repart"], policy=s["reason"], wall_ms=1e3 * wall))
+            repartitioned=s["repart"], policy=s["reason"], wall_ms=1e3 * wall,
+            replayed=replayed))
         self._last = (s["t0"], s["busy"])
 
     def _begin_next(self, hi: int, layers) -> None:
@@ -313,7 +317,8 @@ class StreamingKvCache:
         obs = P.Observation(
             context_pages=n_pages, planned_pages=min(self.planned_pages, self.num_pages),
             readiness_misses=last.readiness_misses if last else 0,
-            ring_occupancy=last.ring_occupancy if last else None,
+            # (a replayed step observed no misses nor copy time: no feedback from it)
+            ring_occupancy=last.ring_occupancy if last and not last.replayed else None,
             copy_busy=last.copy_busy_pct / 100 if last else 0.0)
         d = P.step(self.policy_config, self.policy_state, obs)
         if d.accepted or not P.serves(self.policy_config, d.resident_per_layer, n_pages):
@@ -359,8 +364,9 @@ class StreamingKvCache:
         self.host.truncate(n_tokens)
 
     def synchronize(self) -> None:
-        """Wait for every copy issued so far (before reading host history on the host)."""
-        self.engine.synchronize()
+        """Wait for every copy issued so far, a replayed step's too (before reading host
+        history on the host)."""
+        self.pool.drain()
 
     def stats(self) -> dict:
         return summarize(self.telemetry)

@@ -23,6 +23,8 @@ class StepStats:
     repartitioned: bool
     policy: str                  # the policy's reason for this step's split
     wall_ms: float = 0.0         # host time from begin to end of the forward
+    replayed: bool = False       # a captured step's replay: its misses and copy-busy time
+    #                              were not observed (a capture cannot query or time events)
 
     def as_dict(self) -> dict:
         return asdict(self)
