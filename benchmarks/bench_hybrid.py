@@ -130,7 +130,7 @@ def weight_bytes(model: Qwen35Model) -> int:
 
 
 def kv_bytes_per_token(model, k_type: str, v_type: str) -> int:
-    return S.kv_bytes_per_token(replace(model.config, n_layers=len(model.trunk_kv_layers)),
+    return S.kv_bytes_per_token(replace(model.config, n_layers=len(model.layer_plan.attention)),
                                 k_type, v_type)
 
 
@@ -146,7 +146,7 @@ def run_row(model, ctx: int, kv: str, arena_mib: float, args, device, ids,
                       extra=lambda cache: dict(
                           gdn_state_bytes=model.recurrent_state(cache).nbytes,
                           kv_device_bytes=int(getattr(cache, "nbytes", 0)),
-                          kv_layers=len(model.trunk_kv_layers)))
+                          kv_layers=len(model.layer_plan.attention)))
 
 
 def sanity(model, args, device) -> dict:
@@ -278,7 +278,7 @@ def main(argv=None) -> list[dict]:
     S.sync(device)
     w_bytes, gdn = weight_bytes(model), gdn_backend(device)
     S.log(f"weights: {w_bytes / GB:.2f} GB in {time.perf_counter() - t:.1f} s; GDN: {gdn}")
-    attn = model.trunk_kv_layers
+    attn = model.layer_plan.attention
     meta = dict(geometry=geometry, preset="seed-27b" if not args.tiny else "qwen35 tiny",
                 layers=config.n_layers, attention_layers=list(attn),
                 gdn_layers=config.n_layers - len(attn), nextn_layers=config.nextn_layers,

@@ -249,7 +249,7 @@ def make_cache(model, max_tokens: int, arena_mib: float, kv: str, device):
 
 def trunk_layers(model):
     """The KV layers a plain forward acquires (a hybrid model's MTP layer excluded)."""
-    return getattr(model, "trunk_kv_layers", None)
+    return model.layer_plan.trunk_kv_layers
 
 
 def timed_generation(model, cache, ids: torch.Tensor, ctx: int, args, device,

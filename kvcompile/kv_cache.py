@@ -79,6 +79,8 @@ def check_range(lo: int, hi: int, capacity: int) -> None:
 
 
 class PagedKvCache:
+    streams = False     # every page on the device: forwards need no bracket
+
     def __init__(self, config: ModelConfig, max_tokens: int, k_type="f32", v_type="f32",
                  page_size: int = 256, device="cpu", layers=None, rotate: bool = True):
         if max_tokens <= 0:

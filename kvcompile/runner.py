@@ -20,13 +20,12 @@ from __future__ import annotations
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import replace
 
 import torch
 
 from kvcompile.runtime import forward as run_forward
 from kvcompile.runtime import make_kv_cache
-from kvcompile.runtime.bracket import forward_bracket, is_streamed
+from kvcompile.runtime.bracket import forward_bracket
 
 # counters of the program stats that count events (reported per request as differences)
 EVENT_COUNTERS = ("captures", "transitions", "invalidated", "revived", "replays", "eager_steps")
@@ -34,17 +33,16 @@ EVENT_COUNTERS = ("captures", "transitions", "invalidated", "revived", "replays"
 
 def make_sequence_cache(model, config, ctx: int, k_type: str, v_type: str, arena_mib: float,
                         device: torch.device):
-    """The request slot's KV: arena_mib 0 keeps every page on the device, else the history
-    lives on the host and streams through an arena of that size. Models with recurrent
-    layers declare which layers hold KV (`kv_layers`) and may make their own cache."""
-    make_own = getattr(model, "make_cache", None)
-    if not arena_mib and make_own is not None:
-        return make_own(ctx, k_type=k_type, v_type=v_type, device=device)
-    layers = getattr(model, "kv_layers", None)
-    if layers is not None:      # the MTP layer sits after the trunk's layers
-        config = replace(config, n_layers=config.n_layers + config.nextn_layers)
-    return make_kv_cache(config, ctx, arena_mib, k_type=k_type, v_type=v_type,
-                         device=device, layers=layers)
+    """The request slot's state: KV pages of the layers the model declares
+    (`model.layer_plan`), all on the device (arena_mib 0) or history on the host streamed
+    through an arena of that size, and a hybrid model's recurrent state beside them."""
+    plan = model.layer_plan
+    layers = None if plan.plain else plan.kv_layers
+    cache = make_kv_cache(plan.kv_config(config), ctx, arena_mib, k_type=k_type,
+                          v_type=v_type, device=device, layers=layers)
+    if plan.recurrent:
+        model.recurrent_state(cache)          # allocated now, not by the first forward
+    return cache
 
 
 class StepRunner:
@@ -54,10 +52,11 @@ class StepRunner:
         self.ubatch, self.trace = ubatch, trace
         # The KV layers a trunk forward acquires: a hybrid model's attention layers without
         # its MTP layer (only `mtp` steps read and write that one); None = every layer.
-        self.trunk_layers = getattr(model, "trunk_kv_layers", None)
+        self.plan = model.layer_plan
+        self.trunk_layers = self.plan.trunk_kv_layers
         self.phases = self.decode_graph = None
         if cuda_graphs:
-            if is_streamed(cache) or self.trunk_layers is not None:   # streamed or hybrid
+            if cache.streams or self.trunk_layers is not None:   # streamed, hybrid, MTP
                 from kvcompile.phase.decode_graph import DecodeGraph
                 self.decode_graph = DecodeGraph(model, cache, layers=self.trunk_layers,
                                                 strict=False)
@@ -113,8 +112,7 @@ class StepRunner:
     @property
     def recurrent(self):
         """The recurrent state of a hybrid model's request slot, or None."""
-        get = getattr(self.model, "recurrent_state", None)
-        return None if get is None else get(self.cache)
+        return self.model.recurrent_state(self.cache) if self.plan.recurrent else None
 
     def verify(self, ids: list[int], start: int, hidden: bool = False):
         """Every row's logits of ids at start.. (a speculative verify step), and with
@@ -150,7 +148,7 @@ class StepRunner:
         state = self.recurrent
         if state is not None:
             state.rollback(keep)
-        if hasattr(self.cache, "truncate"):
+        if self.cache.streams:
             self.cache.truncate(start + keep)
 
     def mtp(self, ids: list[int], hidden: torch.Tensor, start: int):
@@ -171,7 +169,7 @@ class StepRunner:
         forgets the old one (a streaming cache plans its split for n_tokens); counters
         restart."""
         self.cache.reset()
-        if n_tokens is not None and hasattr(self.cache, "plan"):
+        if n_tokens is not None and self.cache.streams:
             self.cache.plan(n_tokens)
         self.host_s = []
         self._base = self.program_stats()

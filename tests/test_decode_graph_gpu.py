@@ -39,17 +39,15 @@ def hybrid(tmp_path_factory):
 
 
 def make_cache(model, max_tokens, kv, streamed):
-    c, layers = model.config, getattr(model, "kv_layers", None)
-    if layers is not None:
-        c = replace(c, n_layers=c.n_layers + c.nextn_layers)
+    plan = model.layer_plan
+    c = plan.kv_config(model.config)              # the MTP layer's KV too
     mib = min_arena_bytes(c, max_tokens, *kv) * 1.1 / MIB if streamed else 0
     return make_kv_cache(c, max_tokens, mib, k_type=kv[0], v_type=kv[1], device=DEV,
-                         layers=layers)
+                         layers=None if plan.plain else plan.kv_layers)
 
 
 def trunk(model):
-    layers = getattr(model, "kv_layers", None)
-    return None if layers is None else tuple(i for i in layers if i < model.config.n_layers)
+    return model.layer_plan.trunk_kv_layers
 
 
 @torch.inference_mode()

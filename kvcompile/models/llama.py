@@ -9,6 +9,7 @@ from torch import nn
 
 from kvcompile.config import ModelConfig
 from kvcompile.errors import ModelFileError, UnsupportedModelError
+from kvcompile.models.layer_plan import LayerPlan
 from kvcompile.models.layers import (Embedding, Linear, PagedAttention, RMSNorm, SwiGLU,
                                      check_rope_range, rope_rows, rope_tables, tie_head)
 from kvcompile.quant_weight import QuantWeight
@@ -111,6 +112,11 @@ class LlamaModel(nn.Module):
         model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
         model.fuse_projections()
         return model.eval().requires_grad_(False)   # inference only: no autograd bookkeeping
+
+    @property
+    def layer_plan(self) -> LayerPlan:
+        """Every layer is attention with KV pages; no recurrent state, no MTP layer."""
+        return LayerPlan(self.config.n_layers, tuple(range(self.config.n_layers)))
 
     def fuse_projections(self) -> None:
         """q/k/v and gate/up as one GEMM each (layers.fuse_linears): fewer, larger GEMMs."""

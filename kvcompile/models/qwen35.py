@@ -1,8 +1,8 @@
 """Qwen3.5-style hybrid decoder (GGUF arch `qwen35`) as a plain nn.Module.
 
 Same calling convention as LlamaModel: `forward(tokens, positions, cache, last_only)`.
-Attention layers keep their KV in the paged cache (only those layers need pages, see
-`kv_layers` / `make_cache`); GDN layers keep a RecurrentState, which the runtime owns. By
+Attention layers keep their KV in the paged cache (only those layers need pages: the model
+declares them in `layer_plan`); GDN layers keep a RecurrentState, which the runtime owns. By
 default it hangs on the cache object (`cache.recurrent`), created on first use, so an
 engine that only knows about KV caches drives this model unchanged; a forward starting at
 position 0 resets it. The NextN/MTP layer (stored as block n_layers) is loaded and run by
@@ -23,6 +23,7 @@ from kvcompile.kv_cache import PagedKvCache
 from kvcompile.models.layers import (Embedding, Linear, RMSNorm, check_rope_range, rope_rows,
                                      rope_tables, tie_head)
 from kvcompile.models.llama import set_quantized
+from kvcompile.models.layer_plan import LayerPlan
 from kvcompile.models.qwen35_layers import HybridBlock, NextNLayer
 from kvcompile.models.recurrent_state import RecurrentState
 from kvcompile.quant_weight import QuantWeight
@@ -73,26 +74,24 @@ class Qwen35Model(nn.Module):
 
     # ---- layout -----------------------------------------------------------------------
     @property
-    def kv_layers(self) -> tuple[int, ...]:
-        """Layers that keep KV pages: the attention layers, then the MTP layer (index n_layers)."""
-        c = self.config
-        main = tuple(i for i in range(c.n_layers) if c.is_attention_layer(i))
-        return main + tuple(range(c.n_layers, c.n_layers + c.nextn_layers))
+    def layer_plan(self) -> LayerPlan:
+        """GDN layers (recurrent), every full_attention_interval-th attention, the MTP layer."""
+        return LayerPlan.of(self.config)
 
     @property
-    def trunk_kv_layers(self) -> tuple[int, ...]:
-        """The KV layers a plain forward acquires: the attention layers, without the MTP
-        layer (only a speculative step reads that one)."""
-        return tuple(i for i in self.kv_layers if i < self.config.n_layers)
+    def kv_layers(self) -> tuple[int, ...]:
+        """Layers that keep KV pages: the attention layers, then the MTP layer (index n_layers)."""
+        return self.layer_plan.kv_layers
 
     def make_cache(self, max_tokens: int, k_type="f32", v_type="f32", page_size: int = 256,
                    device=None) -> PagedKvCache:
-        """A KV cache holding pages only for attention layers, with the recurrent state."""
-        c = self.config
+        """An all-resident KV cache holding pages only for the KV layers, with the
+        recurrent state (tests; the runtime makes the request slot's: runner.py)."""
+        plan = self.layer_plan
         device = device or self.rope_cos.device
-        cache = PagedKvCache(replace(c, n_layers=c.n_layers + c.nextn_layers), max_tokens,
-                             k_type, v_type, page_size, device, layers=self.kv_layers)
-        cache.recurrent = RecurrentState(c, device)
+        cache = PagedKvCache(plan.kv_config(self.config), max_tokens, k_type, v_type,
+                             page_size, device, layers=plan.kv_layers)
+        cache.recurrent = RecurrentState(self.config, device)
         return cache
 
     def recurrent_state(self, cache) -> RecurrentState:

@@ -157,8 +157,8 @@ class DecodeGraph:
                 **({"fallback": self.fallback} if self.fallback else {})}
 
     def _state(self):
-        get = getattr(self.model, "recurrent_state", None)
-        return get(self.cache) if get is not None else None
+        plan = self.model.layer_plan
+        return self.model.recurrent_state(self.cache) if plan.recurrent else None
 
     # ---- capture and replay -------------------------------------------------------------
     def _try_capture(self, layout) -> None:

@@ -87,7 +87,7 @@ class PhaseManager:
             raise UnsupportedModelError(
                 f"phase programs bind an all-resident paged KV cache, not "
                 f"{type(cache).__name__}; run the streaming cache without --cuda-graphs for now")
-        if hasattr(model, "make_cache"):
+        if not model.layer_plan.plain:
             raise UnsupportedModelError(
                 "phase programs support attention-only (llama-family) models; hybrid models "
                 "with recurrent state run without --cuda-graphs")

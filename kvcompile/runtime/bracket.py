@@ -8,7 +8,7 @@ from contextlib import contextmanager
 def is_streamed(cache) -> bool:
     """A cache whose forwards are bracketed (begin_forward / end_forward: the streaming
     cache), as opposed to one whose pages all sit on the device."""
-    return hasattr(cache, "begin_forward")
+    return cache.streams
 
 
 @contextmanager

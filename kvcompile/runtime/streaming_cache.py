@@ -37,6 +37,8 @@ def _busy_pct(busy_s: float, wall_s: float) -> float:
 
 
 class StreamingKvCache:
+    streams = True      # history on the host: every forward is bracketed (begin/end_forward)
+
     def __init__(self, config, max_tokens: int, arena_mib: float, k_type="f32", v_type="f32",
                  page_size: int = 256, layers=None, backend=None, workspace_bytes: int = 0,
                  policy: dict | None = None, unsafe=frozenset(),

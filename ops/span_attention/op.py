@@ -63,11 +63,22 @@ def check_span_attention_args(q, k_pool, v_pool, page_table, q_pos, k_type, v_ty
     return kt, vt, hk
 
 
+# Rows up to this many take the split (flash-decoding) kernel, more the prefill kernel.
+DECODE_MAX_ROWS = 8
+
+
 @torch.library.custom_op("kvcompile::span_attention_reference", mutates_args=())
 def span_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                              page_table: torch.Tensor, q_pos: torch.Tensor, k_type: int,
                              v_type: int, page_size: int, scale: float) -> torch.Tensor:
-    """The fp32 reference as an opaque op (the CPU implementation of span_attention)."""
+    """The fp32 reference as an opaque op (the CPU implementation of span_attention). Up
+    to DECODE_MAX_ROWS rows (decode and verify steps) each row is its own call, so a row's
+    bits do not depend on how many rows came with it (fp32 GEMMs round by row count): a
+    speculative verify step equals its one-row steps exactly."""
+    if q.shape[0] <= DECODE_MAX_ROWS:
+        return torch.cat([span_attention_naive(q[i:i + 1], k_pool, v_pool, page_table,
+                                               q_pos[i:i + 1], k_type, v_type, page_size,
+                                               scale) for i in range(q.shape[0])])
     return span_attention_naive(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
                                 page_size, scale).contiguous()
 
@@ -75,10 +86,6 @@ def span_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
 @span_attention_reference.register_fake
 def _(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, scale):
     return torch.empty_like(q)
-
-
-# Rows up to this many take the split (flash-decoding) kernel, more the prefill kernel.
-DECODE_MAX_ROWS = 8
 
 
 # triton_op: torch.compile traces into this body and sees the Triton kernels on CUDA; on
