@@ -22,7 +22,6 @@ again, in the same fixed layout, so CI runs the same bookkeeping and the same de
 from __future__ import annotations
 
 import contextlib
-import gc
 import warnings
 
 import torch
@@ -186,10 +185,10 @@ class DecodeGraph:
         if self.streamed:
             self.cache.prepare_capture()
         torch.cuda.synchronize(self.device)
-        # Python's collector must not free device tensors mid-capture, and blocks cached by
-        # the caching allocator go back first: under a device-memory budget (a per-process
-        # cap) the capture's pool must grow without freeing memory mid-capture.
-        gc.collect()
+        # Blocks cached by the caching allocator go back first: under a device-memory budget
+        # (a per-process cap) the capture's pool must grow without freeing memory
+        # mid-capture. (No gc.collect as torch.cuda.graph does: in a large process it can
+        # take longer than the capture, and a capture comes every 256 tokens.)
         torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         try:
