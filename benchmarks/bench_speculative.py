@@ -4,6 +4,7 @@
         [--max-tokens 160] [--spec ngram-simple] [--ngram 3,8] [--out PATH]
     python benchmarks/bench_speculative.py --oracle FILE --context 262144 [--depth 5]
         [--arena-mib 2240] [--kv q8_0/q4_0] [--widths 1,2,3,4,5,6] [--device cuda]
+        [--mtp-context 32768]
 
 The edit task (issue 27's ngram line): a chat prompt asks the model (default: SmolLM2-135M
 Instruct) to repeat a paragraph with one word replaced, so most of the answer quotes the
@@ -20,6 +21,9 @@ through --arena-mib. Request 1 decodes plainly and records its greedy continuati
 by the oracle), so every draft is kept: its decode tok/s over plain is what perfect
 acceptance at that depth buys. Then, on the same context, one verify step of each width in
 --widths, timed to completion (the runner's own step), as the cost ratio to width 1.
+With --mtp-context N (a model with an MTP layer): then, on the same Engine, a prompt of N
+tokens decoded plainly and with draft-mtp (depth --depth, p-min 0): the tokens must be equal
+(random weights reject nearly every draft, so the rounds exercise the rollback).
 """
 from __future__ import annotations
 
@@ -110,6 +114,7 @@ def oracle_run(args, meta) -> dict:
                 if state is not None:
                     state.restore(before)              # every width from the same state
             cost[w] = sorted(times)[1]
+    mtp = mtp_exactness(e, ids[:args.mtp_context], args) if args.mtp_context else None
     return dict(kind="oracle", file=os.path.basename(args.oracle), context=args.context,
                 kv_type=args.kv, arena_mib=args.arena_mib, depth=args.depth,
                 tokens_equal=spec_r.token_ids == plain.token_ids,
@@ -117,7 +122,26 @@ def oracle_run(args, meta) -> dict:
                 speedup=spec_r.decode_tok_s / plain.decode_tok_s, spec=spec_r.speculative,
                 verify_s={str(w): c for w, c in cost.items()},
                 verify_cost_over_width1={str(w): c / cost[widths[0]] for w, c in cost.items()},
-                **meta)
+                mtp=mtp, **meta)
+
+
+def mtp_exactness(e, ids: list[int], args) -> dict:
+    """Plain greedy decoding, then draft-mtp on the same Engine and prompt: equal tokens."""
+    from kvcompile.speculative.options import SpecOptions
+    spec = e.spec
+    try:
+        e.spec = SpecOptions.checked("none")
+        plain = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
+        e.spec = SpecOptions.checked("draft-mtp", draft_n_max=args.depth, draft_p_min=0.0)
+        r = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
+    finally:
+        e.spec = spec
+    out = dict(context=len(ids), depth=args.depth, tokens_equal=r.token_ids == plain.token_ids,
+               plain_decode_tok_s=plain.decode_tok_s, spec_decode_tok_s=r.decode_tok_s,
+               spec=r.speculative)
+    log(f"draft-mtp at {len(ids)}: tokens equal {out['tokens_equal']}, "
+        f"{r.decode_tok_s:.2f} vs {plain.decode_tok_s:.2f} tok/s, {r.speculative}")
+    return out
 
 
 def main(argv=None) -> dict:
@@ -136,6 +160,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--arena-mib", type=float, default=2240)
     ap.add_argument("--kv", default="q8_0/q4_0")
     ap.add_argument("--widths", default="1,2,3,4,5,6")
+    ap.add_argument("--mtp-context", type=int, default=0,
+                    help="oracle task: also check draft-mtp's tokens at this context")
     args = ap.parse_args(argv)
     meta = run_meta()
     if args.oracle:

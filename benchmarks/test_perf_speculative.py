@@ -43,7 +43,9 @@ def test_oracle_drafts_tiny_hybrid_cpu(benchmark, tmp_path):
     row = benchmark.pedantic(bench_speculative.main, rounds=1, iterations=1, args=([
         "--oracle", str(path), "--device", "cpu", "--context", "1024", "--arena-mib", "1",
         "--kv", "f32/f32", "--depth", "5", "--decode-steps", "24", "--widths", "1,2,6,9",
-        "--out", str(tmp_path / "speculative.json")],))
+        "--mtp-context", "300", "--out", str(tmp_path / "speculative.json")],))
     benchmark.extra_info.update({k: row[k] for k in ("speedup", "verify_cost_over_width1")})
     assert row["tokens_equal"] and row["spec"]["acceptance"] == 1.0
     assert row["spec"]["forwards"] < 24 and set(row["verify_s"]) == {"1", "2", "6", "9"}
+    # draft-mtp on the same Engine: the plain tokens, in rounds that drafted
+    assert row["mtp"]["tokens_equal"] and row["mtp"]["spec"]["drafted"] > 0, row["mtp"]

@@ -2,7 +2,8 @@
 # bench_speculative.py --oracle on the device (issue 27's speed lines): the seed-27b hybrid in
 # IQ4_XS (made here, ~1.5 min), a 256K prompt streamed through a 2240 MiB arena, plain decode
 # then oracle drafts of depth 5 in the same Engine (two 256K prefills, ~2.5 min each), then
-# verify steps of widths 1..6 and 49 on that context. SPEC_ARGS overrides options; SPEC_OUT
+# verify steps of widths 1..6 and 49 on that context, then draft-mtp's tokens against plain
+# decoding on a 32K prompt of the same Engine. SPEC_ARGS overrides options; SPEC_OUT
 # (a repo path, e.g. benchmarks/results/speculative.json) gets the row appended. Writes
 # $OUT/spec_oracle/{speculative.json,log.txt}.
 set -uo pipefail
@@ -14,8 +15,8 @@ cd "$R"
     --type iq4_xs --out "$F" 2>&1 | tail -2
 S="${SPEC_OUT:-$O/speculative.json}"; [ "${S#/}" = "$S" ] && S="$R/$S"
 cd /tmp
-timeout ${SPEC_LIMIT:-480} python3 "$R/benchmarks/bench_speculative.py" --oracle "$F" \
-    --device cuda --context 262144 --depth 5 --arena-mib 2240 --widths 1,2,3,4,5,6,49 \
+timeout ${SPEC_LIMIT:-540} python3 "$R/benchmarks/bench_speculative.py" --oracle "$F" \
+    --device cuda --context 262144 --depth 5 --arena-mib 2240 --widths 1,2,3,4,5,6,49 --mtp-context 32768 \
     ${SPEC_ARGS:-} --out "$S" 2>&1 | grep -v "Warn\|warn(" | tee "$O/log.txt"
 rc=${PIPESTATUS[0]}
 cp "$S" "$O/speculative.json" 2>/dev/null
