@@ -2,7 +2,7 @@
 
     python benchmarks/bench_runner.py [--cases streamed:131072,streamed:65536,resident:8192]
         [--arena-mib 2048] [--kv q8_0/q4_0] [--decode-steps 64] [--weights bf16|q4_k|q8_0]
-        [--prefetch-next both|on|off|default] [--no-cuda-graphs]
+        [--prefetch-next both|on|off|default] [--no-cuda-graphs] [--ngram-check]
         [--out benchmarks/results/runner.json]
     python benchmarks/bench_runner.py --tiny --device cpu      # the same code, seconds, CPU
 
@@ -17,7 +17,9 @@ median host time of a decode step (until its work was queued), the request's pro
 
 Bounds measured in the same run: streamed, pcie_gbps / (KV bytes of the context - arena
 bytes); all resident, hbm_gbps / (weight bytes + KV bytes). Rows (each with its commit and
-date) are appended to --out.
+date) are appended to --out. --ngram-check: after the measured request, the same prompt with
+ngram-simple speculation on the same Engine; the row records whether its tokens equal the
+plain ones (`ngram`; a random model's greedy text repeats itself, so drafts are found).
 """
 from __future__ import annotations
 
@@ -84,6 +86,8 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
                            decode_s=warm.decode_s),
                programs=r.phases, launches_per_step=launches_per_step(r.phases),
                kv=r.kv, tokens=r.token_ids[:16])
+    if args.ngram_check:
+        row["ngram"] = ngram_check(e, ids, r, args)
     if mode == "streamed":
         bound = S.pcie_bound(meta["pcie_gbps_measured"], kv_bytes, int(arena * 2**20))
         row.update(pcie_bound_tok_s=bound,
@@ -105,6 +109,22 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
     return row
 
 
+def ngram_check(e, ids: list[int], plain, args) -> dict:
+    """The same request with ngram-simple speculation (n 2, m 8): equal tokens?"""
+    from kvcompile.speculative.options import SpecOptions
+    spec = e.spec
+    try:
+        e.spec = SpecOptions.checked("ngram-simple", ngram_n=2, ngram_m=8)
+        r = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
+    finally:
+        e.spec = spec
+    out = dict(tokens_equal=r.token_ids == plain.token_ids, decode_tok_s=r.decode_tok_s,
+               spec=r.speculative)
+    log(f"ngram-simple: tokens equal {out['tokens_equal']}, {r.decode_tok_s:.2f} tok/s, "
+        f"{r.speculative}")
+    return out
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="streamed:131072,streamed:65536,resident:8192",
@@ -119,6 +139,8 @@ def parse_args(argv=None):
     ap.add_argument("--prefetch-next", choices=("default", "on", "off", "both"),
                     default="default", help="streamed cases: begin the next decode step at the "
                     "end of each forward (streaming_cache.py), or not, or both in turn")
+    ap.add_argument("--ngram-check", action="store_true",
+                    help="also decode each case's prompt with ngram-simple: equal tokens?")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a 4-layer model, small contexts")
     ap.add_argument("--seed", type=int, default=0)

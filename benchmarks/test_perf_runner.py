@@ -29,7 +29,8 @@ def run(benchmark, argv):
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "programs"])
 def test_runner_tiny_cpu(benchmark, tmp_path, graphs):
     argv = ["--tiny", "--device", "cpu", "--out", str(tmp_path / "runner.json"),
-            "--prefetch-next", "both", "--cuda-graphs" if graphs else "--no-cuda-graphs"]
+            "--prefetch-next", "both", "--cuda-graphs" if graphs else "--no-cuda-graphs",
+            "--ngram-check"]
     rows = run(benchmark, argv)
     assert [r["mode"] for r in rows] == ["streamed", "streamed", "resident"]
     assert [r["prefetch_next"] for r in rows[:2]] == [False, True]
@@ -37,6 +38,7 @@ def test_runner_tiny_cpu(benchmark, tmp_path, graphs):
         assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["host_step_ms"] > 0
     assert rows[0]["tokens"] == rows[1]["tokens"] == rows[2]["tokens"]   # same prompt
     assert rows[0]["decode_vs_bound"] is not None and rows[0]["kv"]["streamed_fraction"] > 0
+    assert all(r["ngram"]["tokens_equal"] for r in rows), [r["ngram"] for r in rows]
     if graphs:     # all resident with programs: the measured (second) request captures none
         assert rows[2]["programs"]["captures"] == 0 and rows[2]["runner_mode"] == "phase programs"
         # streamed: decode graphs (on the CPU each replay reruns the step's fixed layout)

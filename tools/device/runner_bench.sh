@@ -3,7 +3,8 @@
 # through Engine.generate, streamed through a 2048 MiB arena at 128K and 64K and all
 # resident at 8K and 128K (RUNNER_CASES overrides), q8_0/q4_0 KV, 64 decode steps, each case
 # a warm-up request then the measured one. Writes $OUT/runner/{runner.json,log.txt};
-# RUNNER_OUT (a repo path) also gets the rows appended.
+# RUNNER_OUT (a repo path) also gets the rows appended; RUNNER_ARGS="--ngram-check" adds
+# each case's ngram-simple tokens against the plain ones (issue 27's 8B exactness line).
 set -uo pipefail
 R=${R:-$(pwd)}
 O="$OUT/runner"; mkdir -p "$O"
