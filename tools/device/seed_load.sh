@@ -6,16 +6,20 @@
 # calls, SEED_ARGS="--part budget" then SEED_ARGS="--part resident" with
 # SEED_OUT=benchmarks/results/quantized_weights.json in both (the resident part compares its
 # tokens with the budget row there: carry the file back between the calls) and SEED_LIMIT
-# near the call's time left. Writes $OUT/seed_load/ (load.json, seed.json, logs).
+# near the call's time left. SEED_TYPE=q4_k makes and loads that type instead; SEED_RUN=0
+# stops after the load (the Q4_K file's memory and load line). Writes $OUT/seed_load/
+# (load.json, seed.json, logs).
 set -uo pipefail
 R=${R:-$(pwd)}
 O="$OUT/seed_load"; mkdir -p "$O"
-F=/tmp/seed27b.iq4_xs.gguf
+T=${SEED_TYPE:-iq4_xs}
+F=/tmp/seed27b.$T.gguf
 cd "$R"
 [ -f "$F" ] || { s=$(date +%s); timeout 300 python3 -m kvcompile make-model --arch qwen35 \
-    --preset seed-27b --type iq4_xs --out "$F" 2>&1 | tail -3 | tee "$O/make.log";
+    --preset seed-27b --type "$T" --out "$F" 2>&1 | tail -3 | tee "$O/make.log";
     echo "make-model $(( $(date +%s) - s )) s" | tee -a "$O/make.log"; }
 timeout 120 python3 benchmarks/bench_load.py "$F" ${LOAD_ARGS:-} --out "$O/load.json" 2>&1 | tee "$O/load.log"
+[ "${SEED_RUN:-1}" = 0 ] && exit ${PIPESTATUS[0]}
 cd /tmp
 S="${SEED_OUT:-$O/seed.json}"; [ "${S#/}" = "$S" ] && S="$R/$S"
 timeout ${SEED_LIMIT:-420} python3 "$R/benchmarks/bench_seed.py" "$F" --out "$S" \
