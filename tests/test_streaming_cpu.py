@@ -43,9 +43,10 @@ def _prompt(seed, n):
 
 
 @torch.inference_mode()
-def generate(model, cache, prompt, n_decode, chunk=40, on_step=None, start=0):
+def generate(model, cache, prompt, n_decode, chunk=40, on_step=None, start=0, decode=None):
     """Greedy: prefill in chunks (from `start`: earlier rows are already cached), then
-    decode; returns (token ids, logits of every forward)."""
+    decode (through `decode(ids, start)` when given: a captured step); returns (token ids,
+    logits of every forward)."""
     logits = []
     for s in range(start, len(prompt), chunk):
         t = prompt[s:s + chunk]
@@ -55,7 +56,8 @@ def generate(model, cache, prompt, n_decode, chunk=40, on_step=None, start=0):
     ids = [int(logits[-1][-1].argmax())]
     for pos in range(len(prompt), len(prompt) + n_decode):
         logits.append(forward(model, cache, torch.tensor([ids[-1]]), torch.tensor([pos]),
-                              last_only=True))
+                              last_only=True) if decode is None else
+                      decode([ids[-1]], pos).clone())
         ids.append(int(logits[-1][-1].argmax()))
         if on_step:
             on_step(len(logits), cache, pos + 1)
@@ -194,6 +196,29 @@ def test_fences_hold_under_injected_delays(model, types, copy_ms, compute_ms):
     assert ids == ids_ref and torch.equal(got, ref), SEED
     last = cache.telemetry[-1]
     assert last.streamed_reads > last.ring_slots > 0     # slots are reused within a forward
+
+
+@pytest.mark.parametrize("types", [F32, QUANT], ids=["f32", "q8_0-q4_0"])
+def test_captured_decode_steps_hold_the_fences_under_injected_delays(model, types):
+    """Decode steps in fixed layouts (phase/decode_graph.py; on the CPU each replay reruns
+    the step) through a threaded copy engine with random copy and compute delays: no fence
+    violation, the resident decode's tokens and logits; 16-token pages, so the decode
+    crosses page boundaries (a new layout each)."""
+    from kvcompile.phase.decode_graph import DecodeGraph
+    prompt = _prompt(SEED + 5, PROMPT_LEN)
+    ids_ref, ref = _reference(model, types, prompt, 24)
+    checker = FenceChecker()
+    cache = _threaded(50, checker, 2, 2, seed=SEED + 5, types=types)
+    program = DecodeGraph(model, cache)
+    try:
+        ids, got = generate(model, cache, prompt, 24, decode=program.step)
+    finally:
+        cache.close()
+    assert checker.violations == [], (SEED, checker.violations[:3])
+    assert ids == ids_ref and torch.equal(got, ref), SEED
+    s = program.stats()
+    assert s["replays"] == 23 and s["captures"] >= 2, s
+    assert cache.telemetry[-1].replayed and cache.telemetry[-1].streamed_reads > 0
 
 
 @pytest.mark.parametrize("unsafe,copy_ms,compute_ms,expect", [
