@@ -78,6 +78,11 @@ class DecodeGraph:
         self.cuda = self.device.type == "cuda"
         self.streamed = is_streamed(cache)
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # One memory pool for every layout's graph (a budget has little room): programs run
+        # one at a time on one stream, each output stays allocated while its program lives
+        # and is read before another program runs, so a graph may reuse the blocks another
+        # one only used inside itself.
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self._input = StaticInput(rows, self.device)
         self._resident = None if self.streamed else _FixedRange(cache)
         self.fallback: str | None = None  # why steps run eagerly after a failed capture
@@ -193,7 +198,7 @@ class DecodeGraph:
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: another thread's CUDA calls (a server's) do not break it
-            graph.capture_begin(capture_error_mode="thread_local")
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
                 if engine is not None:
                     engine.begin_capture()
