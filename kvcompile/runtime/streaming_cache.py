@@ -84,7 +84,7 @@ class StreamingKvCache:
         self.policy_state = P.PolicyState(depth=self.policy_config.max_depth)
         extras = {n: t.to(self.device) for n, t in
                   layer_extras(config, self.k_type, self.v_type, page_size,
-                                self.layers[0]).items()}
+                               self.layers[0]).items()}
         # decode kernels' scratch (CUDA; None on the CPU), one for all layers like PagedKvCache
         extras["workspace"] = decode_workspace(self.device, config)
         self._kv = {i: LayerKv(k_pool, v_pool, self.pool.page_tables[i], self.k_type.ggml_id,
