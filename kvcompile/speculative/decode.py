@@ -5,13 +5,14 @@ read of its result (GPU completion), goes to `step_s`."""
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 
 from kvcompile.speculative.accept import accept_greedy, accept_sampled
 
 
-class Drafter:
-    """What speculative_tokens asks of a drafter; the hooks a drafter needs no state for do
-    nothing here."""
+class Drafter(ABC):
+    """What speculative_tokens asks of a drafter: `propose` (every drafter has its own);
+    the hooks a drafter needs no state for do nothing here."""
     wants_hidden = False        # True: verify steps return the rows' hidden states
 
     def reset(self, history) -> None:
@@ -20,9 +21,9 @@ class Drafter:
     def add(self, start: int, hidden, history) -> None:
         """A prefill chunk at start computed these hidden rows (wants_hidden only)."""
 
+    @abstractmethod
     def propose(self, history, limit: int) -> list[int]:
         """Up to `limit` tokens to follow history (history[-1]: the pending token)."""
-        raise NotImplementedError
 
     def accepted(self, start: int, emitted: list[int], hidden) -> None:
         """The verify step at start kept len(emitted) rows (hidden: its rows, or None)."""
