@@ -5,15 +5,16 @@ across page boundaries."""
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 import pytest
 import torch
 
 from kvcompile.errors import ContextLengthError, PhaseError
 from kvcompile.phase.decode_graph import DecodeGraph
-from kvcompile.runtime import forward, make_kv_cache, min_arena_bytes
+from kvcompile.runner import make_sequence_cache
+from kvcompile.runtime import forward, min_arena_bytes
 from kvcompile.runtime.arena import MIB
+from test_decode_graph import tiny_arena
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -39,11 +40,8 @@ def hybrid(tmp_path_factory):
 
 
 def make_cache(model, max_tokens, kv, streamed):
-    plan = model.layer_plan
-    c = plan.kv_config(model.config)              # the MTP layer's KV too
-    mib = min_arena_bytes(c, max_tokens, *kv) * 1.1 / MIB if streamed else 0
-    return make_kv_cache(c, max_tokens, mib, k_type=kv[0], v_type=kv[1], device=DEV,
-                         layers=None if plan.plain else plan.kv_layers)
+    mib = tiny_arena(model, *kv, ctx=max_tokens) if streamed else 0
+    return make_sequence_cache(model, model.config, max_tokens, *kv, mib, torch.device(DEV))
 
 
 def trunk(model):

@@ -4,8 +4,6 @@ greedy tokens — for llama and qwen35, at 4K, 16K and 64K (issue 26)."""
 from __future__ import annotations
 
 import os
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -14,9 +12,8 @@ from kvcompile.gguf.synthetic import preset_config, write_synthetic_gguf
 from kvcompile.models.llama import LlamaModel
 from kvcompile.models.qwen35 import Qwen35Model
 from kvcompile.runner import StepRunner, make_sequence_cache
-from kvcompile.runtime import min_arena_bytes
-from kvcompile.runtime.arena import MIB
 from kvcompile.weights import load_weights
+from test_decode_graph import greedy, tiny_arena
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -43,19 +40,6 @@ def models(tmp_path_factory):
     return {"llama": llama, "qwen35": qwen}
 
 
-@torch.inference_mode()
-def greedy(runner: StepRunner, prompt: list[int], ubatch: int = 2048):
-    runner.begin_request(len(prompt) + DECODE + 1)
-    for s in range(0, len(prompt), ubatch):
-        logits = runner.step(prompt[s:s + ubatch], s)
-    ids, rows = [int(logits.argmax())], [logits.float().cpu()]
-    for i in range(DECODE):
-        logits = runner.step(ids[-1:], len(prompt) + i)
-        rows.append(logits.float().cpu())
-        ids.append(int(logits.argmax()))
-    return ids, torch.stack(rows)
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen35"])
 @pytest.mark.parametrize("ctx,kv", [(4096, "f32"), (16384, "f16"), (65536, "q8_0")])
 def test_captured_streamed_decode_equals_eager_resident(models, arch, ctx, kv):
@@ -66,14 +50,12 @@ def test_captured_streamed_decode_equals_eager_resident(models, arch, ctx, kv):
                            generator=torch.Generator().manual_seed(SEED)).tolist()
     resident = StepRunner(model, make_sequence_cache(model, c, ctx, kv, kv, 0, DEV),
                           device=DEV, ubatch=2048, cuda_graphs=False)
-    ref_ids, ref = greedy(resident, prompt)
+    ref_ids, ref = greedy(resident, prompt, DECODE, ubatch=2048)
     del resident
-    full = replace(c, n_layers=c.n_layers + c.nextn_layers)     # the MTP layer's KV too
-    tiny = min_arena_bytes(full, ctx, kv, kv) * 1.1 / MIB
-    cache = make_sequence_cache(model, c, ctx, kv, kv, tiny, DEV)
+    cache = make_sequence_cache(model, c, ctx, kv, kv, tiny_arena(model, kv, kv, ctx), DEV)
     streamed = StepRunner(model, cache, device=DEV, ubatch=2048, cuda_graphs=True)
     assert streamed.mode == "decode graphs"
-    ids, got = greedy(streamed, prompt)
+    ids, got = greedy(streamed, prompt, DECODE, ubatch=2048)
     stats = streamed.request_stats()
     decode = cache.telemetry[-DECODE:]
     frac = sum(s.streamed_reads for s in decode) / sum(

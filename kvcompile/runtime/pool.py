@@ -331,14 +331,17 @@ class StreamingPool:
         return any(min(self.valid_upto[self.index[l]], r) < min(r, self.host.rows_pages(l))
                    for l in layers)
 
-    def forget_fences(self, drain: bool = True) -> None:
-        """Before a capture: everything issued so far has completed (drain), and a
-        captured step may only wait on what it records itself. drain=False: after a
-        capture, whose events were never recorded (nothing ran: DONE is exact)."""
-        if drain:
-            self.drain()
-            self._before_capture = (self.cursor, list(self.valid_upto),
-                                    list(self._table_known))
+    def prepare_capture(self) -> None:
+        """Before a capture: everything issued so far has completed, a captured step may
+        only wait on what it records itself, and what the capture changes is noted for
+        `abandon`."""
+        self.drain()
+        self._before_capture = self.cursor, list(self.valid_upto)
+        self.forget_fences()
+
+    def forget_fences(self) -> None:
+        """Every page's last use is done: after a drain, or after a capture (its events
+        were never recorded: nothing ran)."""
         self.last_use = [DONE] * self.P
 
     def abandon(self) -> None:
@@ -349,9 +352,9 @@ class StreamingPool:
             self._unhold(job, None)
             job.released = True
         self.active, self.issued, self.current, self.fixed = None, {}, None, False
-        self.cursor, self.valid_upto, _ = self._before_capture
+        self.cursor, self.valid_upto = self._before_capture
         self._table_known = [0] * self.L
-        self.last_use = [DONE] * self.P
+        self.forget_fences()
 
     def replayed(self, fence) -> None:
         """A captured step ran: every page's last use is that step (`fence`, recorded after

@@ -231,11 +231,11 @@ class StreamingKvCache:
 
     def prepare_capture(self) -> None:
         """Before capturing the open forward: no copy in flight, no fence from before."""
-        self.pool.forget_fences()
+        self.pool.prepare_capture()
 
     def captured(self) -> None:
         """After a capture: the fences it recorded never ran (nothing did)."""
-        self.pool.forget_fences(drain=False)
+        self.pool.forget_fences()
 
     def abandon_capture(self) -> None:
         """After a failed capture (the device synchronized): its forward and events go."""
