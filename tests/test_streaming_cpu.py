@@ -205,7 +205,7 @@ def test_captured_decode_steps_hold_the_fences_under_injected_delays(model, type
     violation, the resident decode's tokens and logits; 16-token pages, so the decode
     crosses page boundaries (a new layout each)."""
     from kvcompile.phase.decode_graph import DecodeGraph
-    prompt = _prompt(SEED + 5, PROMPT_LEN)
+    prompt = _prompt(SEED + 5, PROMPT_LEN - 10)   # room for 24 decoded tokens
     ids_ref, ref = _reference(model, types, prompt, 24)
     checker = FenceChecker()
     cache = _threaded(50, checker, 2, 2, seed=SEED + 5, types=types)
