@@ -7,6 +7,7 @@ separate quantize node for a pass to fuse.
 """
 from kvcompile.passes.checkpoint import checkpoint_hook
 from kvcompile.passes.kernels import select_attention_kernel
+from kvcompile.passes.lower_ring import LowerRingOps
 from kvcompile.passes.lowerable import LOWERINGS, check_lowerable
 from kvcompile.passes.pipeline import (DISABLE_ENV, PassError, PassPipeline, call_targets,
                                       compile_model)
@@ -21,6 +22,16 @@ def default_pipeline(distance: int = 1, streamed=None) -> PassPipeline:
                          checkpoint_hook, check_lowerable])
 
 
-__all__ = ["PassPipeline", "PassError", "PlaceRingOps", "select_attention_kernel",
-           "checkpoint_hook", "check_lowerable", "default_pipeline", "LOWERINGS",
+def streamed_pipeline(runtime) -> PassPipeline:
+    """A streaming cache's forward: ring ops at every attention, at its own layer (the
+    runtime prefetches ahead by itself), lowered to `runtime`'s page movement
+    (runtime/compiled_view.py). Neither ring pass can be disabled."""
+    return PassPipeline([select_attention_kernel, PlaceRingOps(0), LowerRingOps(runtime),
+                         checkpoint_hook, check_lowerable],
+                        required=("place_ring_ops", "lower_ring_ops"))
+
+
+__all__ = ["PassPipeline", "PassError", "PlaceRingOps", "LowerRingOps",
+           "select_attention_kernel", "checkpoint_hook", "check_lowerable",
+           "default_pipeline", "streamed_pipeline", "LOWERINGS",
            "DISABLE_ENV", "call_targets", "compile_model"]

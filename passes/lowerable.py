@@ -12,8 +12,10 @@ from kvcompile.passes.pipeline import PassError, op_name
 LOWERINGS = {
     "kvcompile.kv_write": "ops/kv_write (triton_op: quantize-on-write kernel)",
     "kvcompile.span_attention": "ops/span_attention (triton_op: decode / prefill kernels)",
-    "kvcompile.ring_acquire": "ops/ring (copy-stream fork, ring page table)",
-    "kvcompile.ring_release": "ops/ring (consumed fence, publish)",
+    "kvcompile.ring_acquire": "passes/lower_ring (the runtime's acquire_pages) or the "
+                              "ordering-only reference over a resident cache",
+    "kvcompile.ring_release": "passes/lower_ring (the runtime's release_pages) or the "
+                              "ordering-only reference",
     "kvcompile.rms_norm": "ops/rms_norm (triton_op: one kernel a norm)",
     "kvcompile.add_rms_norm": "ops/rms_norm (triton_op: residual add + norm)",
     "kvcompile.rope_rotate": "ops/rope_rotate (triton_op: rope + KV Hadamard rotations)",

@@ -32,12 +32,18 @@ def pass_name(p: PassFn) -> str:
 class PassPipeline:
     """Passes applied in the order given; names must be unique."""
 
-    def __init__(self, passes: Iterable[PassFn]):
+    def __init__(self, passes: Iterable[PassFn], required: Iterable[str] = ()):
+        """required: names that may not be disabled (without them the program is wrong,
+        not only slower)."""
         self.passes = list(passes)
         self.names = [pass_name(p) for p in self.passes]
         dup = sorted({n for n in self.names if self.names.count(n) > 1})
         if dup:
             raise PassError(f"pass names must be unique in a pipeline; repeated: {dup}")
+        self.required = frozenset(required)
+        if not self.required <= set(self.names):
+            raise PassError(f"required passes {sorted(self.required - set(self.names))} are "
+                            f"not in the pipeline {self.names}")
 
     def _disabled(self, disable: Iterable[str] | None) -> set[str]:
         names = {disable} if isinstance(disable, str) else set(disable or ())
@@ -48,6 +54,10 @@ class PassPipeline:
             raise PassError(f"cannot disable unknown pass(es) {unknown} (from the disable "
                             f"argument or {DISABLE_ENV}); the pipeline's passes are "
                             f"{self.names}")
+        kept = sorted(names & self.required)
+        if kept:
+            raise PassError(f"pass(es) {kept} cannot be disabled in this pipeline: its "
+                            f"forward is wrong without them")
         return names
 
     def run(self, gm: fx.GraphModule, example_inputs: Sequence,

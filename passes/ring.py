@@ -106,3 +106,4 @@ class PlaceRingOps:
                 cur = ring_nodes[n]
         gm.recompile()
         return gm
+

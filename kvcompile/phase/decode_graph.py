@@ -67,11 +67,18 @@ MAX_PROGRAMS = 4    # layouts kept (a second request of the same length reuses i
 
 
 class DecodeGraph:
-    def __init__(self, model, cache, rows: int = 1, layers=None, strict: bool = True):
+    def __init__(self, model, cache, rows: int = 1, layers=None, strict: bool = True,
+                 compile: bool = False):
         """strict=False: a capture that fails warns and every later step runs eagerly
-        (the engine keeps serving); strict (tests, benchmarks): the error propagates."""
+        (the engine keeps serving); strict (tests, benchmarks): the error propagates.
+        compile: a streamed cache's steps run the model traced by torch.compile, its ring
+        ops lowered to the cache's page movement (passes.streamed_pipeline) instead of the
+        eager model's per-layer hook; for attention-only models."""
         if rows < 1:
             raise PhaseError(f"a decode program runs at least one row, got {rows}")
+        if compile and not (is_streamed(cache) and model.layer_plan.plain):
+            raise PhaseError("a compiled decode graph takes a streamed cache and an "
+                             "attention-only model (a hybrid model's steps run eagerly)")
         self.model, self.cache, self.rows, self.layers = model, cache, rows, layers
         self.strict = strict
         self.device = torch.device(getattr(cache, "device", "cpu"))
@@ -85,6 +92,13 @@ class DecodeGraph:
         self._pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self._input = StaticInput(rows, self.device)
         self._resident = None if self.streamed else _FixedRange(cache)
+        self._view = self._compiled = None
+        if compile:
+            from kvcompile.passes import streamed_pipeline
+            from kvcompile.phase.compiled_forward import compile_forward
+            from kvcompile.runtime.compiled_view import CompiledKvView
+            self._view = CompiledKvView(cache)
+            self._compiled = compile_forward(model, streamed_pipeline(self._view))
         self.fallback: str | None = None  # why steps run eagerly after a failed capture
         self.programs: dict = {}          # layout -> _Program, least recently used first
         self._layout = None               # the layout being captured
@@ -140,24 +154,31 @@ class DecodeGraph:
             raise
 
     def _eager(self, cache) -> torch.Tensor:
-        out = self.model(self._input.tokens, self._input.positions, cache, last_only=True)
+        out = self._forward(cache)
         self.warm = True
         self.eager_steps += 1
         return out
 
     def _work(self) -> torch.Tensor:
         """The device work of one step in the layout being captured: what a graph holds."""
-        tokens, positions = self._input.tokens, self._input.positions
         if not self.streamed:
-            return self.model(tokens, positions, self._resident, last_only=True)
+            return self._forward(self._resident)
         self.cache.issue_forward(self._layout)
-        out = self.model(tokens, positions, self.cache, last_only=True)
+        out = self._forward(self.cache)
         self.cache.end_issue()
         return out
+
+    def _forward(self, cache) -> torch.Tensor:
+        """The model over the step's static input: traced (its ring ops lowered) or eager."""
+        tokens, positions = self._input.tokens, self._input.positions
+        if self._compiled is not None:
+            return self._compiled(tokens, positions, self._view, last_only=True)
+        return self.model(tokens, positions, cache, last_only=True)
 
     def stats(self) -> dict:
         return {"decode_graphs": len(self.programs), "captures": self.captures,
                 "replays": self.replays, "eager_steps": self.eager_steps,
+                "compiled": self._compiled is not None,
                 **({"fallback": self.fallback} if self.fallback else {})}
 
     def _state(self):

@@ -19,6 +19,7 @@ import torch
 
 from kvcompile.errors import PhaseError, UnsupportedModelError
 from kvcompile.phase import layouts as L
+from kvcompile.phase.compiled_forward import compile_forward
 from kvcompile.phase.programs import PhaseProgram, check_step_positions
 from kvcompile.runtime.arena import Arena, align
 from kvcompile.runtime.fences import DONE
@@ -30,21 +31,6 @@ def _sms(device: torch.device) -> int | None:
         return None
     from kvcompile.ops.span_attention.launch import num_sms
     return num_sms(device)
-
-
-def _recompile_limit_error():
-    import torch._dynamo.exc as exc
-    return getattr(exc, "FailOnRecompileLimitHit", None) or getattr(exc, "FailOnCacheLimitHit", ())
-
-
-def _fail_on_recompile_limit():
-    import contextlib
-
-    import torch._dynamo.config as cfg
-    for name in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"):
-        if hasattr(cfg, name):
-            return cfg.patch(**{name: True})
-    return contextlib.nullcontext()
 
 
 class _Bytes:
@@ -253,31 +239,14 @@ class PhaseManager:
     def _step_fn(self, last_only: bool):
         model, cache = self.model, self.cache
         if self.compile and self._compiled is None:
-            from kvcompile.passes import compile_model, default_pipeline
-            # Dynamo keys its cache on the backend, so an earlier manager's graphs are never
-            # reused here, yet they count toward the recompile limit of the model's forward
-            # (the third Engine(cuda_graphs=True) of a process hit it): drop them. An earlier
-            # manager still alive recompiles only a shape it has not captured yet.
-            torch._dynamo.reset_code(type(model).forward.__code__)
+            from kvcompile.passes import default_pipeline
             # streamed=(): every page is resident, no ring ops to place
-            self._compiled = compile_model(model, default_pipeline(streamed=()),
-                                           lower=self.lower, dynamic=False)
+            self._compiled = compile_forward(model, default_pipeline(streamed=()),
+                                             lower=self.lower)
         if not self.compile:
             return lambda tokens, positions: model(tokens, positions, cache, last_only=last_only)
-        compiled, limit_hit = self._compiled, _recompile_limit_error()
-
-        def step(tokens, positions):
-            # past dynamo's recompile limit the forward would silently run eagerly, whose
-            # host-side checks cannot be captured: fail with the reason instead
-            with _fail_on_recompile_limit():
-                try:
-                    return compiled(tokens, positions, cache, last_only=last_only)
-                except limit_hit as e:
-                    raise PhaseError(
-                        f"the compiled forward hit torch._dynamo's recompile limit ({e}); call "
-                        f"torch._dynamo.reset() between models or raise "
-                        f"torch._dynamo.config.recompile_limit") from None
-        return step
+        compiled = self._compiled
+        return lambda tokens, positions: compiled(tokens, positions, cache, last_only=last_only)
 
     @torch.inference_mode()
     def forward(self, ids: list[int], start: int) -> torch.Tensor:

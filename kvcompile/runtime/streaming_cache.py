@@ -103,11 +103,23 @@ class StreamingKvCache:
 
     # ---- the surface the model reads ----------------------------------------------------
     def layer(self, i: int) -> LayerKv:
+        """The eager model's per-layer hook: the layer's pages placed, its buffers."""
+        self.acquire_pages(i)
+        return self._kv[i]
+
+    def acquire_pages(self, i: int) -> torch.Tensor:
+        """Layer i's pages present (the previous layer released), its page table written:
+        what `cache.layer(i)` does, and what a compiled forward's lowered `ring_acquire`
+        calls (passes/ring.py)."""
         if self._step is None:
             raise KvLayoutError("StreamingKvCache.layer() is the per-layer hook of a forward; "
                                 "run the model through kvcompile.runtime.forward()")
-        self.pool.acquire(i)
-        return self._kv[i]
+        return self.pool.acquire(i)
+
+    def release_pages(self, i: int) -> None:
+        """Layer i's ring slots consumed, its written rows published (a lowered
+        `ring_release`, right after the layer's attention)."""
+        self.pool.release(i)
 
     def has_layer(self, i: int) -> bool:
         return i in self._kv

@@ -14,21 +14,19 @@ ring_acquire(token, page_table, layer, distance) -> (token, page_table)
     CPU reference: no copies (the CPU backend's pages are already where the runtime put
     them); returns a fresh token and an identical copy of `page_table`, so results are
     bitwise those of the graph without ring ops.
-    CUDA lowering (to be written with the CUDA backend of the streaming runtime): at this
-    point of the compute stream, fork to the copy stream (wait on the consumed fences of
-    the ring slots it takes, i.e. the releases of earlier layers), issue the layer's grouped
-    host->device copies of its non-resident pages into its ring slots, record the ready
-    event, and write the returned device page table (resident prefix + ring runs) in place
-    from the placement's tensors, so a captured CUDA graph replays it with no host work.
-    The compute stream joins the ready event just before the first reader of the returned
-    page table (the layer's span_attention) -- the `distance` ops in between are the overlap.
+    Lowering (`kvcompile.passes.lower_ring_ops`, CPU and CUDA alike): over a streaming
+    cache the op becomes a call of the runtime's `acquire_pages(layer)`: on CUDA the fork
+    to the copy stream after the consumed fences of the ring slots it takes, the layer's
+    grouped host->device copies into them, the ready event, the page table written in
+    place, and the compute stream's wait on the ready event; a CUDA graph captured over the
+    forward holds all of it.
 
 ring_release(token, attn_out, layer) -> token
     Placed right after the attention of `layer`; consuming `attn_out` orders it after that
     attention. CPU reference: returns a fresh token.
-    CUDA lowering: record the compute event that marks the layer's ring slots consumed (the
-    fence later copies into those slots wait on), and enqueue the device->host publish of
-    the rows this forward wrote for the layer (host history stays authoritative).
+    Lowering: the runtime's `release_pages(layer)`: the compute event that marks the
+    layer's ring slots consumed (the fence later copies into them wait on), and the
+    device->host publish of the rows this forward wrote (host history stays authoritative).
 """
 from __future__ import annotations
 

@@ -1,0 +1,82 @@
+"""lower_ring_ops: a streamed forward's ring ops become the runtime's page movement."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import fx
+from torch.fx.node import has_side_effect
+
+from kvcompile.passes.graph_util import arg, nodes_of
+from kvcompile.passes.pipeline import PassError
+
+
+class _Runtime(torch.nn.Module):
+    """The object whose `acquire_pages(layer)` / `release_pages(layer)` move a streamed
+    layer's pages (runtime/compiled_view.py), held by the graph as an attribute."""
+
+    def __init__(self, runtime):
+        super().__init__()
+        self.runtime = runtime
+
+
+def acquire_pages(holder: _Runtime, token, table, layer: int):
+    """A lowered ring_acquire: the layer's pages placed (fills issued ahead, this layer's
+    waited for), its page table written; returns (token, the table the attention reads)."""
+    return token, holder.runtime.acquire_pages(layer)
+
+
+def release_pages(holder: _Runtime, token, attn_out, layer: int):
+    """A lowered ring_release: the layer's ring slots consumed, its written rows published."""
+    holder.runtime.release_pages(layer)
+    return token
+
+
+has_side_effect(acquire_pages)
+has_side_effect(release_pages)
+
+
+class LowerRingOps:
+    """Lower ring_acquire / ring_release to the streaming runtime's page movement: each
+    becomes a call of `runtime.acquire_pages(layer)` / `runtime.release_pages(layer)`.
+
+    The graph is then executed node by node (the "graph" lowering), so the copies, fences
+    and page-table writes happen exactly where the ops stand; a CUDA graph captured over the
+    forward holds them. The ops must sit at their own layer (distance 0): the runtime's
+    pool keeps its prefetch ahead by itself, and an acquire releases the layer before it.
+    Without this pass the ops are the CPU reference's ordering tokens, and a streamed
+    forward would read pages nobody placed, so a pipeline that needs it marks it required.
+    """
+
+    name = "lower_ring_ops"
+
+    def __init__(self, runtime):
+        for method in ("acquire_pages", "release_pages"):
+            if not callable(getattr(runtime, method, None)):
+                raise PassError(f"lower_ring_ops needs a runtime with {method}(layer); got "
+                                f"{type(runtime).__name__}")
+        self.runtime = runtime
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphModule:
+        acquires, releases = nodes_of(gm, "ring_acquire"), nodes_of(gm, "ring_release")
+        if not acquires:
+            raise PassError("lower_ring_ops found no ring ops: a streamed forward needs "
+                            "place_ring_ops before it (is it disabled?)")
+        g = gm.graph
+        gm.add_submodule("kv_ring", _Runtime(self.runtime))
+        first_compute = next(n for n in g.nodes if n.op != "placeholder")
+        with g.inserting_before(first_compute):
+            holder = g.get_attr("kv_ring")
+        for n in acquires:
+            token, table = arg(n, 0, "token"), arg(n, 1, "page_table")
+            layer, distance = arg(n, 2, "layer"), arg(n, 3, "distance")
+            if distance != 0:
+                raise PassError(f"ring_acquire of layer {layer} sits {distance} attention(s) "
+                                f"ahead; the streaming runtime prefetches by itself and needs "
+                                f"each acquire at its layer (PlaceRingOps(distance=0))")
+            n.target, n.args, n.kwargs = acquire_pages, (holder, token, table, layer), {}
+        for n in releases:
+            token, out, layer = arg(n, 0, "token"), arg(n, 1, "attn_out"), arg(n, 2, "layer")
+            n.target, n.args, n.kwargs = release_pages, (holder, token, out, layer), {}
+        gm.recompile()
+        return gm
