@@ -2,7 +2,8 @@
 
     python benchmarks/bench_runner.py [--cases streamed:131072,streamed:65536,resident:8192]
         [--arena-mib 2048] [--kv q8_0/q4_0] [--decode-steps 64] [--weights bf16|q4_k|q8_0]
-        [--prefetch-next both|on|off|default] [--no-cuda-graphs] [--ngram-check]
+        [--prefetch-next both|on|off|default] [--no-cuda-graphs] [--second-request]
+        [--ngram-check]
         [--out benchmarks/results/runner.json]
     python benchmarks/bench_runner.py --tiny --device cpu      # the same code, seconds, CPU
 
@@ -17,7 +18,9 @@ median host time of a decode step (until its work was queued), the request's pro
 
 Bounds measured in the same run: streamed, pcie_gbps / (KV bytes of the context - arena
 bytes); all resident, hbm_gbps / (weight bytes + KV bytes). Rows (each with its commit and
-date) are appended to --out. --ngram-check: after the measured request, the same prompt with
+date) are appended to --out. --second-request: the measured request again on the same
+Engine (`second_request`: its captures, must be 0, and its time to first token against the
+first's prefill time + one decode step). --ngram-check: after the measured request, the same prompt with
 ngram-simple speculation on the same Engine; the row records whether its tokens equal the
 plain ones (`ngram`; a random model's greedy text repeats itself, so drafts are found).
 """
@@ -86,6 +89,8 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
                            decode_s=warm.decode_s),
                programs=r.phases, launches_per_step=launches_per_step(r.phases),
                kv=r.kv, tokens=r.token_ids[:16])
+    if args.second_request:
+        row["second_request"] = second_request(e, ids, r, args)
     if args.ngram_check:
         row["ngram"] = ngram_check(e, ids, r, args)
     if mode == "streamed":
@@ -107,6 +112,22 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
     del e
     free_memory(device)
     return row
+
+
+def second_request(e, ids: list[int], first, args) -> dict:
+    """The measured request again on the same Engine: its program events (every program it
+    needs was made by the first: captures 0), its time to first token against the first's
+    prefill time + one decode step, and equal tokens."""
+    r = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
+    p50 = first.stats()["step_ms"]["p50"] / 1e3
+    out = dict(captures=r.phases.get("captures"), ttft_s=r.prefill_s,
+               first_ttft_s=first.prefill_s, first_step_p50_s=p50,
+               ttft_within=r.prefill_s <= first.prefill_s + p50,
+               decode_tok_s=r.decode_tok_s, tokens_equal=r.token_ids == first.token_ids)
+    log(f"second request: captures {out['captures']}, TTFT {r.prefill_s:.2f} s (first "
+        f"{first.prefill_s:.2f} s + step {1e3 * p50:.1f} ms), {r.decode_tok_s:.2f} tok/s, "
+        f"tokens equal {out['tokens_equal']}")
+    return out
 
 
 def ngram_check(e, ids: list[int], plain, args) -> dict:
@@ -139,6 +160,9 @@ def parse_args(argv=None):
     ap.add_argument("--prefetch-next", choices=("default", "on", "off", "both"),
                     default="default", help="streamed cases: begin the next decode step at the "
                     "end of each forward (streaming_cache.py), or not, or both in turn")
+    ap.add_argument("--second-request", action="store_true",
+                    help="run each case's measured request twice on the same Engine: the "
+                    "second's captures and time to first token")
     ap.add_argument("--ngram-check", action="store_true",
                     help="also decode each case's prompt with ngram-simple: equal tokens?")
     ap.add_argument("--device", default="cuda")

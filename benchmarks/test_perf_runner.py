@@ -30,7 +30,7 @@ def run(benchmark, argv):
 def test_runner_tiny_cpu(benchmark, tmp_path, graphs):
     argv = ["--tiny", "--device", "cpu", "--out", str(tmp_path / "runner.json"),
             "--prefetch-next", "both", "--cuda-graphs" if graphs else "--no-cuda-graphs",
-            "--ngram-check"]
+            "--ngram-check", "--second-request"]
     rows = run(benchmark, argv)
     assert [r["mode"] for r in rows] == ["streamed", "streamed", "resident"]
     assert [r["prefetch_next"] for r in rows[:2]] == [False, True]
@@ -39,18 +39,26 @@ def test_runner_tiny_cpu(benchmark, tmp_path, graphs):
     assert rows[0]["tokens"] == rows[1]["tokens"] == rows[2]["tokens"]   # same prompt
     assert rows[0]["decode_vs_bound"] is not None and rows[0]["kv"]["streamed_fraction"] > 0
     assert all(r["ngram"]["tokens_equal"] for r in rows), [r["ngram"] for r in rows]
+    assert all(r["second_request"]["tokens_equal"] for r in rows)
     if graphs:     # all resident with programs: the measured (second) request captures none
         assert rows[2]["programs"]["captures"] == 0 and rows[2]["runner_mode"] == "phase programs"
         # streamed: decode graphs (on the CPU each replay reruns the step's fixed layout)
         for r in rows[:2]:
             assert r["runner_mode"] == "decode graphs" and r["launches_per_step"] == 1
             assert r["programs"]["replays"] > 0 and "fallback" not in r["programs"]
+            assert r["programs"]["compiled"]       # the traced forward, ring ops lowered
+        # every program the second request needs was made by the first
+        assert all(r["second_request"]["captures"] == 0 for r in rows), rows
 
 
 @pytest.mark.gpu
 def test_runner_8b_device(benchmark):
-    rows = run(benchmark, ["--cases", "streamed:131072,streamed:65536,resident:8192"])
+    rows = run(benchmark, ["--cases", "streamed:131072,streamed:65536,resident:8192",
+                           "--second-request"])
     # resident programs survive from the warm-up request; a streamed request at a new context
-    # captures its layouts (one per page it decodes in), one graph launch a step
+    # captures its layouts (one per page it decodes in), one graph launch a step; the same
+    # request again captures nothing
     assert all(r["programs"].get("captures") == 0 for r in rows if r["mode"] == "resident")
     assert all(r["launches_per_step"] == 1 and "fallback" not in r["programs"] for r in rows)
+    assert all(r["second_request"]["captures"] == 0 and r["second_request"]["tokens_equal"]
+               for r in rows)
