@@ -58,10 +58,9 @@ class StepRunner:
         if cuda_graphs:
             if cache.streams or self.trunk_layers is not None:   # streamed, hybrid, MTP
                 from kvcompile.phase.decode_graph import DecodeGraph
-                # an attention-only model's streamed step is traced, its ring ops lowered
+                # a streamed step runs the traced forward, its ring ops lowered
                 self.decode_graph = DecodeGraph(model, cache, layers=self.trunk_layers,
-                                                strict=False,
-                                                compile=cache.streams and self.plan.plain)
+                                                strict=False, compile=cache.streams)
             else:
                 from kvcompile.phase import PhaseManager
                 self.phases = PhaseManager(model, cache, ubatch=min(ubatch, cache.capacity))

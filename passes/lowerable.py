@@ -23,6 +23,8 @@ LOWERINGS = {
     "kvcompile.gemv": "ops/gemv (triton_op: weight-streaming GEMV for <= 8 rows)",
     "kvcompile.qlinear": "ops/qlinear (triton_op: products with GGUF block-format weights)",
     "kvcompile.qembedding": "ops/qlinear (triton_op: quantized embedding rows)",
+    "kvcompile.gdn_recurrent": "kvcompile/models/gated_deltanet.py (fla-core's fused "
+                               "recurrent kernel on CUDA)",
     "kvcompile.checkpoint_capture": "ops/checkpoint (two device copies into fixed buffers)",
 }
 # namespaces torch itself lowers (inductor / the eager fallback)

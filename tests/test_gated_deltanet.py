@@ -79,3 +79,28 @@ def test_causal_conv_matches_conv1d_and_carries_state():
     print(f"causal conv vs F.conv1d: {err:.2e}, token-by-token: {err_split:.2e}")
     assert err < 1e-5 and err_split < 1e-5
     assert torch.equal(st, x[-3:]) and torch.equal(st1, x[-3:])
+
+
+@pytest.mark.parametrize("t,hk,hv", [(1, 2, 4), (3, 2, 2)])
+def test_recurrent_op_for_compiled_forwards(t, hk, hv):
+    """Under torch.compile the recurrence is the opaque op kvcompile::gdn_recurrent: its
+    schema, fake (shapes and dtypes) and aliasing hold (opcheck), it equals the eager
+    call bitwise, and a compiled function that calls gdn_recurrent records the op."""
+    q, k, v, g, beta, s0 = _inputs(t, hk, hv, 16, seed=t + 31 * hv)
+    scale = 0.25
+    torch.library.opcheck(torch.ops.kvcompile.gdn_recurrent.default,
+                          (q, k, v, g, beta, s0, scale))
+    o, s = torch.ops.kvcompile.gdn_recurrent(q, k, v, g, beta, s0, scale)
+    o_ref, s_ref = gdn_recurrent(q, k, v, g, beta, s0, scale)
+    assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda *a: gdn_recurrent(*a, scale), backend=backend, fullgraph=True)
+    o_c, s_c = fn(q, k, v, g, beta, s0)
+    assert any("gdn_recurrent" in n for n in seen), seen
+    assert torch.equal(o_c, o_ref) and torch.equal(s_c, s_ref)

@@ -37,7 +37,27 @@ def expand_key_heads(x: torch.Tensor, n_v_heads: int) -> torch.Tensor:
 
 
 def gdn_recurrent(q, k, v, g, beta, state, scale: float):
-    """Token-by-token delta rule. Returns (o [T, Hv, Dv], state [Hv, Dk, Dv])."""
+    """Token-by-token delta rule. Returns (o [T, Hv, Dv], state [Hv, Dk, Dv]). Under
+    torch.compile it is one opaque op (`kvcompile::gdn_recurrent`): dynamo does not trace
+    into fla-core's kernels or this loop; eagerly it is a plain call."""
+    if torch.compiler.is_compiling():
+        return torch.ops.kvcompile.gdn_recurrent(q, k, v, g, beta, state, scale)
+    return _recurrent(q, k, v, g, beta, state, scale)
+
+
+@torch.library.custom_op("kvcompile::gdn_recurrent", mutates_args=())
+def _recurrent_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, state: torch.Tensor,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _recurrent(q, k, v, g, beta, state, scale)
+
+
+@_recurrent_op.register_fake
+def _(q, k, v, g, beta, state, scale):
+    return v.new_empty(v.shape), state.new_empty(state.shape)
+
+
+def _recurrent(q, k, v, g, beta, state, scale: float):
     n_v_heads = v.shape[1]
     q, k = expand_key_heads(q, n_v_heads), expand_key_heads(k, n_v_heads)
     if gdn_fla.usable(q):

@@ -73,12 +73,12 @@ class DecodeGraph:
         (the engine keeps serving); strict (tests, benchmarks): the error propagates.
         compile: a streamed cache's steps run the model traced by torch.compile, its ring
         ops lowered to the cache's page movement (passes.streamed_pipeline) instead of the
-        eager model's per-layer hook; for attention-only models."""
+        eager model's per-layer hook."""
         if rows < 1:
             raise PhaseError(f"a decode program runs at least one row, got {rows}")
-        if compile and not (is_streamed(cache) and model.layer_plan.plain):
-            raise PhaseError("a compiled decode graph takes a streamed cache and an "
-                             "attention-only model (a hybrid model's steps run eagerly)")
+        if compile and not is_streamed(cache):
+            raise PhaseError("a compiled decode graph takes a streaming cache (a resident "
+                             "one has no ring ops to lower)")
         self.model, self.cache, self.rows, self.layers = model, cache, rows, layers
         self.strict = strict
         self.device = torch.device(getattr(cache, "device", "cpu"))
@@ -103,6 +103,7 @@ class DecodeGraph:
         self.programs: dict = {}          # layout -> _Program, least recently used first
         self._layout = None               # the layout being captured
         self.warm = False
+        self._start = 0                   # the step's first position
         self.captures = self.replays = self.eager_steps = 0
 
     # ---- one step ----------------------------------------------------------------------
@@ -126,6 +127,7 @@ class DecodeGraph:
     def _step(self, tokens, start: int):
         """(logits, whether a program replayed them)."""
         self._input.load(tokens, range(start, start + self.rows))
+        self._start = start
         may_capture = self.warm and start > 0 and self.fallback is None
         if not self.streamed:
             self._resident.range = (start, start + self.rows - 1)
@@ -171,9 +173,12 @@ class DecodeGraph:
     def _forward(self, cache) -> torch.Tensor:
         """The model over the step's static input: traced (its ring ops lowered) or eager."""
         tokens, positions = self._input.tokens, self._input.positions
-        if self._compiled is not None:
-            return self._compiled(tokens, positions, self._view, last_only=True)
-        return self.model(tokens, positions, cache, last_only=True)
+        if self._compiled is None:
+            return self.model(tokens, positions, cache, last_only=True)
+        state = self._state()
+        if state is not None:             # host bookkeeping the traced forward skips
+            state.begin(self._start, self.rows)
+        return self._compiled(tokens, positions, self._view, last_only=True)
 
     def stats(self) -> dict:
         return {"decode_graphs": len(self.programs), "captures": self.captures,

@@ -29,6 +29,11 @@ class CompiledKvView:
             self.cache.acquire_pages(i)
         return self._kv[i]
 
+    @property
+    def recurrent(self):
+        """A hybrid model's recurrent state (the model reads it from the cache)."""
+        return getattr(self.cache, "recurrent", None)
+
     def has_layer(self, i: int) -> bool:
         return i in self._kv
 
