@@ -110,8 +110,13 @@ def test_streamed_pipeline_refuses_to_drop_its_ring_passes(monkeypatch):
         P.PassPipeline([PlaceRingOps(0)], required=("lower_ring_ops",))
 
 
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA")])])
 @torch.inference_mode()
-def test_compiled_streamed_forward_moves_pages_and_equals_resident(monkeypatch):
+def test_compiled_streamed_forward_moves_pages_and_equals_resident(monkeypatch, device):
+    """On CUDA the lowered acquires issue the copies on the copy stream with event fences
+    (runtime/cuda_backend.py): the ring ops are lowered there too, not a no-op."""
     from kvcompile.models.llama import LlamaModel
     from kvcompile.runner import make_sequence_cache
     from kvcompile.runtime import forward
@@ -121,13 +126,15 @@ def test_compiled_streamed_forward_moves_pages_and_equals_resident(monkeypatch):
     from test_kv_cache import TINY, tiny_weights
 
     monkeypatch.delenv(P.DISABLE_ENV, raising=False)
-    ctx, cpu = 512, torch.device("cpu")
+    ctx, dev = 512, torch.device(device)
     cfg = replace(TINY, context_length=ctx)
-    model = LlamaModel.from_weights(cfg, tiny_weights(cfg, torch.Generator().manual_seed(SEED)))
+    model = LlamaModel.from_weights(cfg, tiny_weights(cfg, torch.Generator().manual_seed(SEED)),
+                                    device=device)
     g = torch.Generator().manual_seed(SEED + 1)
-    prompt = torch.randint(0, cfg.vocab_size, (300 + SEED % 40,), generator=g)
-    resident = make_sequence_cache(model, cfg, ctx, "q8_0", "q4_0", 0, cpu)
-    cache = make_sequence_cache(model, cfg, ctx, "q8_0", "q4_0", tiny_arena(model, "q8_0", ctx=ctx), cpu)
+    prompt = torch.randint(0, cfg.vocab_size, (300 + SEED % 40,), generator=g).to(dev)
+    resident = make_sequence_cache(model, cfg, ctx, "q8_0", "q4_0", 0, dev)
+    cache = make_sequence_cache(model, cfg, ctx, "q8_0", "q4_0",
+                                tiny_arena(model, "q8_0", ctx=ctx), dev)
     view = CompiledKvView(cache)
     graphs, pipeline = [], streamed_pipeline(view)
 
@@ -139,16 +146,18 @@ def test_compiled_streamed_forward_moves_pages_and_equals_resident(monkeypatch):
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend=backend, dynamic=False)
     for c in (resident, cache):                        # prefill: the eager model
-        forward(model, c, prompt, torch.arange(len(prompt)), last_only=True)
+        forward(model, c, prompt, torch.arange(len(prompt), device=dev), last_only=True)
     tok, want, got, moved = prompt[-1:], [], [], []
     for pos in range(len(prompt), len(prompt) + 6):
-        positions = torch.tensor([pos])
+        positions = torch.tensor([pos], device=dev)
         want.append(forward(model, resident, tok, positions, last_only=True))
         before = cache.engine.bytes_h2d
         with forward_bracket(cache, positions, start=pos, ahead=False):
             got.append(compiled(tok, positions, view, last_only=True))
         moved.append(cache.engine.bytes_h2d - before)
         tok = want[-1].argmax(-1)
+    if device == "cuda":
+        cache.synchronize()
     assert torch.equal(torch.cat(got), torch.cat(want)), SEED
     assert len(graphs) == 1, "one trace serves every decode step"
     targets = [nd.target for nd in graphs[0].graph.nodes if nd.op == "call_function"]
