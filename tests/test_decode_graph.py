@@ -193,3 +193,72 @@ def test_an_abandoned_capture_publishes_nothing_and_the_next_step_is_right(model
     nxt = runner.step([int(out[-1].argmax())], 302)
     assert torch.equal(out[-1], want[2]) and torch.equal(nxt, want[3]), SEED
     assert [ids[-1], int(out[-1].argmax())] == want_ids[1:3]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_a_failed_trace_falls_back_to_the_eager_model(models, arch, monkeypatch):
+    """The Engine's decode graph (strict=False) whose trace fails warns once and decodes
+    with the eager model in its graphs, giving the same tokens (a hybrid's recurrent state
+    is put back to before the failed step); strict, the error reaches the caller."""
+    from kvcompile.passes import PassError
+    from kvcompile.passes.lower_ring import LowerRingOps
+
+    def refuse(self, gm, example_inputs):
+        raise PassError("lower_ring_ops refused (test)")
+
+    model = models[arch]
+    prompt = prompt_of(model, 300, 6)
+    resident = StepRunner(model, make_sequence_cache(model, model.config, CTX, "f32", "f32",
+                                                     0, CPU), device=CPU, ubatch=128)
+    want_ids, want = greedy(resident, prompt, n=8)
+    monkeypatch.setattr(LowerRingOps, "__call__", refuse)
+    cache = make_sequence_cache(model, model.config, CTX, "f32", "f32", tiny_arena(model), CPU)
+    runner = StepRunner(model, cache, device=CPU, ubatch=128, cuda_graphs=True)
+    with pytest.warns(RuntimeWarning, match="tracing the decode step failed"):
+        ids, got = greedy(runner, prompt, n=8)
+    stats = runner.request_stats()
+    assert ids == want_ids and torch.equal(got, want), SEED
+    assert not stats["compiled"] and "refused" in stats["trace_error"], stats
+    assert stats["replays"] == 7 and "fallback" not in stats, stats
+    cache = make_sequence_cache(model, model.config, CTX, "f32", "f32", tiny_arena(model), CPU)
+    from kvcompile.phase.decode_graph import DecodeGraph
+    strict = DecodeGraph(model, cache, layers=model.layer_plan.trunk_kv_layers, compile=True)
+    runner = StepRunner(model, cache, device=CPU, ubatch=128)
+    with torch.inference_mode():
+        logits = runner.step(prompt, 0)
+        with pytest.raises(PassError, match="refused"):
+            strict.step([int(logits.argmax())], len(prompt))
+
+
+def test_a_dropped_engine_frees_its_cache(models):
+    """torch.compile keeps every backend (and so the pass pipeline) for the life of the
+    process; the traced forward's view holds the cache weakly, so a dropped runner's arena
+    and pinned history go with it."""
+    import gc
+    import weakref
+
+    model = models["llama"]
+    cache = make_sequence_cache(model, model.config, CTX, "f32", "f32", tiny_arena(model), CPU)
+    runner = StepRunner(model, cache, device=CPU, ubatch=128, cuda_graphs=True)
+    greedy(runner, prompt_of(model, 300, 7), n=3)
+    assert runner.request_stats()["compiled"]
+    ref = weakref.ref(cache)
+    del runner, cache
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_capture_does_not_trace(models):
+    """While a CUDA graph is captured the traced forward may only run its graph (dynamo's
+    tracing makes calls a capture forbids): once its code was reset (another Engine's trace
+    of the same model class), a call under `_no_tracing` fails with the message DecodeGraph
+    takes as "trace again eagerly first" (the retrace itself is tested on the device)."""
+    model = models["llama"]
+    cache = make_sequence_cache(model, model.config, CTX, "f32", "f32", tiny_arena(model), CPU)
+    runner = StepRunner(model, cache, device=CPU, ubatch=128, cuda_graphs=True)
+    greedy(runner, prompt_of(model, 300, 8), n=2)
+    dg = runner.decode_graph
+    torch._dynamo.reset_code(type(model).forward.__code__)
+    with pytest.raises(RuntimeError) as e, dg._no_tracing(), torch.inference_mode():
+        dg._compiled(dg._input.tokens, dg._input.positions, dg._view, last_only=True)
+    assert "fail_on_recompile" in str(e.value)

@@ -5,6 +5,7 @@ across page boundaries."""
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -67,18 +68,21 @@ def run(model, cache, prompt, n_decode, program=None):
     return ids, torch.cat(rows)
 
 
-@pytest.mark.parametrize("streamed", [True, False], ids=["tiny-arena", "resident"])
+@pytest.mark.parametrize("mode", ["traced", "tiny-arena", "resident"])
 @pytest.mark.parametrize("kv", [("f16", "f16"), ("q8_0", "q4_0")], ids=lambda k: "/".join(k))
 @pytest.mark.parametrize("arch", ["llama", "qwen35"])
-def test_decode_graph_is_bitwise_eager_decode(request, arch, kv, streamed):
+def test_decode_graph_is_bitwise_eager_decode(request, arch, kv, mode):
+    """traced: the streamed step runs the forward traced through passes.streamed_pipeline
+    (ring ops lowered), as the Engine's; tiny-arena: the eager model in the graph."""
     model = request.getfixturevalue("llama" if arch == "llama" else "hybrid")
+    streamed = mode != "resident"
     n_prompt, n_decode = 500, 40          # decode crosses the page boundary at 512
     g = torch.Generator().manual_seed(SEED)
     prompt = torch.randint(0, model.config.vocab_size, (n_prompt,), generator=g).to(DEV)
     ref_cache = make_cache(model, 600, kv, streamed)
     ids_ref, ref = run(model, ref_cache, prompt, n_decode)
     cache = make_cache(model, 600, kv, streamed)
-    program = DecodeGraph(model, cache, layers=trunk(model))
+    program = DecodeGraph(model, cache, layers=trunk(model), compile=mode == "traced")
     ids, got = run(model, cache, prompt, n_decode, program)
     diff = (got - ref).abs().max().item()
     print(f"{arch} {'/'.join(kv)} {'streamed' if streamed else 'resident'}: seed {SEED}, "
@@ -88,6 +92,7 @@ def test_decode_graph_is_bitwise_eager_decode(request, arch, kv, streamed):
     # resident: one layout; streamed: one per page the decode reaches (and per split)
     assert s["captures"] == 1 if not streamed else s["captures"] >= 2, s
     assert ids == ids_ref and torch.equal(got, ref), SEED
+    assert s["compiled"] == (mode == "traced") and "trace_error" not in s, s
     if streamed:
         assert cache.stats()["streamed_fraction"] > 0.5
         cache.close()
@@ -126,3 +131,32 @@ def test_engine_cuda_graphs_with_a_streamed_cache(tmp_path, arch):
     # per request: the program captured in the first survived into the second
     assert b.phases["captures"] == 0 and b.phases["total_captures"] == 1
     assert b.phases["replays"] >= 15 and "fallback" not in b.phases
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_a_retrace_is_not_captured(request, arch):
+    """Another traced program of the same model class (a second Engine) drops this one's
+    trace (phase/compiled_forward.py resets the code). The next capture must not trace (a
+    capture forbids what dynamo does): it gives way, that step runs eagerly and retraces,
+    the step after captures; the tokens stay the eager decode's."""
+    model = request.getfixturevalue("llama" if arch == "llama" else "hybrid")
+    kv, n_prompt, n_decode = ("q8_0", "q4_0"), 500, 24      # crosses the page at 512
+    g = torch.Generator().manual_seed(SEED + 1)
+    prompt = torch.randint(0, model.config.vocab_size, (n_prompt,), generator=g).to(DEV)
+    ids_ref, ref = run(model, make_cache(model, 600, kv, True), prompt, n_decode)
+    cache = make_cache(model, 600, kv, True)
+    program = DecodeGraph(model, cache, layers=trunk(model), compile=True, strict=False)
+    other = make_cache(model, 600, kv, True)
+    hook = {}
+
+    def step(tokens, start):
+        if start == 505:                  # before the layout of page 512 is captured
+            hook["other"] = DecodeGraph(model, other, layers=trunk(model), compile=True)
+        return program.step(tokens, start)
+
+    ids, got = run(model, cache, prompt, n_decode, SimpleNamespace(step=step))
+    s = program.stats()
+    print(arch, SEED, s)
+    assert ids == ids_ref and torch.equal(got, ref), SEED
+    assert s["retraces"] == 1 and s["compiled"] and "fallback" not in s, s
+    assert s["replays"] >= n_decode - 4, s

@@ -103,13 +103,16 @@ class Qwen35Model(nn.Module):
     # ---- compute ----------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache,
                 last_only: bool = False, state: RecurrentState | None = None,
-                return_hidden: bool = False, checkpoints: bool = False):
+                return_hidden: bool = False, checkpoints: bool = False,
+                state_begun: bool = False):
         """tokens, positions int64 [T] (consecutive); returns float32 logits [T, vocab]
         ([1, vocab] with last_only), plus the final normed hidden [T, hidden] (the MTP
         layer's input) with return_hidden. checkpoints: record the recurrent state after each
-        row (a speculative verify step; RecurrentState.rollback)."""
+        row (a speculative verify step; RecurrentState.rollback). state_begun: the caller
+        ran the state's host bookkeeping (`state.begin`) for this forward already (a
+        traced forward's runtime, which cannot leave it to the trace)."""
         state = state if state is not None else self.recurrent_state(cache)
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and not state_begun:
             lo, _ = self._check_positions(positions, cache)   # consecutive: lo = positions[0]
             state.begin(lo, positions.shape[0])
         x = self.embed(tokens)

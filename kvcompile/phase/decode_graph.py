@@ -28,17 +28,8 @@ import torch
 
 from kvcompile.errors import PhaseError
 from kvcompile.phase.programs import StaticInput, check_step_positions
+from kvcompile.phase.step_capture import Program, Rerun, capture_step
 from kvcompile.runtime.bracket import is_streamed
-
-
-class _Rerun:
-    """The CPU's stand-in for a CUDA graph: replay() runs the captured step again."""
-
-    def __init__(self, fn):
-        self.fn, self.out = fn, None
-
-    def replay(self) -> None:
-        self.out = self.fn()
 
 
 class _FixedRange:
@@ -53,14 +44,6 @@ class _FixedRange:
 
     def __getattr__(self, name):
         return getattr(self._cache, name)
-
-
-class _Program:
-    """One layout's captured step: the graph (or the CPU's rerun), its output buffer and
-    the bytes a replay copies (h2d, d2h)."""
-
-    def __init__(self, graph, out, moved):
-        self.graph, self.out, self.moved = graph, out, moved
 
 
 MAX_PROGRAMS = 4    # layouts kept (a second request of the same length reuses its capture)
@@ -100,11 +83,12 @@ class DecodeGraph:
             self._view = CompiledKvView(cache)
             self._compiled = compile_forward(model, streamed_pipeline(self._view))
         self.fallback: str | None = None  # why steps run eagerly after a failed capture
-        self.programs: dict = {}          # layout -> _Program, least recently used first
+        self.programs: dict = {}          # layout -> Program, least recently used first
         self._layout = None               # the layout being captured
         self.warm = False
         self._start = 0                   # the step's first position
-        self.captures = self.replays = self.eager_steps = 0
+        self.trace_error: str | None = None   # why the eager model replaced the traced one
+        self.captures = self.replays = self.eager_steps = self.retraces = 0
 
     # ---- one step ----------------------------------------------------------------------
     def step(self, tokens: list[int], start: int) -> torch.Tensor:
@@ -125,7 +109,25 @@ class DecodeGraph:
         return out
 
     def _step(self, tokens, start: int):
-        """(logits, whether a program replayed them)."""
+        """(logits, whether a program replayed them). Not strict, a first traced step that
+        fails (dynamo cannot trace the model, a pass refuses it) warns, and this step and
+        every later one run the eager model instead (still captured)."""
+        if self._compiled is None or self.warm or self.strict:
+            return self._run_step(tokens, start)
+        state = self._state()
+        n_tokens = state.n_tokens if state is not None else None
+        try:
+            return self._run_step(tokens, start)
+        except Exception as e:
+            if state is not None:         # its begin ran before the trace failed
+                state.n_tokens = n_tokens
+            self._compiled = None
+            self.trace_error = f"{type(e).__name__}: {e}"
+            warnings.warn(f"tracing the decode step failed ({self.trace_error}); the eager "
+                          f"model runs in its graphs instead", RuntimeWarning, stacklevel=4)
+            return self._run_step(tokens, start)
+
+    def _run_step(self, tokens, start: int):
         self._input.load(tokens, range(start, start + self.rows))
         self._start = start
         may_capture = self.warm and start > 0 and self.fallback is None
@@ -176,14 +178,17 @@ class DecodeGraph:
         if self._compiled is None:
             return self.model(tokens, positions, cache, last_only=True)
         state = self._state()
-        if state is not None:             # host bookkeeping the traced forward skips
-            state.begin(self._start, self.rows)
-        return self._compiled(tokens, positions, self._view, last_only=True)
+        if state is None:
+            return self._compiled(tokens, positions, self._view, last_only=True)
+        state.begin(self._start, self.rows)   # host bookkeeping the trace cannot hold
+        return self._compiled(tokens, positions, self._view, last_only=True,
+                              state_begun=True)
 
     def stats(self) -> dict:
         return {"decode_graphs": len(self.programs), "captures": self.captures,
                 "replays": self.replays, "eager_steps": self.eager_steps,
-                "compiled": self._compiled is not None,
+                "compiled": self._compiled is not None, "retraces": self.retraces,
+                **({"trace_error": self.trace_error} if self.trace_error else {}),
                 **({"fallback": self.fallback} if self.fallback else {})}
 
     def _state(self):
@@ -195,6 +200,12 @@ class DecodeGraph:
         try:
             self._capture(layout)
         except Exception as e:
+            if self._compiled is not None and "fail_on_recompile" in str(e):
+                # The traced forward must be traced again (another program of this model
+                # class reset its code, or torch._dynamo.reset()): not inside a capture.
+                # This step runs eagerly, which retraces; the next one captures.
+                self.retraces += 1
+                return
             if self.strict:
                 raise
             self.fallback = f"{type(e).__name__}: {e}"
@@ -207,7 +218,7 @@ class DecodeGraph:
         self._layout = None if layout == "resident" else layout
         if not self.cuda:
             fn = self._layout, self._work
-            self.programs[layout] = _Program(_Rerun(lambda: self._rerun(*fn)), None, (0, 0))
+            self.programs[layout] = Program(Rerun(lambda: self._rerun(*fn)), None, (0, 0))
             self.captures += 1
             return
         state = self._state()
@@ -215,30 +226,9 @@ class DecodeGraph:
         engine = self.cache.engine if self.streamed else None
         if self.streamed:
             self.cache.prepare_capture()
-        torch.cuda.synchronize(self.device)
-        # Blocks cached by the caching allocator go back first: under a device-memory budget
-        # (a per-process cap) the capture's pool must grow without freeing memory
-        # mid-capture. (No gc.collect as torch.cuda.graph does: in a large process it can
-        # take longer than the capture, and a capture comes every 256 tokens.)
-        torch.cuda.empty_cache()
-        graph = torch.cuda.CUDAGraph()
         try:
-            # thread_local: another thread's CUDA calls (a server's) do not break it
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-            try:
-                if engine is not None:
-                    engine.begin_capture()
-                out = self._work()
-                moved = engine.end_capture() if engine is not None else (0, 0)
-            except BaseException:
-                # the first error is the one told; the copy stream joins back first, or
-                # capture_end fails before it gives the allocator back its normal mode
-                for end in ((engine.end_capture,) if engine is not None else ()) + (
-                        graph.capture_end,):
-                    with contextlib.suppress(Exception):
-                        end()
-                raise
-            graph.capture_end()
+            with self._no_tracing():
+                graph, out, moved = capture_step(self._work, self.device, self._pool, engine)
         except BaseException:
             self._abandon()
             raise
@@ -247,8 +237,15 @@ class DecodeGraph:
                 state.n_tokens = n_tokens
         if self.streamed:
             self.cache.captured()
-        self.programs[layout] = _Program(graph, out, moved)
+        self.programs[layout] = Program(graph, out, moved)
         self.captures += 1
+
+    def _no_tracing(self):
+        """While capturing, the traced forward may only run its graph: dynamo tracing
+        makes calls a capture forbids (it saves the CUDA RNG state)."""
+        if self._compiled is None:
+            return contextlib.nullcontext()
+        return torch.compiler.set_stance("fail_on_recompile")
 
     def _rerun(self, layout, work):
         self._layout = layout
@@ -263,7 +260,7 @@ class DecodeGraph:
         if self.streamed:
             self.cache.abandon_capture()
 
-    def _replay(self, program: _Program, layout, start: int) -> torch.Tensor:
+    def _replay(self, program: Program, layout, start: int) -> torch.Tensor:
         self.programs[layout] = self.programs.pop(layout)     # the most recently used
         if self.cuda:
             state = self._state()

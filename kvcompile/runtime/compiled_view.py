@@ -7,13 +7,20 @@ pipeline (`passes.streamed_pipeline`) puts `ring_acquire` / `ring_release` aroun
 layer's attention and lowers them to the cache's `acquire_pages` / `release_pages`. So the
 traced graph says where pages move, and a CUDA graph captured over it holds the copies.
 
-Should the forward run eagerly after all (dynamo fell back), `layer(i)` acquires like the
+Should the forward run eagerly after all (dynamo disabled), `layer(i)` acquires like the
 hook, so the result is the same either way.
+
+The view holds the cache weakly: torch.compile keeps every backend it has seen (and so the
+pass pipeline, this view) for the life of the process, which must not keep a dropped
+Engine's arena and pinned history alive.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
+from kvcompile.errors import KvLayoutError
 from kvcompile.kv_cache import LayerKv
 
 
@@ -21,13 +28,21 @@ class CompiledKvView:
     streams = True
 
     def __init__(self, cache):
-        self.cache = cache
-        self._kv = cache._kv
+        self._cache = weakref.ref(cache)
+
+    @property
+    def cache(self):
+        cache = self._cache()
+        if cache is None:
+            raise KvLayoutError("the KV cache of this compiled forward is gone (its Engine "
+                                "was closed)")
+        return cache
 
     def layer(self, i: int) -> LayerKv:
+        cache = self.cache
         if not torch.compiler.is_compiling():
-            self.cache.acquire_pages(i)
-        return self._kv[i]
+            cache.acquire_pages(i)
+        return cache._kv[i]
 
     @property
     def recurrent(self):
@@ -35,12 +50,12 @@ class CompiledKvView:
         return getattr(self.cache, "recurrent", None)
 
     def has_layer(self, i: int) -> bool:
-        return i in self._kv
+        return self.cache.has_layer(i)
 
     def check_positions(self, positions: torch.Tensor) -> tuple[int, int]:
         return self.cache.check_positions(positions)
 
-    # the lowered ring ops' calls (passes/ring.py)
+    # the lowered ring ops' calls (passes/lower_ring.py)
     def acquire_pages(self, i: int) -> torch.Tensor:
         return self.cache.acquire_pages(i)
 
