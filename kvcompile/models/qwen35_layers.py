@@ -85,6 +85,8 @@ class GatedDeltaNetMixer(nn.Module):
         the rows run one at a time through the decode rule and the state after each is
         recorded, so a rejected draft rolls back to any row."""
         t, kd = x.shape[0], self.hk * self.d
+        if checkpoints is not None and t > 1 and x.device.type == "cpu":
+            return self._rows_as_decode_steps(x, conv_state, ssm_state, checkpoints)
         # the recurrence runs in fp32 whatever the weights' dtype
         conv_in = self.in_qkv(x).float()
         mixed, new_conv = causal_conv(conv_in, conv_state, self.conv_weight.float())
@@ -107,6 +109,19 @@ class GatedDeltaNetMixer(nn.Module):
         z = self.in_z(x).float().view(t, self.hv, self.d)
         o = self.norm(o) * F.silu(z)
         return self.out(o.reshape(t, self.hv * self.d).to(x.dtype))
+
+    def _rows_as_decode_steps(self, x, conv_state, ssm_state, checkpoints):
+        """The CPU's verify rows: each one the whole mixer as a one-row decode step, then
+        its state recorded. CPU kernels round a row inside a batch differently from the
+        row alone (vectorized exp / sigmoid loops and GEMM blocking depend on the row
+        count), so batched rows would record states a decode step never reaches."""
+        conv_rows, ssm_rows = checkpoints
+        outs = []
+        for r in range(x.shape[0]):
+            outs.append(self(x[r:r + 1], conv_state, ssm_state))
+            torch.ops.kvcompile.checkpoint_capture(conv_rows, ssm_rows, conv_state,
+                                                   ssm_state, r)
+        return torch.cat(outs)
 
     @staticmethod
     def _rows_with_checkpoints(q, k, v, g, beta, ssm, scale, conv_in, conv_state, checkpoints):
