@@ -176,6 +176,10 @@ def _graphs_line(phases: dict) -> str:
     if "decode_graphs" in phases:
         line = (f"[cuda graphs: {phases['replays']} decode steps replayed, "
                 f"{phases['captures']} captured, {phases['eager_steps']} eager")
+        if phases.get("compiled"):
+            line += ", traced forward"
+        if phases.get("trace_error"):
+            line += f"; trace failed, eager model in the graphs: {phases['trace_error']}"
         if phases.get("fallback"):
             line += f"; capture failed, decoded eagerly: {phases['fallback']}"
         return line + "]"

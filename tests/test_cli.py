@@ -73,6 +73,12 @@ def test_graphs_line_names_decode_replays_and_a_fallback():
     bad = _graphs_line({"decode_graphs": 0, "captures": 0, "replays": 0, "eager_steps": 9,
                         "fallback": "RuntimeError: x"})
     assert "capture failed, decoded eagerly: RuntimeError: x" in bad
+    traced = _graphs_line({"decode_graphs": 1, "captures": 1, "replays": 7, "eager_steps": 1,
+                           "compiled": True, "retraces": 0})
+    assert traced == "[cuda graphs: 7 decode steps replayed, 1 captured, 1 eager, traced forward]"
+    eager = _graphs_line({"decode_graphs": 1, "captures": 1, "replays": 7, "eager_steps": 1,
+                          "compiled": False, "trace_error": "PassError: y"})
+    assert eager.endswith("; trace failed, eager model in the graphs: PassError: y]")
 
 
 def test_prompt_from_a_file_and_from_stdin(tmp_path):
