@@ -58,9 +58,10 @@ class StepRunner:
         if cuda_graphs:
             if cache.streams or self.trunk_layers is not None:   # streamed, hybrid, MTP
                 from kvcompile.phase.decode_graph import DecodeGraph
-                # a streamed step runs the traced forward, its ring ops lowered
+                # the step runs the traced forward (over a streaming cache, its ring ops
+                # lowered to the page movement)
                 self.decode_graph = DecodeGraph(model, cache, layers=self.trunk_layers,
-                                                strict=False, compile=cache.streams)
+                                                strict=False, compile=True)
             else:
                 from kvcompile.phase import PhaseManager
                 self.phases = PhaseManager(model, cache, ubatch=min(ubatch, cache.capacity))

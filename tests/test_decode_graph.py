@@ -262,3 +262,21 @@ def test_a_capture_does_not_trace(models):
     with pytest.raises(RuntimeError) as e, dg._no_tracing(), torch.inference_mode():
         dg._compiled(dg._input.tokens, dg._input.positions, dg._view, last_only=True)
     assert "fail_on_recompile" in str(e.value)
+
+
+def test_a_resident_hybrid_decodes_through_the_traced_forward_too(models):
+    """A hybrid model over an all-resident cache gets decode graphs as well (the phase
+    programs take attention-only models): its steps run the forward traced without ring
+    ops, bit for bit the eager decode."""
+    model = models["qwen35"]
+    prompt = prompt_of(model, 300, 9)
+
+    def slot():
+        return make_sequence_cache(model, model.config, CTX, "f32", "f32", 0, CPU)
+    want_ids, want = greedy(StepRunner(model, slot(), device=CPU, ubatch=128), prompt, n=12)
+    runner = StepRunner(model, slot(), device=CPU, ubatch=128, cuda_graphs=True)
+    ids, got = greedy(runner, prompt, n=12)
+    stats = runner.request_stats()
+    assert runner.mode == "decode graphs" and stats["compiled"], stats
+    assert stats["replays"] == 11 and stats["captures"] == 1, stats
+    assert ids == want_ids and torch.equal(got, want), SEED

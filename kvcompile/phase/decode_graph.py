@@ -46,6 +46,19 @@ class _FixedRange:
         return getattr(self._cache, name)
 
 
+def _traced(model, cache, streamed: bool):
+    """(what the traced forward takes as its cache, the traced forward). A streaming
+    cache's view holds it weakly (runtime/compiled_view.py); a resident cache is passed as
+    it is (no ring ops: every page is on the device)."""
+    from kvcompile.passes import default_pipeline, streamed_pipeline
+    from kvcompile.phase.compiled_forward import compile_forward
+    if not streamed:
+        return cache, compile_forward(model, default_pipeline(streamed=()))
+    from kvcompile.runtime.compiled_view import CompiledKvView
+    view = CompiledKvView(cache)
+    return view, compile_forward(model, streamed_pipeline(view))
+
+
 MAX_PROGRAMS = 4    # layouts kept (a second request of the same length reuses its capture)
 
 
@@ -54,14 +67,11 @@ class DecodeGraph:
                  compile: bool = False):
         """strict=False: a capture that fails warns and every later step runs eagerly
         (the engine keeps serving); strict (tests, benchmarks): the error propagates.
-        compile: a streamed cache's steps run the model traced by torch.compile, its ring
-        ops lowered to the cache's page movement (passes.streamed_pipeline) instead of the
-        eager model's per-layer hook."""
+        compile: the steps run the model traced once by torch.compile; over a streaming
+        cache through passes.streamed_pipeline, its ring ops lowered to the cache's page
+        movement instead of the eager model's per-layer hook."""
         if rows < 1:
             raise PhaseError(f"a decode program runs at least one row, got {rows}")
-        if compile and not is_streamed(cache):
-            raise PhaseError("a compiled decode graph takes a streaming cache (a resident "
-                             "one has no ring ops to lower)")
         self.model, self.cache, self.rows, self.layers = model, cache, rows, layers
         self.strict = strict
         self.device = torch.device(getattr(cache, "device", "cpu"))
@@ -77,11 +87,7 @@ class DecodeGraph:
         self._resident = None if self.streamed else _FixedRange(cache)
         self._view = self._compiled = None
         if compile:
-            from kvcompile.passes import streamed_pipeline
-            from kvcompile.phase.compiled_forward import compile_forward
-            from kvcompile.runtime.compiled_view import CompiledKvView
-            self._view = CompiledKvView(cache)
-            self._compiled = compile_forward(model, streamed_pipeline(self._view))
+            self._view, self._compiled = _traced(model, cache, self.streamed)
         self.fallback: str | None = None  # why steps run eagerly after a failed capture
         self.programs: dict = {}          # layout -> Program, least recently used first
         self._layout = None               # the layout being captured
