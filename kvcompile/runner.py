@@ -24,25 +24,11 @@ from contextlib import contextmanager
 import torch
 
 from kvcompile.runtime import forward as run_forward
-from kvcompile.runtime import make_kv_cache
+from kvcompile.runtime.make import make_sequence_cache  # noqa: F401  (the Engine's slot)
 from kvcompile.runtime.bracket import forward_bracket
 
 # counters of the program stats that count events (reported per request as differences)
 EVENT_COUNTERS = ("captures", "transitions", "invalidated", "revived", "replays", "eager_steps")
-
-
-def make_sequence_cache(model, config, ctx: int, k_type: str, v_type: str, arena_mib: float,
-                        device: torch.device):
-    """The request slot's state: KV pages of the layers the model declares
-    (`model.layer_plan`), all on the device (arena_mib 0) or history on the host streamed
-    through an arena of that size, and a hybrid model's recurrent state beside them."""
-    plan = model.layer_plan
-    layers = None if plan.plain else plan.kv_layers
-    cache = make_kv_cache(plan.kv_config(config), ctx, arena_mib, k_type=k_type,
-                          v_type=v_type, device=device, layers=layers)
-    if plan.recurrent:
-        model.recurrent_state(cache)          # allocated now, not by the first forward
-    return cache
 
 
 class StepRunner:

@@ -14,7 +14,6 @@ import re
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvcompile.config import ModelConfig
@@ -85,14 +84,11 @@ class Qwen35Model(nn.Module):
 
     def make_cache(self, max_tokens: int, k_type="f32", v_type="f32", page_size: int = 256,
                    device=None) -> PagedKvCache:
-        """An all-resident KV cache holding pages only for the KV layers, with the
-        recurrent state (tests; the runtime makes the request slot's: runner.py)."""
-        plan = self.layer_plan
-        device = device or self.rope_cos.device
-        cache = PagedKvCache(plan.kv_config(self.config), max_tokens, k_type, v_type,
-                             page_size, device, layers=plan.kv_layers)
-        cache.recurrent = RecurrentState(self.config, device)
-        return cache
+        """An all-resident request slot: KV pages for the KV layers and the recurrent state
+        (runtime/make.py's make_sequence_cache, on the model's device by default)."""
+        from kvcompile.runtime.make import make_sequence_cache
+        return make_sequence_cache(self, self.config, max_tokens, k_type, v_type, 0,
+                                   device or self.rope_cos.device, page_size)
 
     def recurrent_state(self, cache) -> RecurrentState:
         state = getattr(cache, "recurrent", None)

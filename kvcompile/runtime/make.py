@@ -1,4 +1,5 @@
-"""One entry point for the engine: the reference cache or the streaming one.
+"""One entry point for the engine: the reference cache or the streaming one, and the request
+slot (`make_sequence_cache`: the KV of the layers a model declares, its recurrent state).
 
 `--kv-stream-arena-mib 0` keeps the whole KV on the device (PagedKvCache, the reference
 path); N > 0 streams it through an arena of N MiB (StreamingKvCache), with the CPU backend or,
@@ -41,3 +42,17 @@ def make_kv_cache(config, max_tokens: int, arena_mib: float = 0, k_type="f32", v
                              f"use --kv-stream-arena-mib 0 on {device}")
     return StreamingKvCache(config, max_tokens, arena_mib, k_type=k_type, v_type=v_type,
                             page_size=page_size, layers=layers, backend=backend, **kw)
+
+
+def make_sequence_cache(model, config, ctx: int, k_type: str, v_type: str, arena_mib: float,
+                        device, page_size: int = 256):
+    """The request slot's state: KV pages of the layers the model declares
+    (`model.layer_plan`), all on the device (arena_mib 0) or history on the host streamed
+    through an arena of that size, and a hybrid model's recurrent state beside them."""
+    plan = model.layer_plan
+    layers = None if plan.plain else plan.kv_layers
+    cache = make_kv_cache(plan.kv_config(config), ctx, arena_mib, k_type=k_type,
+                          v_type=v_type, page_size=page_size, device=device, layers=layers)
+    if plan.recurrent:
+        model.recurrent_state(cache)          # allocated now, not by the first forward
+    return cache
