@@ -67,10 +67,13 @@ class GenerationResult:
                 f"accepted, verify width {spec['verify_width']:.2f}, "
                 f"{spec['tokens_per_forward']:.2f} tokens a forward of "
                 f"{spec['ms_per_forward']:.1f} ms" if spec else "")
+        warm = self.phases.get("warmup_s") or 0.0
+        warm = (f"; {warm:.2f} s of it warm-up (traces and CUDA graph captures, paid once "
+                f"an Engine)" if warm >= 0.01 else "")
         return (f"[{self.prompt_tokens} prompt tokens, {self.completion_tokens} generated "
                 f"({self.finish_reason}); first token after {self.prefill_s:.2f} s; prefill "
                 f"{self.prefill_tok_s:.1f} tok/s, decode {self.decode_tok_s:.1f} tok/s{step}"
-                f"{spec}]")
+                f"{warm}{spec}]")
 
 
 class TokenStream:

@@ -28,7 +28,8 @@ from kvcompile.runtime.make import make_sequence_cache  # noqa: F401  (the Engin
 from kvcompile.runtime.bracket import forward_bracket
 
 # counters of the program stats that count events (reported per request as differences)
-EVENT_COUNTERS = ("captures", "transitions", "invalidated", "revived", "replays", "eager_steps")
+EVENT_COUNTERS = ("captures", "transitions", "invalidated", "revived", "replays", "eager_steps",
+                  "retraces", "warmup_s")
 
 
 class StepRunner:

@@ -22,6 +22,7 @@ again, in the same fixed layout, so CI runs the same bookkeeping and the same de
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 
 import torch
@@ -95,6 +96,8 @@ class DecodeGraph:
         self._start = 0                   # the step's first position
         self.trace_error: str | None = None   # why the eager model replaced the traced one
         self.captures = self.replays = self.eager_steps = self.retraces = 0
+        self.warmup_s = 0.0               # host seconds spent tracing and capturing
+        self._traced = False              # the traced forward has run (is traced)
 
     # ---- one step ----------------------------------------------------------------------
     def step(self, tokens: list[int], start: int) -> torch.Tensor:
@@ -164,7 +167,9 @@ class DecodeGraph:
             raise
 
     def _eager(self, cache) -> torch.Tensor:
-        out = self._forward(cache)
+        with self._warming(self._compiled is not None and not self._traced):
+            out = self._forward(cache)
+        self._traced = self._compiled is not None
         self.warm = True
         self.eager_steps += 1
         return out
@@ -194,6 +199,7 @@ class DecodeGraph:
         return {"decode_graphs": len(self.programs), "captures": self.captures,
                 "replays": self.replays, "eager_steps": self.eager_steps,
                 "compiled": self._compiled is not None, "retraces": self.retraces,
+                "warmup_s": self.warmup_s,
                 **({"trace_error": self.trace_error} if self.trace_error else {}),
                 **({"fallback": self.fallback} if self.fallback else {})}
 
@@ -202,15 +208,27 @@ class DecodeGraph:
         return self.model.recurrent_state(self.cache) if plan.recurrent else None
 
     # ---- capture and replay -------------------------------------------------------------
+    @contextlib.contextmanager
+    def _warming(self, counts: bool = True):
+        """Count the body's host seconds as warm-up (a trace, a capture)."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            if counts:
+                self.warmup_s += time.perf_counter() - t
+
     def _try_capture(self, layout) -> None:
         try:
-            self._capture(layout)
+            with self._warming():
+                self._capture(layout)
         except Exception as e:
             if self._compiled is not None and "fail_on_recompile" in str(e):
                 # The traced forward must be traced again (another program of this model
                 # class reset its code, or torch._dynamo.reset()): not inside a capture.
                 # This step runs eagerly, which retraces; the next one captures.
                 self.retraces += 1
+                self._traced = False
                 return
             if self.strict:
                 raise

@@ -15,6 +15,8 @@ pages from `kv` + `kv_extra` the same way; today it binds the all-resident Paged
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kvcompile.errors import PhaseError, UnsupportedModelError
@@ -136,6 +138,7 @@ class PhaseManager:
         self.programs: dict[tuple[str, int], PhaseProgram] = {}   # of the current layout
         self.parked: dict[tuple[str, int], PhaseProgram] = {}     # of the other layout
         self.captures = 0          # programs built (CUDA graphs captured on the device)
+        self.warmup_s = 0.0        # host seconds of programs' first runs (trace, capture)
         self.transitions = 0
         self.invalidated = 0
         self.revived = 0           # parked programs that ran again in their layout
@@ -267,18 +270,28 @@ class PhaseManager:
             pad = rows - n
             prog = self.program("decode", rows)
             positions = list(range(start, start + n)) + [start + n - 1] * pad
-            out = prog.run(ids + ids[-1:] * pad, positions)
+            out = self._run(prog, ids + ids[-1:] * pad, positions)
             return out[:n]
         if n == self.ubatch:
-            return self.program("prefill", n).run(ids, list(range(start, start + n)))
+            return self._run(self.program("prefill", n), ids, list(range(start, start + n)))
         self.enter("prefill")
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + n, dtype=torch.long, device=self.device)
         return self.model(tokens, positions, self.cache, last_only=True)
 
+    def _run(self, prog: PhaseProgram, ids: list[int], positions: list[int]) -> torch.Tensor:
+        """prog's step; its first run (a trace, a capture) counts as warm-up."""
+        if prog.replays:
+            return prog.run(ids, positions)
+        t = time.perf_counter()
+        try:
+            return prog.run(ids, positions)
+        finally:
+            self.warmup_s += time.perf_counter() - t
+
     def stats(self) -> dict:
         return {"phase": self.phase, "lower": self.lower if self.compile else "eager",
-                "captures": self.captures, "transitions": self.transitions,
+                "captures": self.captures, "warmup_s": self.warmup_s, "transitions": self.transitions,
                 "invalidated": self.invalidated, "revived": self.revived,
                 "replays": sum(p.replays for p in (*self.programs.values(),
                                                    *self.parked.values())),
