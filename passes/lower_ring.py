@@ -22,7 +22,8 @@ class _Runtime(torch.nn.Module):
 
 def acquire_pages(holder: _Runtime, token, table, layer: int):
     """A lowered ring_acquire: the layer's pages placed (fills issued ahead, this layer's
-    waited for), its page table written; returns (token, the table the attention reads)."""
+    waited for), its page table written; returns (token, the table the attention reads).
+    The token is None: node order orders the lowered calls."""
     return token, holder.runtime.acquire_pages(layer)
 
 
@@ -68,15 +69,24 @@ class LowerRingOps:
         with g.inserting_before(first_compute):
             holder = g.get_attr("kv_ring")
         for n in acquires:
-            token, table = arg(n, 0, "token"), arg(n, 1, "page_table")
+            table = arg(n, 1, "page_table")
             layer, distance = arg(n, 2, "layer"), arg(n, 3, "distance")
             if distance != 0:
                 raise PassError(f"ring_acquire of layer {layer} sits {distance} attention(s) "
                                 f"ahead; the streaming runtime prefetches by itself and needs "
                                 f"each acquire at its layer (PlaceRingOps(distance=0))")
-            n.target, n.args, n.kwargs = acquire_pages, (holder, token, table, layer), {}
+            n.target, n.args, n.kwargs = acquire_pages, (holder, None, table, layer), {}
         for n in releases:
-            token, out, layer = arg(n, 0, "token"), arg(n, 1, "attn_out"), arg(n, 2, "layer")
-            n.target, n.args, n.kwargs = release_pages, (holder, token, out, layer), {}
+            out, layer = arg(n, 1, "attn_out"), arg(n, 2, "layer")
+            n.target, n.args, n.kwargs = release_pages, (holder, None, out, layer), {}
+        # Node order is execution order now: the ordering token (a tensor made every
+        # forward) and its getitems go.
+        for n in acquires:
+            for u in list(n.users):
+                if u.args[1] == 0 and not u.users:
+                    g.erase_node(u)
+        for n in list(g.nodes):
+            if n.meta.get("kvcompile_ring_token") and not n.users:
+                g.erase_node(n)
         gm.recompile()
         return gm

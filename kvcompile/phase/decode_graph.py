@@ -22,13 +22,12 @@ again, in the same fixed layout, so CI runs the same bookkeeping and the same de
 from __future__ import annotations
 
 import contextlib
-import time
 import warnings
 
 import torch
 
 from kvcompile.errors import PhaseError
-from kvcompile.phase.programs import StaticInput, check_step_positions
+from kvcompile.phase.programs import StaticInput, check_step_positions, warming
 from kvcompile.phase.step_capture import Program, Rerun, capture_step
 from kvcompile.runtime.bracket import is_streamed
 
@@ -74,6 +73,7 @@ class DecodeGraph:
         if rows < 1:
             raise PhaseError(f"a decode program runs at least one row, got {rows}")
         self.model, self.cache, self.rows, self.layers = model, cache, rows, layers
+        self._recurrent = bool(model.layer_plan.recurrent)   # (the plan is built per call)
         self.strict = strict
         self.device = torch.device(getattr(cache, "device", "cpu"))
         self.cuda = self.device.type == "cuda"
@@ -97,7 +97,7 @@ class DecodeGraph:
         self.trace_error: str | None = None   # why the eager model replaced the traced one
         self.captures = self.replays = self.eager_steps = self.retraces = 0
         self.warmup_s = 0.0               # host seconds spent tracing and capturing
-        self._traced = False              # the traced forward has run (is traced)
+        self._trace_made = False          # the traced forward has run (is traced)
 
     # ---- one step ----------------------------------------------------------------------
     def step(self, tokens: list[int], start: int) -> torch.Tensor:
@@ -167,9 +167,9 @@ class DecodeGraph:
             raise
 
     def _eager(self, cache) -> torch.Tensor:
-        with self._warming(self._compiled is not None and not self._traced):
+        with warming(self, self._compiled is not None and not self._trace_made):
             out = self._forward(cache)
-        self._traced = self._compiled is not None
+        self._trace_made = self._compiled is not None
         self.warm = True
         self.eager_steps += 1
         return out
@@ -204,23 +204,12 @@ class DecodeGraph:
                 **({"fallback": self.fallback} if self.fallback else {})}
 
     def _state(self):
-        plan = self.model.layer_plan
-        return self.model.recurrent_state(self.cache) if plan.recurrent else None
+        return self.model.recurrent_state(self.cache) if self._recurrent else None
 
     # ---- capture and replay -------------------------------------------------------------
-    @contextlib.contextmanager
-    def _warming(self, counts: bool = True):
-        """Count the body's host seconds as warm-up (a trace, a capture)."""
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            if counts:
-                self.warmup_s += time.perf_counter() - t
-
     def _try_capture(self, layout) -> None:
         try:
-            with self._warming():
+            with warming(self):
                 self._capture(layout)
         except Exception as e:
             if self._compiled is not None and "fail_on_recompile" in str(e):
@@ -228,7 +217,7 @@ class DecodeGraph:
                 # class reset its code, or torch._dynamo.reset()): not inside a capture.
                 # This step runs eagerly, which retraces; the next one captures.
                 self.retraces += 1
-                self._traced = False
+                self._trace_made = False
                 return
             if self.strict:
                 raise

@@ -15,14 +15,12 @@ pages from `kv` + `kv_extra` the same way; today it binds the all-resident Paged
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 from kvcompile.errors import PhaseError, UnsupportedModelError
 from kvcompile.phase import layouts as L
 from kvcompile.phase.compiled_forward import compile_forward
-from kvcompile.phase.programs import PhaseProgram, check_step_positions
+from kvcompile.phase.programs import PhaseProgram, check_step_positions, warming
 from kvcompile.runtime.arena import Arena, align
 from kvcompile.runtime.fences import DONE
 from kvcompile.runtime.bracket import is_streamed
@@ -281,13 +279,8 @@ class PhaseManager:
 
     def _run(self, prog: PhaseProgram, ids: list[int], positions: list[int]) -> torch.Tensor:
         """prog's step; its first run (a trace, a capture) counts as warm-up."""
-        if prog.replays:
+        with warming(self, counts=not prog.replays):
             return prog.run(ids, positions)
-        t = time.perf_counter()
-        try:
-            return prog.run(ids, positions)
-        finally:
-            self.warmup_s += time.perf_counter() - t
 
     def stats(self) -> dict:
         return {"phase": self.phase, "lower": self.lower if self.compile else "eager",

@@ -10,6 +10,8 @@ PhaseError instead of replaying kernels into memory that now belongs to somethin
 """
 from __future__ import annotations
 
+import contextlib
+import time
 from typing import Callable
 
 import torch
@@ -31,6 +33,18 @@ def check_step_positions(model, cache, start: int, rows: int) -> None:
     rope = getattr(model, "rope_cos", None)
     if rope is not None:
         check_rope_range((start, hi), rope.shape[0])
+
+
+@contextlib.contextmanager
+def warming(owner, counts: bool = True):
+    """Add the body's host seconds to `owner.warmup_s` (a trace, a capture: the warm-up a
+    request reports apart); counts=False times nothing."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        if counts:
+            owner.warmup_s += time.perf_counter() - t
 
 
 class StaticInput:

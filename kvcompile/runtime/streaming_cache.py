@@ -110,7 +110,7 @@ class StreamingKvCache:
     def acquire_pages(self, i: int) -> torch.Tensor:
         """Layer i's pages present (the previous layer released), its page table written:
         what `cache.layer(i)` does, and what a compiled forward's lowered `ring_acquire`
-        calls (passes/ring.py)."""
+        calls (passes/lower_ring.py)."""
         if self._step is None:
             raise KvLayoutError("StreamingKvCache.layer() is the per-layer hook of a forward; "
                                 "run the model through kvcompile.runtime.forward()")
