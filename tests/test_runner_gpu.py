@@ -52,7 +52,8 @@ def test_captured_streamed_decode_equals_eager_resident(models, arch, ctx, kv):
                           device=DEV, ubatch=2048, cuda_graphs=False)
     ref_ids, ref = greedy(resident, prompt, DECODE, ubatch=2048)
     del resident
-    cache = make_sequence_cache(model, c, ctx, kv, kv, tiny_arena(model, kv, kv, ctx), DEV)
+    arena = tiny_arena(model, kv, kv, ctx)
+    cache = make_sequence_cache(model, c, ctx, kv, kv, arena, DEV)
     streamed = StepRunner(model, cache, device=DEV, ubatch=2048, cuda_graphs=True)
     assert streamed.mode == "decode graphs"
     ids, got = greedy(streamed, prompt, DECODE, ubatch=2048)
@@ -60,7 +61,7 @@ def test_captured_streamed_decode_equals_eager_resident(models, arch, ctx, kv):
     decode = cache.telemetry[-DECODE:]
     frac = sum(s.streamed_reads for s in decode) / sum(
         s.streamed_reads + s.resident_reads for s in decode)
-    print(f"{arch} {ctx} {kv}: seed {SEED}, arena {tiny:.1f} MiB, streamed {frac:.3f}, "
+    print(f"{arch} {ctx} {kv}: seed {SEED}, arena {arena:.1f} MiB, streamed {frac:.3f}, "
           f"programs {stats}, max |dlogit| {(got - ref).abs().max().item():.3g}")
     assert ids == ref_ids, (SEED, arch, ctx)
     assert torch.equal(got, ref), (SEED, arch, ctx)
