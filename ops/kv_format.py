@@ -201,6 +201,30 @@ def scale_bytes(scales: torch.Tensor, t: KvType, role: str) -> torch.Tensor:
     return scales.contiguous().reshape(scales.shape[0], -1).view(torch.uint8)
 
 
+def row_byte_offsets(t: KvType, n_kv_heads: int, page_size: int, head_dim: int, *,
+                     role: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where one position's bytes lie in a page: int64 (base, stride), one entry per byte of
+    the position (bytes_per_token of them, in the order of split_pages' views: codes or
+    values by head, then scales by head); position p's bytes are at base + p * stride.
+    Each region of a page (values, codes, scales) is [segments, P, width] bytes, position
+    major for quantized V, so a byte's stride is its region's width."""
+    h, d, p = n_kv_heads, head_dim, page_size
+    if not t.quantized:
+        position_major(t, role)                      # validates role
+        regions = [(0, h, d * t.bytes_per_block // QK)]
+    else:
+        cols, nb = code_cols(t, d), d // QK
+        code_bytes = h * p * cols
+        regions = ([(0, h * cols, 1), (code_bytes, h * nb, 2)] if position_major(t, role)
+                   else [(0, h, cols), (code_bytes, h, nb * 2)])
+    base, stride = [], []
+    for off, segments, width in regions:
+        seg = torch.arange(segments, dtype=torch.int64)[:, None] * (p * width)
+        base.append((off + seg + torch.arange(width, dtype=torch.int64)).reshape(-1))
+        stride.append(torch.full((segments * width,), width, dtype=torch.int64))
+    return torch.cat(base), torch.cat(stride)
+
+
 def decode_pages(pages: torch.Tensor, t: KvType, n_kv_heads: int, page_size: int,
                  head_dim: int, *, role: str) -> torch.Tensor:
     """uint8 [N, page_bytes] -> float32 [N, H, P, D] (the dequantized values)."""

@@ -1,7 +1,8 @@
 """Child process of kernel_oracle.run_interpreted: runs Triton kernels under the interpreter.
 
 usage: TRITON_INTERPRET=1 python tests/interp_worker.py JOBS.pt RESULTS.pt
-Each job is {"kind": "kv_write" | "decode" | "prefill" | ROW_KERNELS, "args": {...},
+Each job is {"kind": "kv_write" | "decode" | "prefill" | "publish_rows" | ROW_KERNELS,
+"args": {...},
 "opts": {...}};
 decode / prefill write into an fp32 `out` so the parent sees the kernel's own error.
 """
@@ -42,6 +43,12 @@ def run(job: dict) -> dict:
     a, opts = job["args"], job.get("opts", {})
     if job["kind"] in ROW_KERNELS:
         return {"out": ROW_KERNELS[job["kind"]]()(**a)}
+    if job["kind"] == "publish_rows":
+        from kvcompile.runtime.row_publish_kernel import launch
+        hosts = [h.clone() for h in a["hosts"]]
+        launch(a["pools"], hosts, a["maps"], a["table"], a["positions"], a["page_size"],
+               opts["block"])
+        return {"hosts": hosts}
     if job["kind"] == "kv_write":
         kp, vp = a["k_pool"].clone(), a["v_pool"].clone()
         kv_write_triton(kp, vp, a["k_new"], a["v_new"], a["slots"], a["k_type"], a["v_type"],

@@ -90,7 +90,8 @@ def test_captured_streamed_decode_equals_eager_resident(models, arch):
 
 
 class RecordingEngine:
-    """Wraps the cache's copy engine: every copy's (dst address, src address, bytes, kind)."""
+    """Wraps the cache's copy engine: every copy's (dst address, src address, bytes, kind),
+    and every row publish's (host pages address, pool address, positions address)."""
 
     def __init__(self, engine):
         self._engine, self.log = engine, []
@@ -99,6 +100,11 @@ class RecordingEngine:
         self.log.append(tuple((d.data_ptr(), s.data_ptr(), d.nbytes, note.kind)
                               for d, s in pairs))
         return self._engine.copy(pairs, note, after)
+
+    def publish_rows(self, pools, hosts, table, positions, maps):
+        self.log.append(tuple((h.data_ptr(), p.data_ptr(), positions.data_ptr(), "rows")
+                              for p, h in zip(pools, hosts)))
+        return self._engine.publish_rows(pools, hosts, table, positions, maps)
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -124,8 +130,10 @@ def test_every_step_of_a_layout_issues_the_same_copies(models):
     replayed = [c for c, lay in zip(per_step, layouts) if lay is not None][1:]
     assert len(replayed) == 38 and replayed[0], runner.request_stats()
     assert all(c == replayed[0] for c in replayed)      # fills and publishes, all of them
-    kinds = {k for group in replayed[0] for *_, k in group}
-    assert kinds == {"fill", "publish"}
+    kinds = [k for group in replayed[0] for *_, k in group]
+    # a layer's pages are filled, its rows (not its pages) published: K and V per layer
+    assert set(kinds) == {"fill", "rows"} and kinds.count("rows") == 2 * len(cache.layers)
+    assert sum(1 for group in replayed[0] if group[0][-1] == "rows") == len(cache.layers)
     assert runner.request_stats()["captures"] == 1
 
 

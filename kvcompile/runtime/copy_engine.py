@@ -81,6 +81,14 @@ class CopyEngine(ABC):
         """Order the compute side after every copy issued so far, without a host wait (a
         replayed step's fills assume the copy side is idle)."""
 
+    def publish_rows(self, pools, hosts, table, positions, maps) -> None:
+        """Copy the bytes of `positions` from their K and V arena pages (`table`) to their
+        host pages, on the compute side, in the caller's order (runtime/row_publish.py).
+        The CPU does it at once; CUDA launches a kernel on the current stream."""
+        from kvcompile.runtime.row_publish import publish_rows_reference
+        publish_rows_reference(pools, hosts, table, positions, maps)
+        self.bytes_d2h += positions.numel() * sum(m.row_bytes for m in maps)
+
     def _run(self, pairs, note: CopyNote) -> None:
         chk, delay = self.instrument.checker, self.instrument.copy_delay
         if chk is not None:

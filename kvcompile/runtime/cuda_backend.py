@@ -171,6 +171,15 @@ class CudaCopyEngine(CopyEngine):
     def abandon_capture(self) -> None:
         self._captured, self._waited = None, {}
 
+    def publish_rows(self, pools, hosts, table, positions, maps) -> None:
+        from kvcompile.runtime.row_publish import publish_rows_cuda
+        publish_rows_cuda(pools, hosts, table, positions, maps)
+        n = positions.numel() * sum(m.row_bytes for m in maps)
+        if self._captured is not None:
+            self._captured[1] += n
+        else:
+            self.bytes_d2h += n
+
     def join(self) -> None:
         ev = torch.cuda.Event()
         ev.record(self.stream)

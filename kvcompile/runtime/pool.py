@@ -17,7 +17,9 @@ forward to host history and records each page's consumed fence.
 A fixed forward (`begin(..., fixed=True)`, a step captured as one CUDA graph) does the same
 device work whatever the position within its pages: slots from ring slot 0, every streamed
 page filled whether or not the host holds rows for it yet (a page the context has not
-reached is read as junk and never attended to), and every page of `written` published.
+reached is read as junk and never attended to). It publishes the bytes of its rows (`rows`,
+the step's positions as a device tensor) on the compute side before the consumed fence
+(runtime/row_publish.py), or without row maps every page of `written`.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ class ForwardCounters:
 
 class StreamingPool:
     def __init__(self, k_pool, v_pool, host, layers, engine, backend, max_pages: int,
-                 unsafe=frozenset(), check_plans: bool | None = None):
+                 unsafe=frozenset(), check_plans: bool | None = None, row_maps=None):
         if set(unsafe) - UNSAFE:
             raise ValueError(f"unknown unsafe switches {set(unsafe) - UNSAFE}")
         self.k_pool, self.v_pool, self.host = k_pool, v_pool, host
@@ -59,6 +61,8 @@ class StreamingPool:
         self.check_plans = (getattr(backend, "check_plans", False) if check_plans is None
                             else check_plans)
         self.max_pages = max_pages
+        self.row_maps = row_maps                 # (K, V) RowMaps: fixed forwards publish rows
+        self.rows = None                         # the active fixed forward's positions
         dev = k_pool.device
         # Every layer's table is a row of one tensor, so a forward over all layers writes
         # them in one device op (begin). Rows start 16-byte aligned, like separate tensors.
@@ -151,12 +155,15 @@ class StreamingPool:
         wait_all(set(self.last_use))
 
     # ---- one forward -----------------------------------------------------------------------
-    def begin(self, n_pages: int, written: range, layers=None, fixed: bool = False) -> None:
+    def begin(self, n_pages: int, written: range, layers=None, fixed: bool = False,
+              rows: torch.Tensor | None = None) -> None:
         """Start a forward over n_pages per layer that writes logical pages `written`;
         `layers` (default all) are the layers it will acquire, in this order. fixed: the
-        device work must not depend on the host's rows (module docstring)."""
+        device work must not depend on the host's rows, and `rows` (its positions) are
+        what it publishes (module docstring)."""
         self._idle("begin a forward")
         self.fixed = fixed
+        self.rows = rows if fixed and self.row_maps is not None else None
         if fixed:
             self.cursor = 0
         self.order = [self.index[l] for l in (self.layers if layers is None else layers)]
@@ -235,6 +242,10 @@ class StreamingPool:
     def release(self, layer: int) -> None:
         li = self.index[layer]
         job = self.issued[li]
+        if self.rows is not None:        # while the layer still reads its pages
+            self.engine.publish_rows((self.k_pool, self.v_pool),
+                                     (self.host.k[layer], self.host.v[layer]),
+                                     self.page_tables[layer], self.rows, self.row_maps)
         if self.checker is not None:     # before the consumed fence: its waiters follow these
             self.checker.read_end(job.pages())
             self.checker.release([p for s in job.slot_ranges() for p in s])
@@ -244,7 +255,8 @@ class StreamingPool:
             self.last_use[s.start:s.stop] = [done] * len(s)
         _, written = self.active
         chk = self.checker is not None   # pages and keys are the checker's (tuples cost)
-        for lp0, p0, n in job.runs(written.start, min(written.stop, job.n)):
+        runs = job.runs(written.start, min(written.stop, job.n)) if self.rows is None else ()
+        for lp0, p0, n in runs:
             keys = tuple((li, lp) for lp in range(lp0, lp0 + n)) if chk else ()
             f = self.engine.copy([(self.host.k[layer][lp0:lp0 + n], self.k_pool[p0:p0 + n]),
                                   (self.host.v[layer][lp0:lp0 + n], self.v_pool[p0:p0 + n])],
@@ -263,7 +275,7 @@ class StreamingPool:
                 self._unhold(job, AllOf(job.ready))
                 if self.checker is not None:
                     self.checker.release([p for s in job.slot_ranges() for p in s])
-        self.active, self.issued = None, {}
+        self.active, self.issued, self.rows = None, {}, None
 
     # ---- issuing ---------------------------------------------------------------------------
     def _prefetch(self) -> None:
@@ -352,6 +364,7 @@ class StreamingPool:
             self._unhold(job, None)
             job.released = True
         self.active, self.issued, self.current, self.fixed = None, {}, None, False
+        self.rows = None
         self.cursor, self.valid_upto = self._before_capture
         self._table_known = [0] * self.L
         self.forget_fences()

@@ -27,6 +27,7 @@ from kvcompile.runtime.fences import AllOf
 from kvcompile.runtime.host_history import HostHistory
 from kvcompile.runtime.kv_pages import fit_pages, layer_extras, min_arena_bytes, page_bytes
 from kvcompile.runtime.pool import StreamingPool
+from kvcompile.runtime.row_publish import RowMap
 from kvcompile.runtime.step_layout import StepLayout
 from kvcompile.runtime.telemetry import StepStats, summarize
 
@@ -75,8 +76,11 @@ class StreamingKvCache:
         self.host = HostHistory(self.layers, self.num_pages, kb, vb, page_size,
                                 alloc=self.backend.host_buffer)
         self.engine = self.backend.copy_engine()
+        maps = tuple(RowMap.of(t, config.n_kv_heads, page_size, config.head_dim, role,
+                               k_pool.device) for t, role in ((self.k_type, "k"),
+                                                              (self.v_type, "v")))
         self.pool = StreamingPool(k_pool, v_pool, self.host, self.layers, self.engine,
-                                  self.backend, self.num_pages, unsafe)
+                                  self.backend, self.num_pages, unsafe, row_maps=maps)
         # depth >= 2 (the next layer's copies run while this one computes) unless asked
         policy = {"min_depth": 2, **(policy or {})}
         self.policy_config = P.PolicyConfig(len(self.layers), n_phys, **policy)
@@ -195,7 +199,7 @@ class StreamingKvCache:
         s = self._step
         if layout is not None:
             self.pool.begin(layout.pages, range(layout.first, layout.pages), s["layers"],
-                            fixed=True)
+                            fixed=True, rows=s["positions"])
         elif self._next is None:
             self.pool.begin(s["pages"], range(s["lo"] // self.page_size, s["pages"]),
                             s["layers"])

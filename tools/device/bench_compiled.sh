@@ -12,5 +12,5 @@ R=${R:-$(pwd)}
 D="$OUT/bench_compiled"; mkdir -p "$D"
 cd /tmp
 python3 "$R/benchmarks/bench_compiled.py" --out "$D/streaming.json" ${ARGS:-} 2>&1 \
-    | grep -v "it/s\|chunk/s" | tee "$D/log.txt"
+    | grep --line-buffered -v "it/s\|chunk/s" | tee "$D/log.txt"
 exit "${PIPESTATUS[0]}"

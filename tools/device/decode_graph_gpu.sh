@@ -10,7 +10,7 @@ R=${R:-$(pwd)}
 O="$OUT/decode_graph_gpu"; mkdir -p "$O"
 cd /tmp
 timeout ${TESTS_LIMIT:-540} python3 -m pytest -q -s --maxfail=3 --durations=12 -m gpu -rs -p no:cacheprovider \
-    ${KEYS:+-k "$KEYS"} "$R/tests/test_lower_ring.py" "$R/tests/test_decode_graph_gpu.py" "$R/tests/test_runner_gpu.py" \
+    ${KEYS:+-k "$KEYS"} "$R/tests/test_lower_ring.py" "$R/tests/test_row_publish.py" "$R/tests/test_decode_graph_gpu.py" "$R/tests/test_runner_gpu.py" \
     "$R/tests/test_speculative_hybrid.py" 2>&1 \
-    | grep -v "Warning\|warnings.warn" | tee "$O/pytest.log"
+    | grep --line-buffered -v "Warning\|warnings.warn" | tee "$O/pytest.log"
 exit ${PIPESTATUS[0]}

@@ -9,6 +9,6 @@ cd /tmp
 timeout ${TESTS_LIMIT:-500} python3 -m pytest -q -m gpu -rfEs -p no:cacheprovider \
     $(for f in ${TESTS:-tests/test_phase_gpu.py tests/test_decode_graph_gpu.py \
         tests/test_engine_gpu.py tests/test_kernels_qlinear.py}; do echo "$R/$f"; done) \
-    ${KEYS:+-k "$KEYS"} 2>&1 | grep -v "Warning\|warnings.warn" \
+    ${KEYS:+-k "$KEYS"} 2>&1 | grep --line-buffered -v "Warning\|warnings.warn" \
     | tee "$O/pytest.log"
 exit ${PIPESTATUS[0]}

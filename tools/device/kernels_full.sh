@@ -13,5 +13,5 @@ python3 -m pytest -q -m gpu -n 15 -rfE "$R/tests/test_kernels_span_attention.py"
 rc=${PIPESTATUS[0]}
 [ "${BENCH:-1}" = 0 ] && exit $rc    # BENCH=0: the tests only
 python3 "$R/benchmarks/bench_attention.py" --decode-only --rows 1,8 --impls blocks,legacy \
-    --out "$O/attention_decode.json" ${BENCH_ARGS:-} 2>&1 | grep -v "^  decode" | tee "$O/bench.log"
+    --out "$O/attention_decode.json" ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "^  decode" | tee "$O/bench.log"
 exit $rc

@@ -6,5 +6,5 @@ R=${R:-$(pwd)}
 O="$OUT/qlinear_sweep"; mkdir -p "$O"
 cd "$R"
 timeout 420 python3 benchmarks/bench_qlinear.py --sweep ${QL_ARGS:-} --out "$O/qlinear.json" \
-    2>&1 | grep -v "^ \\|Warn" | tee "$O/bench.log"
+    2>&1 | grep --line-buffered -v "^ \\|Warn" | tee "$O/bench.log"
 exit ${PIPESTATUS[0]}

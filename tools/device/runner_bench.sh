@@ -13,7 +13,7 @@ S="${RUNNER_OUT:-$O/runner.json}"; [ "${S#/}" = "$S" ] && S="$R/$S"
 cd /tmp
 timeout ${RUNNER_LIMIT:-540} python3 "$R/benchmarks/bench_runner.py" \
     --cases "${RUNNER_CASES:-streamed:131072,streamed:65536,resident:8192,resident:131072}" \
-    --second-request ${RUNNER_ARGS:-} --out "$S" 2>&1 | grep -v "Warn\|warn(" | tee "$O/log.txt"
+    --second-request ${RUNNER_ARGS:-} --out "$S" 2>&1 | grep --line-buffered -v "Warn\|warn(" | tee "$O/log.txt"
 rc=${PIPESTATUS[0]}
 cp "$S" "$O/runner.json" 2>/dev/null
 exit $rc

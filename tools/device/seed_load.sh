@@ -23,7 +23,7 @@ timeout 120 python3 benchmarks/bench_load.py "$F" ${LOAD_ARGS:-} --out "$O/load.
 cd /tmp
 S="${SEED_OUT:-$O/seed.json}"; [ "${S#/}" = "$S" ] && S="$R/$S"
 timeout ${SEED_LIMIT:-420} python3 "$R/benchmarks/bench_seed.py" "$F" --out "$S" \
-    ${SEED_ARGS:-} 2>&1 | grep -v "Warn\|it/s" | tee "$O/seed.log"
+    ${SEED_ARGS:-} 2>&1 | grep --line-buffered -v "Warn\|it/s" | tee "$O/seed.log"
 rc=${PIPESTATUS[0]}
 cp "$S" "$O/seed.json" 2>/dev/null
 exit $rc

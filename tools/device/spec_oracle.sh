@@ -5,7 +5,8 @@
 # verify steps of widths 1..6 and 49 on that context, then draft-mtp's tokens against plain
 # decoding on a 32K prompt of the same Engine. SPEC_ARGS overrides options; SPEC_OUT
 # (a repo path, e.g. benchmarks/results/speculative.json) gets the row appended. Writes
-# $OUT/spec_oracle/{speculative.json,log.txt}.
+# $OUT/spec_oracle/{speculative.json,log.txt}. Making the model (~90 s) comes before
+# SPEC_LIMIT starts counting: a call's own limit must cover both (SPEC_LIMIT=420 in a 600 s call).
 set -uo pipefail
 R=${R:-$(pwd)}
 O="$OUT/spec_oracle"; mkdir -p "$O"
@@ -17,7 +18,7 @@ S="${SPEC_OUT:-$O/speculative.json}"; [ "${S#/}" = "$S" ] && S="$R/$S"
 cd /tmp
 timeout ${SPEC_LIMIT:-540} python3 "$R/benchmarks/bench_speculative.py" --oracle "$F" \
     --device cuda --context 262144 --depth 5 --arena-mib 2240 --widths 1,2,3,4,5,6,49 --mtp-context 32768 \
-    ${SPEC_ARGS:-} --out "$S" 2>&1 | grep -v "Warn\|warn(" | tee "$O/log.txt"
+    ${SPEC_ARGS:-} --out "$S" 2>&1 | grep --line-buffered -v "Warn\|warn(" | tee "$O/log.txt"
 rc=${PIPESTATUS[0]}
 cp "$S" "$O/speculative.json" 2>/dev/null
 exit $rc

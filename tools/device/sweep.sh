@@ -19,7 +19,7 @@ L=${SWEEP_LIMIT:-540}
 cd /tmp
 timeout $((L + 30)) python3 "$R/benchmarks/bench_sweep.py" --limit-s "$L" \
     ${SWEEP_ARGS:-} --out "$S" --plot "$O/arena_sweep.png" 2>&1 \
-    | grep -v "Warn\|warn(" | tee "$O/log.txt"
+    | grep --line-buffered -v "Warn\|warn(" | tee "$O/log.txt"
 rc=${PIPESTATUS[0]}
 cp "$S" "$O/sweep.json" 2>/dev/null
 if [ -n "${SWEEP_OUT:-}" ] && [ -f "$O/arena_sweep.png" ]; then

@@ -7,7 +7,7 @@ R=${R:-$(pwd)}
 O="$OUT/timeline"; mkdir -p "$O"
 cd /tmp
 timeout ${TL_LIMIT:-200} python3 "$R/tools/profile/timeline_streamed.py" --ctx ${TL_CTX:-65536} \
-    --out /tmp/tl 2>&1 | grep -v "Warn\|warn(" | tee "$O/log.txt"
+    --out /tmp/tl 2>&1 | grep --line-buffered -v "Warn\|warn(" | tee "$O/log.txt"
 rc=${PIPESTATUS[0]}
 cp /tmp/tl/timeline.json /tmp/tl/host_profile.txt "$O/" 2>/dev/null
 exit $rc
