@@ -2,10 +2,13 @@
 # Run device scripts from one call: install the carried wheels and this checkout into
 # /tmp/site, then each named tools/device/<name>.sh (in parallel with -p: correctness runs
 # share the GPU fine, timings do not), each logging to $OUT/<name>.log.
-# usage (device, repo root): tools/device/batch.sh [-p] name [name ...]
+# usage (device, repo root): KVCOMPILE_COMMIT=<commit> tools/device/batch.sh [-p] name [name ...]
 set -uo pipefail
 export R=$(pwd) PYTHONPATH=/tmp/site PYTHONSAFEPATH=1
 par=0; [ "${1:-}" = "-p" ] && { par=1; shift; }
+# the device's copy has no .git: result rows take their commit from here
+[ -n "${KVCOMPILE_COMMIT:-}" ] || { echo "set KVCOMPILE_COMMIT (git rev-parse --short HEAD) in the call"; exit 2; }
+export KVCOMPILE_COMMIT
 t0=$(date +%s)
 # a warm machine keeps /tmp/site: pip --target does not replace what is there
 rm -rf /tmp/site
