@@ -12,6 +12,8 @@ The same checks at 4K..64K on the device: tests/test_runner_gpu.py.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import os
 from dataclasses import replace
 
@@ -81,9 +83,10 @@ def test_captured_streamed_decode_equals_eager_resident(models, arch):
         s.streamed_reads + s.resident_reads for s in decode)
     print(f"{arch}: seed {SEED}, streamed {frac:.2f}, {stats}")
     assert ids == ref_ids and torch.equal(got, ref), SEED
-    # one eager warm-up step, then a capture per layout: the page the decode started in
-    # and the next one
-    assert stats["eager_steps"] == 1 and stats["captures"] == 2, stats
+    # one eager warm-up step, then two captures per layout (its first step's program, and
+    # the one whose first layers the step before filled ahead): the page the decode
+    # started in and the next one
+    assert stats["eager_steps"] == 1 and stats["captures"] == 4, stats
     # the steps run the traced forward, its ring ops lowered (passes/lower_ring.py)
     assert stats["compiled"], stats
     assert stats["replays"] == DECODE - 1 and frac > 0.5
@@ -127,14 +130,24 @@ def test_every_step_of_a_layout_issues_the_same_copies(models):
         logits = runner.step([int(logits.argmax())], len(prompt) + i)
         per_step.append(rec.log[n:])
         layouts.append(cache._layout)
-    replayed = [c for c, lay in zip(per_step, layouts) if lay is not None][1:]
+    first, *replayed = [c for c, lay in zip(per_step, layouts) if lay is not None]
     assert len(replayed) == 38 and replayed[0], runner.request_stats()
     assert all(c == replayed[0] for c in replayed)      # fills and publishes, all of them
+    # Each step ends by filling the next one's first layers (end_replayed), which that
+    # step's program skips: a step's copies are the layout's fills once, the first step's
+    # (its program fills every layer) those and the next step's filled ahead.
+    steady = replayed[0]
+    last_rows = max(i for i, group in enumerate(steady) if group[0][-1] == "rows")
+    ahead = steady[last_rows + 1:]
+    assert ahead and all(group[0][-1] == "fill" for group in ahead)
+    assert Counter(first) - Counter(steady) == Counter(ahead), (first, steady)
+    assert any(lay.ahead for lay in runner.decode_graph.programs)
     kinds = [k for group in replayed[0] for *_, k in group]
     # a layer's pages are filled, its rows (not its pages) published: K and V per layer
     assert set(kinds) == {"fill", "rows"} and kinds.count("rows") == 2 * len(cache.layers)
     assert sum(1 for group in replayed[0] if group[0][-1] == "rows") == len(cache.layers)
-    assert runner.request_stats()["captures"] == 1
+    # the layout's program, and its program for steps whose first layers were filled ahead
+    assert runner.request_stats()["captures"] == 2
 
 
 def test_a_second_request_of_the_same_length_captures_nothing(models):
@@ -150,7 +163,7 @@ def test_a_second_request_of_the_same_length_captures_nothing(models):
         runs.append(e.generate(prompt, max_tokens=24, temperature=0))
         assert a.token_ids == runs[-1].token_ids, SEED
     first, b = runs
-    assert b.phases["captures"] == 0 and b.phases["total_captures"] == 1, b.phases
+    assert b.phases["captures"] == 0 and b.phases["total_captures"] == 2, b.phases
     assert b.phases["replays"] == 23 and b.phases["eager_steps"] == 0   # warm: all replayed
     # the trace and the capture are the first request's warm-up, reported apart
     assert first.phases["warmup_s"] > 0 and b.phases["warmup_s"] == 0, (first.phases, b.phases)

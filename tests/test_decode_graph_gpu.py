@@ -68,12 +68,14 @@ def run(model, cache, prompt, n_decode, program=None):
     return ids, torch.cat(rows)
 
 
-@pytest.mark.parametrize("mode", ["traced", "tiny-arena", "resident"])
+@pytest.mark.parametrize("mode", ["traced", "filled-ahead", "tiny-arena", "resident"])
 @pytest.mark.parametrize("kv", [("f16", "f16"), ("q8_0", "q4_0")], ids=lambda k: "/".join(k))
 @pytest.mark.parametrize("arch", ["llama", "qwen35"])
 def test_decode_graph_is_bitwise_eager_decode(request, arch, kv, mode):
     """traced: the streamed step runs the forward traced through passes.streamed_pipeline
-    (ring ops lowered), as the Engine's; tiny-arena: the eager model in the graph."""
+    (ring ops lowered), as the Engine's; filled-ahead: the same, and each replay fills the
+    next step's first layers, which that step's program skips (prefetch_next);
+    tiny-arena: the eager model in the graph."""
     model = request.getfixturevalue("llama" if arch == "llama" else "hybrid")
     streamed = mode != "resident"
     n_prompt, n_decode = 500, 40          # decode crosses the page boundary at 512
@@ -82,7 +84,10 @@ def test_decode_graph_is_bitwise_eager_decode(request, arch, kv, mode):
     ref_cache = make_cache(model, 600, kv, streamed)
     ids_ref, ref = run(model, ref_cache, prompt, n_decode)
     cache = make_cache(model, 600, kv, streamed)
-    program = DecodeGraph(model, cache, layers=trunk(model), compile=mode == "traced")
+    if streamed:
+        cache.prefetch_next = mode == "filled-ahead"
+    program = DecodeGraph(model, cache, layers=trunk(model),
+                          compile=mode in ("traced", "filled-ahead"))
     ids, got = run(model, cache, prompt, n_decode, program)
     diff = (got - ref).abs().max().item()
     print(f"{arch} {'/'.join(kv)} {'streamed' if streamed else 'resident'}: seed {SEED}, "
@@ -92,7 +97,9 @@ def test_decode_graph_is_bitwise_eager_decode(request, arch, kv, mode):
     # resident: one layout; streamed: one per page the decode reaches (and per split)
     assert s["captures"] == 1 if not streamed else s["captures"] >= 2, s
     assert ids == ids_ref and torch.equal(got, ref), SEED
-    assert s["compiled"] == (mode == "traced") and "trace_error" not in s, s
+    assert s["compiled"] == (mode in ("traced", "filled-ahead")) and "trace_error" not in s, s
+    assert any(lay.ahead for lay in program.programs if lay != "resident") == (
+        mode == "filled-ahead"), list(program.programs)
     if streamed:
         assert cache.stats()["streamed_fraction"] > 0.5
         cache.close()

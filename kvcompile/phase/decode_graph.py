@@ -2,12 +2,14 @@
 
 A streamed step's device work -- page tables, ring fills from pinned host memory on the
 copy stream, the ready and consumed fences between the two streams, every layer's kernels,
-the publishes of the written page back to the host -- is the same for every position of a
+the publishes of the written rows back to the host -- is the same for every position of a
 layout (runtime/step_layout.py). So the whole step is captured once per layout, the copy
 stream forked into the capture and joined back, and a step is then: the policy's decision
 on the host, one graph replay, the host's bookkeeping. A new layout (the context grew past
 it, or the split changed) is captured at its first step; a step whose resident pages wait
-for a refill from the host runs eagerly once. A resident cache (a hybrid model's) has one
+for a refill from the host runs eagerly once. With the cache's prefetch_next, a replay fills
+the next step's first layers ahead and that step runs a second program of the layout, which
+skips those fills (`StepLayout.ahead`). A resident cache (a hybrid model's) has one
 layout: its capture serves every step.
 
 The capture computes nothing (captured work does not run), so the step is then replayed
@@ -59,7 +61,9 @@ def _traced(model, cache, streamed: bool):
     return view, compile_forward(model, streamed_pipeline(view))
 
 
-MAX_PROGRAMS = 4    # layouts kept (a second request of the same length reuses its capture)
+# programs kept (a layout's two: its first step's, and the one whose first layers were filled
+# ahead by the step before; a second request of the same length reuses them)
+MAX_PROGRAMS = 8
 
 
 class DecodeGraph:

@@ -201,8 +201,9 @@ class CudaBackend:
     name = "cuda"
     check_plans = False        # validating plans costs a host sync per layer; CI checks them
     sync_each_forward = False  # publishes finish on the copy stream, ahead of the next fills
-    # Begin the next decode step at the end of each forward (streaming_cache.py): opt-in
-    # on CUDA (KVCOMPILE_PREFETCH_NEXT=1) until the device runs compare it with the default.
+    # Begin the next decode step at the end of each forward, or fill its first layers
+    # after a replay (streaming_cache.py): opt-in on CUDA (KVCOMPILE_PREFETCH_NEXT=1)
+    # until device runs compare it with the default (bench_runner.py --prefetch-next both).
     prefetch_next = os.environ.get("KVCOMPILE_PREFETCH_NEXT", "0") == "1"
 
     def __init__(self, device="cuda", instrument: Instrument | None = None,

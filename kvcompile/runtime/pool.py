@@ -19,7 +19,10 @@ device work whatever the position within its pages: slots from ring slot 0, ever
 page filled whether or not the host holds rows for it yet (a page the context has not
 reached is read as junk and never attended to). It publishes the bytes of its rows (`rows`,
 the step's positions as a device tensor) on the compute side before the consumed fence
-(runtime/row_publish.py), or without row maps every page of `written`.
+(runtime/row_publish.py), or without row maps every page of `written`. `fill_ahead` issues,
+between two fixed forwards, the fills the next one's begin would issue (its first layers,
+as far as the empty ring takes them), so the copy engine works while the host samples and
+launches; that forward then begins with `ahead=k` and skips them.
 """
 from __future__ import annotations
 
@@ -63,6 +66,9 @@ class StreamingPool:
         self.max_pages = max_pages
         self.row_maps = row_maps                 # (K, V) RowMaps: fixed forwards publish rows
         self.rows = None                         # the active fixed forward's positions
+        self.filled_ahead = None                 # (n_pages, layers, r, k) of fill_ahead
+        self._ahead_ready: dict = {}             # layer index -> its fills' ready fences
+        self._ahead_slots: list = []             # their slots (the checker's)
         dev = k_pool.device
         # Every layer's table is a row of one tensor, so a forward over all layers writes
         # them in one device op (begin). Rows start 16-byte aligned, like separate tensors.
@@ -87,6 +93,7 @@ class StreamingPool:
         self.issued: dict[int, Placement] = {}
         self.active = None                       # (n_pages, written logical pages) of a forward
         self.fixed = False                       # the active forward is a fixed one
+        self.ahead = 0                           # its first layers filled by fill_ahead
         self.current = None
         self.order: list[int] = []
         self.count = ForwardCounters()
@@ -121,6 +128,7 @@ class StreamingPool:
     def repartition(self, r: int) -> None:
         """Switch to r resident pages per layer; pages changing role must be drained."""
         self._idle("repartition")
+        self._drop_ahead()
         if not 0 <= r * self.L <= self.P:
             raise KvLayoutError(f"{r} resident pages for {self.L} layers exceed {self.P} pages")
         lo, hi = sorted((self.r, r))
@@ -134,6 +142,7 @@ class StreamingPool:
     def drop_resident(self) -> None:
         """Forget every resident page (overwritten with junk): host history must rebuild them."""
         self._idle("drop resident pages")
+        self._drop_ahead()
         n = self.L * self.r
         wait_all(set(self.last_use[:n]))
         self.k_pool[:n].fill_(0x7F)
@@ -145,6 +154,7 @@ class StreamingPool:
     def forget(self) -> None:
         """A new sequence: no resident page holds host content any more."""
         self._idle("forget the sequence")
+        self._drop_ahead()
         self.drain()
         self.valid_upto = [0] * self.L
         if self.checker is not None:
@@ -156,17 +166,26 @@ class StreamingPool:
 
     # ---- one forward -----------------------------------------------------------------------
     def begin(self, n_pages: int, written: range, layers=None, fixed: bool = False,
-              rows: torch.Tensor | None = None) -> None:
+              rows: torch.Tensor | None = None, ahead: int = 0) -> None:
         """Start a forward over n_pages per layer that writes logical pages `written`;
         `layers` (default all) are the layers it will acquire, in this order. fixed: the
-        device work must not depend on the host's rows, and `rows` (its positions) are
-        what it publishes (module docstring)."""
+        device work must not depend on the host's rows, `rows` (its positions) are what it
+        publishes, and its first `ahead` layers were filled by fill_ahead (module
+        docstring)."""
         self._idle("begin a forward")
-        self.fixed = fixed
+        order = tuple(self.layers if layers is None else layers)
+        if ahead and (not fixed or self.filled_ahead is None or self.filled_ahead[3] < ahead
+                      or self.filled_ahead[:3] != (n_pages, order, self.r)):
+            raise KvLayoutError(f"a forward cannot skip {ahead} layers' fills that were "
+                                f"not issued ahead ({self.filled_ahead})")
+        if not ahead:
+            self._drop_ahead()
+        self.filled_ahead = None
+        self.fixed, self.ahead = fixed, ahead
         self.rows = rows if fixed and self.row_maps is not None else None
         if fixed:
             self.cursor = 0
-        self.order = [self.index[l] for l in (self.layers if layers is None else layers)]
+        self.order = [self.index[l] for l in order]
         if len(set(self.order)) != len(self.order):
             raise KvLayoutError(f"a forward acquires each layer once; got {layers}")
         if n_pages - self.r > self.ring.n_slots:
@@ -176,6 +195,11 @@ class StreamingPool:
         self.count = ForwardCounters()
         self._tables_written = self._write_all_tables(n_pages)
         self._prefetch()
+        if ahead:                        # the forward took over the fills made ahead
+            if len(self.issued) < ahead:
+                raise KvLayoutError(f"{ahead} layers were filled ahead, the ring took "
+                                    f"{len(self.issued)} at this forward's begin")
+            self._ahead_ready, self._ahead_slots = {}, []
 
     def _write_all_tables(self, n_pages: int) -> bool:
         """Write the page tables of this forward's layers now, in one or two device ops,
@@ -281,11 +305,13 @@ class StreamingPool:
     def _prefetch(self) -> None:
         """Issue layers in order from the first not issued, as far as the ring allows."""
         nxt = len(self.issued)
-        while nxt < len(self.order) and self._issue(self.order[nxt]):
+        while nxt < len(self.order) and self._issue(self.order[nxt], copy=nxt >= self.ahead):
             nxt += 1
         self.count.peak_held = max(self.count.peak_held, self.held)
 
-    def _issue(self, li: int) -> bool:
+    def _issue(self, li: int, copy: bool = True) -> bool:
+        """Place layer li (ring slots, runs) and fill it; copy=False: its fills were
+        issued ahead into the very slots (fill_ahead), so only the placement is made."""
         n_pages, _ = self.active
         ring, r = self._ring, min(self.r, n_pages)
         ignore_held = "skip_consumed_wait" in self.unsafe
@@ -327,7 +353,9 @@ class StreamingPool:
                                    else ()))
                 if not ignore_held:
                     job.ready += set(self.last_use[p1:p1 + m])
-        if pairs:
+        if not copy:     # a capture forgot them (it drained first); a rerun waits on them
+            job.ready += self._ahead_ready.get(li, [])
+        elif pairs:
             owners = tuple(owners)
             job.ready.append(self.engine.copy(pairs, CopyNote("fill", tuple(pages), owners,
                                                               owners), after=list(after)))
@@ -336,6 +364,33 @@ class StreamingPool:
         return True
 
     # ---- fixed forwards ---------------------------------------------------------------------
+    def fill_ahead(self, n_pages: int, layers) -> int:
+        """Issue now the fills the next fixed forward over n_pages would issue at its
+        begin, into the same slots, behind every page's last use; returns how many layers
+        (0: stale resident pages want refills first, which such a forward does not make).
+        A forward that is not that one finds those slots' last use in these fills."""
+        self._idle("fill ahead")
+        if self.refills(n_pages, layers):
+            return 0
+        self.begin(n_pages, range(0), layers, fixed=True)
+        k = len(self.issued)
+        self._ahead_ready = {li: list(job.ready) for li, job in self.issued.items()}
+        self._ahead_slots = [p for job in self.issued.values() for s in job.slot_ranges()
+                             for p in s]
+        for job in self.issued.values():     # free again once their copies landed
+            self._unhold(job, AllOf(job.ready))
+        self.active, self.issued, self.fixed = None, {}, False
+        self.filled_ahead = (n_pages, tuple(layers), self.r, k)
+        return k
+
+    def _drop_ahead(self) -> None:
+        """The forward filled ahead for will not run: its slots are free once filled (the
+        checker, which saw them filled for that forward, waits and hears so)."""
+        if self.checker is not None and self._ahead_slots:
+            wait_all([f for fs in self._ahead_ready.values() for f in fs])
+            self.checker.release(self._ahead_slots)
+        self.filled_ahead, self._ahead_ready, self._ahead_slots = None, {}, []
+
     def refills(self, n_pages: int, layers) -> bool:
         """Would a forward over n_pages copy stale resident pages from host history (once,
         after a repartition or drop_resident: such a forward must not be captured)?"""
@@ -355,6 +410,7 @@ class StreamingPool:
         """Every page's last use is done: after a drain, or after a capture (its events
         were never recorded: nothing ran)."""
         self.last_use = [DONE] * self.P
+        self._ahead_ready = {}
 
     def abandon(self) -> None:
         """After a failed capture: its forward goes without publishing (captured work never
@@ -364,7 +420,8 @@ class StreamingPool:
             self._unhold(job, None)
             job.released = True
         self.active, self.issued, self.current, self.fixed = None, {}, None, False
-        self.rows = None
+        self.rows = self.filled_ahead = None
+        self._ahead_slots = []
         self.cursor, self.valid_upto = self._before_capture
         self._table_known = [0] * self.L
         self.forget_fences()

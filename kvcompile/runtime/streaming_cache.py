@@ -100,6 +100,7 @@ class StreamingKvCache:
         self.prefetch_next = (getattr(self.backend, "prefetch_next", True)
                               if prefetch_next is None else prefetch_next)
         self._next = None                 # (lo, hi, n_pages, layers) begun ahead
+        self._ahead_h2d = None            # bytes copied before a fill_ahead (telemetry)
         self._step = None
         self._last = None                 # (t0, busy) of the forward telemetry[-1] records
         self._layout: StepLayout | None = None   # of the captured decode steps (step_layout)
@@ -188,6 +189,8 @@ class StreamingKvCache:
         self._settle_copy_busy(t0, busy)
         # a forward begun ahead counts the fills issued then
         h2d = self.engine.bytes_h2d if self._next is None else self._next_h2d
+        if self._ahead_h2d is not None:   # fills issued ahead for it (end_replayed)
+            h2d, self._ahead_h2d = min(h2d, self._ahead_h2d), None
         repart, reason = self._apply_policy(n_pages)
         self._step = dict(t0=t0, busy=busy, lo=lo, hi=hi, h2d=h2d, d2h=self.engine.bytes_d2h,
                           tokens=int(positions.numel()), pages=n_pages, repart=repart,
@@ -199,7 +202,7 @@ class StreamingKvCache:
         s = self._step
         if layout is not None:
             self.pool.begin(layout.pages, range(layout.first, layout.pages), s["layers"],
-                            fixed=True, rows=s["positions"])
+                            fixed=True, rows=s["positions"], ahead=layout.ahead)
         elif self._next is None:
             self.pool.begin(s["pages"], range(s["lo"] // self.page_size, s["pages"]),
                             s["layers"])
@@ -243,6 +246,9 @@ class StreamingKvCache:
         if self.pool.refills(lay.pages, s["layers"]):    # it may have refilled pages)
             return None
         self._layout = lay
+        done = self.pool.filled_ahead     # by the last replay, if it guessed this layout
+        if done is not None and done[:3] == (lay.pages, tuple(s["layers"]), self.pool.r):
+            return replace(lay, ahead=done[3])
         return lay
 
     def prepare_capture(self) -> None:
@@ -273,6 +279,22 @@ class StreamingKvCache:
         elif self.backend.sync_each_forward:
             self.engine.synchronize()
         self._close(s, replayed=True)
+        if self.prefetch_next:
+            self._fill_ahead(s["hi"] + 1, s["layers"])
+
+    def _fill_ahead(self, nxt: int, layers) -> None:
+        """Fill the first layers of the decode step at position nxt now, when the layout
+        just replayed serves it (the copy engine then works while the sampler reads this
+        step's token and the host launches the next); that step's program skips them
+        (`StepLayout.ahead`). A guess: another forward comes instead and finds only those
+        slots' last use in the fills."""
+        lay, first = self._layout, nxt // self.page_size
+        if lay is None or nxt >= self.capacity or not lay.serves(self.pool.r, first,
+                                                                  first + 1, tuple(layers)):
+            return
+        h2d = self.engine.bytes_h2d
+        if self.pool.fill_ahead(lay.pages, layers):
+            self._ahead_h2d = h2d
 
     def join_copies(self) -> None:
         """Order the compute side after every copy issued so far (no host wait)."""
