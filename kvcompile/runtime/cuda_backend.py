@@ -200,7 +200,10 @@ COPY_MODES = ("engine", "gather")
 class CudaBackend:
     name = "cuda"
     check_plans = False        # validating plans costs a host sync per layer; CI checks them
-    sync_each_forward = False  # publishes finish on the copy stream, ahead of the next fills
+    # An eager forward's publishes finish on the copy stream, ahead of the next fills; a
+    # replay's rows are published on the compute stream, before the event every page's
+    # last use becomes (pool.replayed)
+    sync_each_forward = False
     # Begin the next decode step at the end of each forward, or fill its first layers
     # after a replay (streaming_cache.py): opt-in on CUDA (KVCOMPILE_PREFETCH_NEXT=1)
     # until device runs compare it with the default (bench_runner.py --prefetch-next both).

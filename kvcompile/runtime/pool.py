@@ -267,9 +267,14 @@ class StreamingPool:
         li = self.index[layer]
         job = self.issued[li]
         if self.rows is not None:        # while the layer still reads its pages
+            keys = self._row_keys(li) if self.checker is not None else ()
+            if keys:
+                self.checker.publish_start((), keys)
             self.engine.publish_rows((self.k_pool, self.v_pool),
                                      (self.host.k[layer], self.host.v[layer]),
                                      self.page_tables[layer], self.rows, self.row_maps)
+            if keys:
+                self.checker.publish_end((), keys)
         if self.checker is not None:     # before the consumed fence: its waiters follow these
             self.checker.read_end(job.pages())
             self.checker.release([p for s in job.slot_ranges() for p in s])
@@ -290,6 +295,14 @@ class StreamingPool:
             self.last_use[p0:p0 + n] = [f] * n
         self._unhold(job, None)
         job.released, self.current = True, None
+
+    def _row_keys(self, li: int) -> tuple:
+        """The host pages a row publish writes, for the checker: read from the positions
+        where that costs no device sync (the CPU); none on CUDA."""
+        if self.rows.device.type != "cpu":
+            return ()
+        ps = self.row_maps[0].page_size
+        return tuple(sorted({(li, int(p) // ps) for p in self.rows.tolist()}))
 
     def end(self) -> None:
         if self.current is not None:
@@ -372,7 +385,9 @@ class StreamingPool:
         self._idle("fill ahead")
         if self.refills(n_pages, layers):
             return 0
+        count = self.count                   # the last forward's, for its telemetry
         self.begin(n_pages, range(0), layers, fixed=True)
+        self.count = count
         k = len(self.issued)
         self._ahead_ready = {li: list(job.ready) for li, job in self.issued.items()}
         self._ahead_slots = [p for job in self.issued.values() for s in job.slot_ranges()
@@ -382,6 +397,15 @@ class StreamingPool:
         self.active, self.issued, self.fixed = None, {}, False
         self.filled_ahead = (n_pages, tuple(layers), self.r, k)
         return k
+
+    def warm_row_publish(self, rows: torch.Tensor, layer) -> None:
+        """Launch the row publish once as a fixed forward will (rows: its positions) for
+        `layer`, outside a capture: rows it writes to the host are rewritten by the
+        forward."""
+        if self.row_maps is not None:
+            self.engine.publish_rows((self.k_pool, self.v_pool),
+                                     (self.host.k[layer], self.host.v[layer]),
+                                     self.page_tables[layer], rows, self.row_maps)
 
     def _drop_ahead(self) -> None:
         """The forward filled ahead for will not run: its slots are free once filled (the
@@ -428,8 +452,10 @@ class StreamingPool:
 
     def replayed(self, fence) -> None:
         """A captured step ran: every page's last use is that step (`fence`, recorded after
-        its replay, covers its copies too)."""
+        its replay, covers its copies too), and whatever was filled ahead was its (or is
+        overwritten by it)."""
         self.last_use = [fence] * self.P
+        self.filled_ahead, self._ahead_ready, self._ahead_slots = None, {}, []
 
     def _unhold(self, job: Placement, fence) -> None:
         for s in job.slot_ranges():

@@ -236,12 +236,7 @@ class StreamingKvCache:
         pages wait for their refill from host history (run this forward eagerly: a capture
         would repeat the refill every step)."""
         s = self._step
-        first, r = s["lo"] // self.page_size, self.pool.r
-        lay = self._layout
-        if lay is None or not lay.serves(r, first, s["pages"], s["layers"]):
-            room = min(self.num_pages, r + self.pool.ring.n_slots)
-            lay = StepLayout.around(r, first, s["pages"], s["layers"], room,
-                                    self.layout_slack)
+        lay = self._layout_for(s["lo"] // self.page_size, s["pages"], s["layers"])
         self._drop_next()                 # a forward begun ahead is not a fixed one (and
         if self.pool.refills(lay.pages, s["layers"]):    # it may have refilled pages)
             return None
@@ -251,9 +246,22 @@ class StreamingKvCache:
             return replace(lay, ahead=done[3])
         return lay
 
+    def _layout_for(self, first: int, pages: int, layers) -> StepLayout:
+        """The last layout while it serves a step writing from page `first` over `pages`
+        pages, else a new one from there."""
+        r, lay = self.pool.r, self._layout
+        if lay is None or not lay.serves(r, first, pages, tuple(layers)):
+            room = min(self.num_pages, r + self.pool.ring.n_slots)
+            lay = StepLayout.around(r, first, pages, layers, room, self.layout_slack)
+        return lay
+
     def prepare_capture(self) -> None:
-        """Before capturing the open forward: no copy in flight, no fence from before."""
+        """Before capturing the open forward: no copy in flight, no fence from before, and
+        the row-publish kernel launched once with the capture's arguments (a first launch
+        compiles and loads it, which a capture forbids; the rows it writes are rewritten
+        by the step)."""
         self.pool.prepare_capture()
+        self.pool.warm_row_publish(self._step["positions"], self._step["layers"][0])
 
     def captured(self) -> None:
         """After a capture: the fences it recorded never ran (nothing did)."""
@@ -283,14 +291,16 @@ class StreamingKvCache:
             self._fill_ahead(s["hi"] + 1, s["layers"])
 
     def _fill_ahead(self, nxt: int, layers) -> None:
-        """Fill the first layers of the decode step at position nxt now, when the layout
-        just replayed serves it (the copy engine then works while the sampler reads this
-        step's token and the host launches the next); that step's program skips them
-        (`StepLayout.ahead`). A guess: another forward comes instead and finds only those
-        slots' last use in the fills."""
-        lay, first = self._layout, nxt // self.page_size
-        if lay is None or nxt >= self.capacity or not lay.serves(self.pool.r, first,
-                                                                  first + 1, tuple(layers)):
+        """Fill the first layers of the decode step at position nxt now, in the layout it
+        will run in (this one, or the next one past its pages), so the copy engine works
+        while the sampler reads this step's token and the host launches the next; that
+        step's program skips them (`StepLayout.ahead`). A guess: another forward comes
+        instead and finds only those slots' last use in the fills."""
+        first = nxt // self.page_size
+        if self._layout is None or nxt >= self.capacity:
+            return
+        lay = self._layout_for(first, first + 1, layers)   # a new one past this one's pages
+        if lay.pages - min(self.pool.r, lay.pages) > self.pool.ring.n_slots:
             return
         h2d = self.engine.bytes_h2d
         if self.pool.fill_ahead(lay.pages, layers):
@@ -392,6 +402,7 @@ class StreamingKvCache:
         self.pool.forget()
         self.host.reset()
         self.planned_pages = 0
+        self._ahead_h2d = None
 
     def plan(self, n_tokens: int) -> None:
         """The sequence will grow to n_tokens (prompt + max new tokens): the policy splits
