@@ -92,3 +92,23 @@ def test_cuda_kernel_writes_pinned_host_pages(k_name, v_name):
                       c["positions"].cuda(), maps)
     torch.cuda.synchronize()
     assert torch.equal(hosts[0], c["want"][0]) and torch.equal(hosts[1], c["want"][1])
+
+
+def test_a_kernel_that_cannot_run_falls_back_to_page_publishes(monkeypatch):
+    """Before a capture the cache launches the row publish once; if that fails (a Triton
+    that cannot reach pinned memory, say) it warns and captured steps publish pages."""
+    from kvcompile.config import ModelConfig
+    from kvcompile.runtime.streaming_cache import StreamingKvCache
+    cfg = ModelConfig(arch="llama", n_layers=2, hidden=128, ffn=256, n_heads=4, n_kv_heads=2,
+                      head_dim=64, vocab_size=256, context_length=256)
+    cache = StreamingKvCache(cfg, 256, arena_mib=1, page_size=16)
+    assert cache.pool.row_maps is not None
+
+    def broken(*_):
+        raise RuntimeError("pointer argument cannot be accessed from Triton")
+    monkeypatch.setattr(cache.pool, "warm_row_publish", broken)
+    cache.open_forward(torch.arange(0, 1), start=0)
+    with pytest.warns(RuntimeWarning, match="publish whole pages"):
+        cache.prepare_capture()
+    assert cache.pool.row_maps is None
+    cache.end_forward(ok=False)

@@ -13,6 +13,7 @@ so after every forward the host holds the authoritative KV.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import replace
 
 import torch
@@ -261,7 +262,15 @@ class StreamingKvCache:
         compiles and loads it, which a capture forbids; the rows it writes are rewritten
         by the step)."""
         self.pool.prepare_capture()
-        self.pool.warm_row_publish(self._step["positions"], self._step["layers"][0])
+        if self.pool.row_maps is None:
+            return
+        try:
+            self.pool.warm_row_publish(self._step["positions"], self._step["layers"][0])
+        except Exception as e:            # e.g. a Triton that cannot reach pinned memory
+            warnings.warn(f"publishing rows by kernel failed ({type(e).__name__}: {e}); "
+                          f"captured steps publish whole pages instead", RuntimeWarning,
+                          stacklevel=2)
+            self.pool.row_maps = None
 
     def captured(self) -> None:
         """After a capture: the fences it recorded never ran (nothing did)."""
