@@ -40,6 +40,18 @@ UNSAFE = frozenset({"skip_ready_wait", "skip_consumed_wait"})  # test-only broke
 
 
 @dataclass
+class FilledAhead:
+    """What fill_ahead issued: for a fixed forward over n_pages of these layers at split r,
+    its first k layers, with their fills' ready fences (by layer index) and slots."""
+    n_pages: int
+    layers: tuple
+    r: int
+    k: int
+    ready: dict
+    slots: list
+
+
+@dataclass
 class ForwardCounters:
     misses: int = 0
     resident_reads: int = 0
@@ -66,9 +78,7 @@ class StreamingPool:
         self.max_pages = max_pages
         self.row_maps = row_maps                 # (K, V) RowMaps: fixed forwards publish rows
         self.rows = None                         # the active fixed forward's positions
-        self.filled_ahead = None                 # (n_pages, layers, r, k) of fill_ahead
-        self._ahead_ready: dict = {}             # layer index -> its fills' ready fences
-        self._ahead_slots: list = []             # their slots (the checker's)
+        self.filled_ahead: FilledAhead | None = None
         dev = k_pool.device
         # Every layer's table is a row of one tensor, so a forward over all layers writes
         # them in one device op (begin). Rows start 16-byte aligned, like separate tensors.
@@ -174,13 +184,11 @@ class StreamingPool:
         docstring)."""
         self._idle("begin a forward")
         order = tuple(self.layers if layers is None else layers)
-        if ahead and (not fixed or self.filled_ahead is None or self.filled_ahead[3] < ahead
-                      or self.filled_ahead[:3] != (n_pages, order, self.r)):
+        if ahead and (not fixed or self.ahead_for(n_pages, order) < ahead):
             raise KvLayoutError(f"a forward cannot skip {ahead} layers' fills that were "
                                 f"not issued ahead ({self.filled_ahead})")
         if not ahead:
             self._drop_ahead()
-        self.filled_ahead = None
         self.fixed, self.ahead = fixed, ahead
         self.rows = rows if fixed and self.row_maps is not None else None
         if fixed:
@@ -199,7 +207,7 @@ class StreamingPool:
             if len(self.issued) < ahead:
                 raise KvLayoutError(f"{ahead} layers were filled ahead, the ring took "
                                     f"{len(self.issued)} at this forward's begin")
-            self._ahead_ready, self._ahead_slots = {}, []
+            self.filled_ahead = None
 
     def _write_all_tables(self, n_pages: int) -> bool:
         """Write the page tables of this forward's layers now, in one or two device ops,
@@ -270,9 +278,7 @@ class StreamingPool:
             keys = self._row_keys(li) if self.checker is not None else ()
             if keys:
                 self.checker.publish_start((), keys)
-            self.engine.publish_rows((self.k_pool, self.v_pool),
-                                     (self.host.k[layer], self.host.v[layer]),
-                                     self.page_tables[layer], self.rows, self.row_maps)
+            self._publish_rows(layer, self.rows)
             if keys:
                 self.checker.publish_end((), keys)
         if self.checker is not None:     # before the consumed fence: its waiters follow these
@@ -367,7 +373,7 @@ class StreamingPool:
                 if not ignore_held:
                     job.ready += set(self.last_use[p1:p1 + m])
         if not copy:     # a capture forgot them (it drained first); a rerun waits on them
-            job.ready += self._ahead_ready.get(li, [])
+            job.ready += self.filled_ahead.ready.get(li, [])
         elif pairs:
             owners = tuple(owners)
             job.ready.append(self.engine.copy(pairs, CopyNote("fill", tuple(pages), owners,
@@ -388,32 +394,41 @@ class StreamingPool:
         count = self.count                   # the last forward's, for its telemetry
         self.begin(n_pages, range(0), layers, fixed=True)
         self.count = count
-        k = len(self.issued)
-        self._ahead_ready = {li: list(job.ready) for li, job in self.issued.items()}
-        self._ahead_slots = [p for job in self.issued.values() for s in job.slot_ranges()
-                             for p in s]
-        for job in self.issued.values():     # free again once their copies landed
+        jobs = self.issued
+        for job in jobs.values():            # free again once their copies landed
             self._unhold(job, AllOf(job.ready))
         self.active, self.issued, self.fixed = None, {}, False
-        self.filled_ahead = (n_pages, tuple(layers), self.r, k)
-        return k
+        self.filled_ahead = FilledAhead(
+            n_pages, tuple(layers), self.r, len(jobs),
+            {li: list(job.ready) for li, job in jobs.items()},
+            [p for job in jobs.values() for s in job.slot_ranges() for p in s])
+        return len(jobs)
+
+    def ahead_for(self, n_pages: int, layers) -> int:
+        """How many first layers of a fixed forward over n_pages were filled ahead."""
+        a = self.filled_ahead
+        match = a is not None and (a.n_pages, a.layers, a.r) == (n_pages, tuple(layers), self.r)
+        return a.k if match else 0
+
+    def _publish_rows(self, layer, rows: torch.Tensor) -> None:
+        self.engine.publish_rows((self.k_pool, self.v_pool),
+                                 (self.host.k[layer], self.host.v[layer]),
+                                 self.page_tables[layer], rows, self.row_maps)
 
     def warm_row_publish(self, rows: torch.Tensor, layer) -> None:
         """Launch the row publish once as a fixed forward will (rows: its positions) for
         `layer`, outside a capture: rows it writes to the host are rewritten by the
         forward."""
         if self.row_maps is not None:
-            self.engine.publish_rows((self.k_pool, self.v_pool),
-                                     (self.host.k[layer], self.host.v[layer]),
-                                     self.page_tables[layer], rows, self.row_maps)
+            self._publish_rows(layer, rows)
 
     def _drop_ahead(self) -> None:
         """The forward filled ahead for will not run: its slots are free once filled (the
         checker, which saw them filled for that forward, waits and hears so)."""
-        if self.checker is not None and self._ahead_slots:
-            wait_all([f for fs in self._ahead_ready.values() for f in fs])
-            self.checker.release(self._ahead_slots)
-        self.filled_ahead, self._ahead_ready, self._ahead_slots = None, {}, []
+        a, self.filled_ahead = self.filled_ahead, None
+        if a is not None and self.checker is not None and a.slots:
+            wait_all([f for fs in a.ready.values() for f in fs])
+            self.checker.release(a.slots)
 
     def refills(self, n_pages: int, layers) -> bool:
         """Would a forward over n_pages copy stale resident pages from host history (once,
@@ -434,7 +449,8 @@ class StreamingPool:
         """Every page's last use is done: after a drain, or after a capture (its events
         were never recorded: nothing ran)."""
         self.last_use = [DONE] * self.P
-        self._ahead_ready = {}
+        if self.filled_ahead is not None:
+            self.filled_ahead.ready = {}
 
     def abandon(self) -> None:
         """After a failed capture: its forward goes without publishing (captured work never
@@ -445,7 +461,6 @@ class StreamingPool:
             job.released = True
         self.active, self.issued, self.current, self.fixed = None, {}, None, False
         self.rows = self.filled_ahead = None
-        self._ahead_slots = []
         self.cursor, self.valid_upto = self._before_capture
         self._table_known = [0] * self.L
         self.forget_fences()
@@ -455,7 +470,7 @@ class StreamingPool:
         its replay, covers its copies too), and whatever was filled ahead was its (or is
         overwritten by it)."""
         self.last_use = [fence] * self.P
-        self.filled_ahead, self._ahead_ready, self._ahead_slots = None, {}, []
+        self.filled_ahead = None
 
     def _unhold(self, job: Placement, fence) -> None:
         for s in job.slot_ranges():

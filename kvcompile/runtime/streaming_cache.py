@@ -191,7 +191,7 @@ class StreamingKvCache:
         # a forward begun ahead counts the fills issued then
         h2d = self.engine.bytes_h2d if self._next is None else self._next_h2d
         if self._ahead_h2d is not None:   # fills issued ahead for it (end_replayed)
-            h2d, self._ahead_h2d = min(h2d, self._ahead_h2d), None
+            h2d, self._ahead_h2d = self._ahead_h2d, None
         repart, reason = self._apply_policy(n_pages)
         self._step = dict(t0=t0, busy=busy, lo=lo, hi=hi, h2d=h2d, d2h=self.engine.bytes_d2h,
                           tokens=int(positions.numel()), pages=n_pages, repart=repart,
@@ -242,10 +242,8 @@ class StreamingKvCache:
         if self.pool.refills(lay.pages, s["layers"]):    # it may have refilled pages)
             return None
         self._layout = lay
-        done = self.pool.filled_ahead     # by the last replay, if it guessed this layout
-        if done is not None and done[:3] == (lay.pages, tuple(s["layers"]), self.pool.r):
-            return replace(lay, ahead=done[3])
-        return lay
+        ahead = self.pool.ahead_for(lay.pages, s["layers"])   # by the last replay's guess
+        return replace(lay, ahead=ahead) if ahead else lay
 
     def _layout_for(self, first: int, pages: int, layers) -> StepLayout:
         """The last layout while it serves a step writing from page `first` over `pages`
