@@ -59,6 +59,13 @@ def launches_per_step(stats: dict) -> int | None:
     return None
 
 
+def publish_mode(e) -> str | None:
+    """How captured streamed steps publish their rows to the host: "rows" (a kernel),
+    "pages" (copies; the kernel could not run) or None (no streamed cache)."""
+    pool = getattr(e.cache, "pool", None)
+    return None if pool is None else ("rows" if pool.row_maps is not None else "pages")
+
+
 def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
              prefetch_next: bool | None = None) -> dict:
     import kvcompile
@@ -89,7 +96,7 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
                            warmup_s=warm.phases.get("warmup_s"),
                            decode_s=warm.decode_s),
                programs=r.phases, launches_per_step=launches_per_step(r.phases),
-               kv=r.kv, tokens=r.token_ids[:16])
+               kv=r.kv, tokens=r.token_ids[:16], publish=publish_mode(e))
     if args.second_request:
         row["second_request"] = second_request(e, ids, r, args)
     if args.ngram_check:
@@ -107,7 +114,7 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
         f"{stats['step_ms']['p50']:.2f} ms, mean/median {mean / median:.3f}, host "
         f"{stats['host_step_ms']:.2f} ms, launches/step {row['launches_per_step']}, "
         f"captures {r.phases.get('captures')}, TTFT {r.prefill_s:.2f} s, "
-        f"{r.kv.get('repartitions', '-')} repartitions")
+        f"{r.kv.get('repartitions', '-')} repartitions, publish {row['publish']}")
     if hasattr(e.cache, "close"):         # the streaming cache's copy stream and leases
         e.cache.close()
     del e

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
 import bench_streaming as S  # noqa: E402
-from bench_runner import build_model  # noqa: E402
+from bench_runner import build_model, publish_mode  # noqa: E402
 
 
 def union(spans):
@@ -134,6 +134,7 @@ def main() -> None:
     prof.export_chrome_trace(trace)
     summary = analyse(trace)
     summary.update(ctx=args.ctx, arena_mib=args.arena_mib, kv=r.kv, phases=r.phases,
+                   publish=publish_mode(e), next_step_ahead=e.cache.prefetch_next,
                    host_step_ms=r.stats()["host_step_ms"], step_ms=r.stats()["step_ms"])
     s = io.StringIO()
     pstats.Stats(host, stream=s).sort_stats("cumulative").print_stats(40)
