@@ -2,7 +2,8 @@
 
     python benchmarks/bench_runner.py [--cases streamed:131072,streamed:65536,resident:8192]
         [--arena-mib 2048] [--kv q8_0/q4_0] [--decode-steps 64] [--weights bf16|q4_k|q8_0]
-        [--prefetch-next both|on|off|default] [--no-cuda-graphs] [--second-request]
+        [--prefetch-next both|on|off|default] [--pipeline on|off|default]
+        [--no-cuda-graphs] [--second-request]
         [--ngram-check]
         [--out benchmarks/results/runner.json]
     python benchmarks/bench_runner.py --tiny --device cpu      # the same code, seconds, CPU
@@ -80,6 +81,9 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
                                     kv_stream_arena_mib=arena, cuda_graphs=args.cuda_graphs,
                                     progress=False)
     row["runner_mode"] = e.runner.mode
+    if args.pipeline != "default":
+        e.pipeline = args.pipeline == "on"
+    row["pipeline"] = e.pipeline
     if prefetch_next is not None and hasattr(e.cache, "prefetch_next"):
         e.cache.prefetch_next = prefetch_next
     row["prefetch_next"] = getattr(e.cache, "prefetch_next", None)
@@ -108,7 +112,8 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
     elif meta.get("hbm_gbps_measured"):
         roof = meta["hbm_gbps_measured"] * 1e9 / (meta["weight_bytes"] + kv_bytes)
         row.update(hbm_roofline_tok_s=roof, decode_vs_hbm_roofline=r.decode_tok_s / roof)
-    log(f"{mode} {ctx} (next step ahead: {row['prefetch_next']}): decode {r.decode_tok_s:.2f} tok/s (x bound "
+    log(f"{mode} {ctx} (next step ahead: {row['prefetch_next']}, pipelined: "
+        f"{row['pipeline']}): decode {r.decode_tok_s:.2f} tok/s (x bound "
         f"{S.fmt(row.get('decode_vs_bound'), '.3f')}, x roofline "
         f"{S.fmt(row.get('decode_vs_hbm_roofline'), '.3f')}), step p50 "
         f"{stats['step_ms']['p50']:.2f} ms, mean/median {mean / median:.3f}, host "
@@ -169,6 +174,9 @@ def parse_args(argv=None):
     ap.add_argument("--prefetch-next", choices=("default", "on", "off", "both"),
                     default="default", help="streamed cases: begin the next decode step at the "
                     "end of each forward (streaming_cache.py), or not, or both in turn")
+    ap.add_argument("--pipeline", choices=("default", "on", "off"), default="default",
+                    help="greedy steps queued before the host reads the token before them "
+                    "(Engine.pipeline; default: on for CUDA)")
     ap.add_argument("--second-request", action="store_true",
                     help="run each case's measured request twice on the same Engine: the "
                     "second's captures and time to first token")

@@ -67,7 +67,8 @@ class StepRunner:
     def step(self, ids: list[int], start: int, all_rows: bool = False) -> torch.Tensor:
         """Run ids at positions start.. through the model; the logits of the last one, or
         of every row with all_rows (a verify step), on the device: reading them waits for
-        the step. A program's output buffer is valid until its next step."""
+        the step. A program's output buffer is valid until its next step. ids: host ints,
+        or a tensor on the device (a token picked there: no host round trip)."""
         n = len(ids)
         with self._host_time():
             if self.phases is not None and (not all_rows or n <= self.phases.buckets[-1]):
@@ -92,7 +93,8 @@ class StepRunner:
                **model_kw):
         if self.phases is not None:
             self.phases.enter("prefill")   # a wide eager step: the prefill layout
-        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+        tokens = (ids.to(self.device, torch.long) if isinstance(ids, torch.Tensor) else
+                  torch.tensor(ids, dtype=torch.long, device=self.device))
         positions = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
         return run_forward(self.model, self.cache, tokens, positions, last_only=not all_rows,
                            layers=self.trunk_layers, start=start, ahead=ahead, **model_kw)

@@ -81,6 +81,13 @@ class Sampler:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         self.generator = torch.Generator().manual_seed(seed)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no repeat penalty: the first of the largest logits, whatever the
+        history (a device can pick it without the host)."""
+        p = self.params
+        return p.temperature == 0 and (p.repeat_penalty == 1.0 or not p.repeat_last_n)
+
     def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
         logits = self._penalized(logits, history)
         if self.params.temperature == 0:

@@ -268,7 +268,10 @@ class PhaseManager:
             pad = rows - n
             prog = self.program("decode", rows)
             positions = list(range(start, start + n)) + [start + n - 1] * pad
-            out = self._run(prog, ids + ids[-1:] * pad, positions)
+            if pad:                    # (a token on the device is one row: no pad then)
+                ids = (torch.cat([ids, ids[-1:].expand(pad)]) if isinstance(ids, torch.Tensor)
+                       else ids + ids[-1:] * pad)
+            out = self._run(prog, ids, positions)
             return out[:n]
         if n == self.ubatch:
             return self._run(self.program("prefill", n), ids, list(range(start, start + n)))

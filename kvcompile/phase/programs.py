@@ -62,14 +62,20 @@ class StaticInput:
         self.tokens, self.positions = self._static[0], self._static[1]
 
     def load(self, tokens, positions) -> None:
+        """tokens: host ints, or a tensor already on the device (a token picked there, see
+        speculative/decode.py): copied device to device after the staged positions."""
         if self._staged is not None and not self._staged.query():
             self._staged.synchronize()   # the last copy must have read the staging buffer
-            # (never taken in a normal step: sampling the previous logits waited for it)
-        self._host_np[0] = tokens
+            # (rarely taken: the step before this one's has run by the time its successor loads)
+        on_device = isinstance(tokens, torch.Tensor)
+        if not on_device:
+            self._host_np[0] = tokens
         self._host_np[1] = positions
         if self._staged is not None:
             self._static.copy_(self._host, non_blocking=True)
             self._staged.record()
+        if on_device:
+            self.tokens.copy_(tokens, non_blocking=True)
 
 
 class PhaseProgram:

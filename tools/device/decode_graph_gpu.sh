@@ -11,6 +11,6 @@ O="$OUT/decode_graph_gpu"; mkdir -p "$O"
 cd /tmp
 timeout ${TESTS_LIMIT:-540} python3 -m pytest -q -s --maxfail=3 --durations=12 -m gpu -rs -p no:cacheprovider \
     ${KEYS:+-k "$KEYS"} "$R/tests/test_lower_ring.py" "$R/tests/test_row_publish.py" "$R/tests/test_decode_graph_gpu.py" "$R/tests/test_runner_gpu.py" \
-    "$R/tests/test_speculative_hybrid.py" 2>&1 \
+    "$R/tests/test_speculative_hybrid.py" "$R/tests/test_pipelined_decode.py" 2>&1 \
     | grep --line-buffered -v "Warning\|warnings.warn" | tee "$O/pytest.log"
 exit ${PIPESTATUS[0]}
