@@ -7,9 +7,9 @@ layout (runtime/step_layout.py). So the whole step is captured once per layout, 
 stream forked into the capture and joined back, and a step is then: the policy's decision
 on the host, one graph replay, the host's bookkeeping. A new layout (the context grew past
 it, or the split changed) is captured at its first step; a step whose resident pages wait
-for a refill from the host runs eagerly once. With the cache's prefetch_next, a replay fills
-the next step's first layers ahead and that step runs a second program of the layout, which
-skips those fills (`StepLayout.ahead`). A resident cache (a hybrid model's) has one
+for a refill from the host runs eagerly once. With the cache's prefetch_next, a step ends by
+filling the next step's first layers (inside its graph, after its last fills) and the next
+step runs a second program of the layout, which skips those fills (`StepLayout.ahead`). A resident cache (a hybrid model's) has one
 layout: its capture serves every step.
 
 The capture computes nothing (captured work does not run), so the step is then replayed
@@ -252,9 +252,8 @@ class DecodeGraph:
         finally:
             if state is not None:             # the capture's state.begin() did not happen
                 state.n_tokens = n_tokens
-        if self.streamed:
-            self.cache.captured()
-        self.programs[layout] = Program(graph, out, moved)
+        filled = self.cache.captured() if self.streamed else None
+        self.programs[layout] = Program(graph, out, moved, filled)
         self.captures += 1
 
     def _no_tracing(self):
@@ -292,6 +291,6 @@ class DecodeGraph:
             out = program.graph.out
         if self.streamed:
             fence = self.cache.backend.compute_fence() if self.cuda else None
-            self.cache.end_replayed(program.moved, fence)
+            self.cache.end_replayed(program.moved, fence, program.filled)
         self.replays += 1
         return out

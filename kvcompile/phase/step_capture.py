@@ -17,11 +17,12 @@ class Rerun:
 
 
 class Program:
-    """One layout's captured step: the graph (or the CPU's rerun), its output buffer and
-    the bytes a replay copies (h2d, d2h)."""
+    """One layout's captured step: the graph (or the CPU's rerun), its output buffer, the
+    bytes a replay copies (h2d, d2h) and what a replay fills ahead for the next step (a
+    streaming cache's record, or None)."""
 
-    def __init__(self, graph, out, moved):
-        self.graph, self.out, self.moved = graph, out, moved
+    def __init__(self, graph, out, moved, filled=None):
+        self.graph, self.out, self.moved, self.filled = graph, out, moved, filled
 
 
 def capture_step(work, device: torch.device, pool, engine=None):

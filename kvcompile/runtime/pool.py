@@ -26,7 +26,7 @@ launches; that forward then begins with `ahead=k` and skips them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -450,7 +450,7 @@ class StreamingPool:
         were never recorded: nothing ran)."""
         self.last_use = [DONE] * self.P
         if self.filled_ahead is not None:
-            self.filled_ahead.ready = {}
+            self.filled_ahead.ready = {li: [] for li in self.filled_ahead.ready}
 
     def abandon(self) -> None:
         """After a failed capture: its forward goes without publishing (captured work never
@@ -465,12 +465,18 @@ class StreamingPool:
         self._table_known = [0] * self.L
         self.forget_fences()
 
-    def replayed(self, fence) -> None:
+    def replayed(self, fence, filled: FilledAhead | None = None) -> None:
         """A captured step ran: every page's last use is that step (`fence`, recorded after
-        its replay, covers its copies too), and whatever was filled ahead was its (or is
-        overwritten by it)."""
+        its replay, covers its copies too); what it filled ahead (`filled`, its capture's
+        `ahead_record`) is the fill ahead now, landed by `fence`."""
         self.last_use = [fence] * self.P
-        self.filled_ahead = None
+        self.filled_ahead = (None if filled is None else
+                             replace(filled, ready={li: [fence] for li in filled.ready}))
+
+    def ahead_record(self) -> FilledAhead | None:
+        """What was filled ahead, its fences left out (a capture's: they never ran)."""
+        a = self.filled_ahead
+        return None if a is None else replace(a, ready={li: [] for li in a.ready})
 
     def _unhold(self, job: Placement, fence) -> None:
         for s in job.slot_ranges():

@@ -101,7 +101,6 @@ class StreamingKvCache:
         self.prefetch_next = (getattr(self.backend, "prefetch_next", True)
                               if prefetch_next is None else prefetch_next)
         self._next = None                 # (lo, hi, n_pages, layers) begun ahead
-        self._ahead_h2d = None            # bytes copied before a fill_ahead (telemetry)
         self._step = None
         self._last = None                 # (t0, busy) of the forward telemetry[-1] records
         self._layout: StepLayout | None = None   # of the captured decode steps (step_layout)
@@ -190,8 +189,6 @@ class StreamingKvCache:
         self._settle_copy_busy(t0, busy)
         # a forward begun ahead counts the fills issued then
         h2d = self.engine.bytes_h2d if self._next is None else self._next_h2d
-        if self._ahead_h2d is not None:   # fills issued ahead for it (end_replayed)
-            h2d, self._ahead_h2d = self._ahead_h2d, None
         repart, reason = self._apply_policy(n_pages)
         self._step = dict(t0=t0, busy=busy, lo=lo, hi=hi, h2d=h2d, d2h=self.engine.bytes_d2h,
                           tokens=int(positions.numel()), pages=n_pages, repart=repart,
@@ -270,9 +267,11 @@ class StreamingKvCache:
                           stacklevel=2)
             self.pool.row_maps = None
 
-    def captured(self) -> None:
-        """After a capture: the fences it recorded never ran (nothing did)."""
+    def captured(self):
+        """After a capture: the fences it recorded never ran (nothing did). Returns what
+        the captured step fills ahead for the next one (None: nothing), for end_replayed."""
         self.pool.forget_fences()
+        return self.pool.ahead_record()
 
     def abandon_capture(self) -> None:
         """After a failed capture (the device synchronized): its forward and events go."""
@@ -280,38 +279,30 @@ class StreamingKvCache:
         self.pool.abandon()
 
     def end_issue(self) -> None:
-        """The end of a captured step's device work: the last layer's release."""
+        """The end of a captured step's device work: the last layer's release, then, with
+        prefetch_next, the next step's first layers filled into the slots that step's
+        program of this layout gives them (as far as the ring allows), inside the step: the
+        copy engine works through the last layers' compute, the head and the graph's
+        boundary, and the next step's program skips those fills (`StepLayout.ahead`). A
+        guess: another forward comes instead and finds only those slots' last use in the
+        fills."""
         self.pool.end()
+        lay = self._layout
+        if self.prefetch_next and lay is not None:
+            self.pool.fill_ahead(lay.pages, self._step["layers"])
 
-    def end_replayed(self, moved: tuple[int, int] = (0, 0), fence=None) -> None:
+    def end_replayed(self, moved: tuple[int, int] = (0, 0), fence=None, filled=None) -> None:
         """Close the open forward after its captured work ran (a CUDA graph replay, or on
         the CPU its rerun): `moved` = the (h2d, d2h) bytes a replay copies, `fence` = the
-        compute stream after the replay (CUDA), the last use of every page."""
+        compute stream after the replay (CUDA), the last use of every page; `filled` = what
+        the replayed step filled ahead (`captured()`; a rerun records its own)."""
         s, self._step = self._step, None
         self.engine.count_replay(*moved)
         if fence is not None:
-            self.pool.replayed(fence)
+            self.pool.replayed(fence, filled)
         elif self.backend.sync_each_forward:
             self.engine.synchronize()
         self._close(s, replayed=True)
-        if self.prefetch_next:
-            self._fill_ahead(s["hi"] + 1, s["layers"])
-
-    def _fill_ahead(self, nxt: int, layers) -> None:
-        """Fill the first layers of the decode step at position nxt now, in the layout it
-        will run in (this one, or the next one past its pages), so the copy engine works
-        while the sampler reads this step's token and the host launches the next; that
-        step's program skips them (`StepLayout.ahead`). A guess: another forward comes
-        instead and finds only those slots' last use in the fills."""
-        first = nxt // self.page_size
-        if self._layout is None or nxt >= self.capacity:
-            return
-        lay = self._layout_for(first, first + 1, layers)   # a new one past this one's pages
-        if lay.pages - min(self.pool.r, lay.pages) > self.pool.ring.n_slots:
-            return
-        h2d = self.engine.bytes_h2d
-        if self.pool.fill_ahead(lay.pages, layers):
-            self._ahead_h2d = h2d
 
     def join_copies(self) -> None:
         """Order the compute side after every copy issued so far (no host wait)."""
@@ -409,7 +400,6 @@ class StreamingKvCache:
         self.pool.forget()
         self.host.reset()
         self.planned_pages = 0
-        self._ahead_h2d = None
 
     def plan(self, n_tokens: int) -> None:
         """The sequence will grow to n_tokens (prompt + max new tokens): the policy splits
