@@ -245,6 +245,9 @@ class Engine:
             if piece:
                 text.append(piece)
                 yield piece
+                # a newer request may have taken the cache while this stream was paused:
+                # stop before the next forward runs over it
+                self._check_current(request)
             if stops.stopped:
                 finish = "stop"
                 break
