@@ -2,7 +2,7 @@
 
     python benchmarks/bench_runner.py [--cases streamed:131072,streamed:65536,resident:8192]
         [--arena-mib 2048] [--kv q8_0/q4_0] [--decode-steps 64] [--weights bf16|q4_k|q8_0]
-        [--prefetch-next both|on|off|default] [--pipeline on|off|default]
+        [--fill-ahead both|on|off|default] [--pipeline on|off|default]
         [--no-cuda-graphs] [--second-request]
         [--ngram-check]
         [--out benchmarks/results/runner.json]
@@ -68,7 +68,7 @@ def publish_mode(e) -> str | None:
 
 
 def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
-             prefetch_next: bool | None = None) -> dict:
+             fill_ahead: bool | None = None) -> dict:
     import kvcompile
     k_type, v_type = args.kv.split("/")
     arena = args.arena_mib if mode == "streamed" else 0
@@ -84,9 +84,9 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
     if args.pipeline != "default":
         e.pipeline = args.pipeline == "on"
     row["pipeline"] = e.pipeline
-    if prefetch_next is not None and hasattr(e.cache, "prefetch_next"):
-        e.cache.prefetch_next = prefetch_next
-    row["prefetch_next"] = getattr(e.cache, "prefetch_next", None)
+    if fill_ahead is not None and hasattr(e.cache, "fill_ahead"):
+        e.cache.fill_ahead = fill_ahead
+    row["fill_ahead"] = getattr(e.cache, "fill_ahead", None)
     ids = S.random_ids(ctx - args.decode_steps - 2, g.vocab, args.seed, "cpu").tolist()
     warm = e.generate(ids[:WARM_PROMPT], max_tokens=WARM_STEPS, temperature=0)
     r = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
@@ -112,7 +112,7 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
     elif meta.get("hbm_gbps_measured"):
         roof = meta["hbm_gbps_measured"] * 1e9 / (meta["weight_bytes"] + kv_bytes)
         row.update(hbm_roofline_tok_s=roof, decode_vs_hbm_roofline=r.decode_tok_s / roof)
-    log(f"{mode} {ctx} (next step ahead: {row['prefetch_next']}, pipelined: "
+    log(f"{mode} {ctx} (fill ahead: {row['fill_ahead']}, pipelined: "
         f"{row['pipeline']}): decode {r.decode_tok_s:.2f} tok/s (x bound "
         f"{S.fmt(row.get('decode_vs_bound'), '.3f')}, x roofline "
         f"{S.fmt(row.get('decode_vs_hbm_roofline'), '.3f')}), step p50 "
@@ -171,9 +171,10 @@ def parse_args(argv=None):
     ap.add_argument("--weights", default="bf16", help="bf16, or a GGUF type (q4_k, q8_0, ...)")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="default: the Engine's (on for CUDA)")
-    ap.add_argument("--prefetch-next", choices=("default", "on", "off", "both"),
-                    default="default", help="streamed cases: begin the next decode step at the "
-                    "end of each forward (streaming_cache.py), or not, or both in turn")
+    ap.add_argument("--fill-ahead", choices=("default", "on", "off", "both"),
+                    default="default", help="streamed cases: each captured step fills the "
+                    "next one's first layers (StreamingKvCache.fill_ahead), or not, or both "
+                    "in turn")
     ap.add_argument("--pipeline", choices=("default", "on", "off"), default="default",
                     help="greedy steps queued before the host reads the token before them "
                     "(Engine.pipeline; default: on for CUDA)")
@@ -210,7 +211,7 @@ def main(argv=None) -> list[dict]:
     rows = []
     ahead = {"default": [None], "on": [True], "off": [False], "both": [False, True]}
     for mode, ctx in cases:
-        for p in (ahead[args.prefetch_next] if mode == "streamed" else [None]):
+        for p in (ahead[args.fill_ahead] if mode == "streamed" else [None]):
             rows.append(run_case(model, g, mode, ctx, args, device, meta, p))
             save(rows[-1:], args.out)
     return rows

@@ -11,7 +11,7 @@ import pytest
 
 import bench_runner
 
-KEEP = ("mode", "context", "prefetch_next", "kv_type", "arena_mib", "weights", "runner_mode", "decode_tok_s",
+KEEP = ("mode", "context", "fill_ahead", "kv_type", "arena_mib", "weights", "runner_mode", "decode_tok_s",
         "prefill_tok_s", "ttft_s", "step_ms", "mean_over_median_step", "host_step_ms",
         "launches_per_step", "decode_vs_bound", "decode_vs_hbm_roofline", "commit", "date")
 
@@ -19,7 +19,7 @@ KEEP = ("mode", "context", "prefetch_next", "kv_type", "arena_mib", "weights", "
 def run(benchmark, argv):
     rows = benchmark.pedantic(bench_runner.main, args=(argv,), rounds=1, iterations=1)
     for r in rows:
-        key = f"{r['mode']}:{r['context']}:ahead={r.get('prefetch_next')}"
+        key = f"{r['mode']}:{r['context']}:ahead={r.get('fill_ahead')}"
         benchmark.extra_info[key] = {k: r.get(k) for k in KEEP}
         benchmark.extra_info[key]["captures_second_request"] = r["programs"].get("captures")
     return rows
@@ -29,11 +29,11 @@ def run(benchmark, argv):
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "programs"])
 def test_runner_tiny_cpu(benchmark, tmp_path, graphs):
     argv = ["--tiny", "--device", "cpu", "--out", str(tmp_path / "runner.json"),
-            "--prefetch-next", "both", "--cuda-graphs" if graphs else "--no-cuda-graphs",
+            "--fill-ahead", "both", "--cuda-graphs" if graphs else "--no-cuda-graphs",
             "--ngram-check", "--second-request"]
     rows = run(benchmark, argv)
     assert [r["mode"] for r in rows] == ["streamed", "streamed", "resident"]
-    assert [r["prefetch_next"] for r in rows[:2]] == [False, True]
+    assert [r["fill_ahead"] for r in rows[:2]] == [False, True]
     for r in rows:
         assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["host_step_ms"] > 0
     assert rows[0]["tokens"] == rows[1]["tokens"] == rows[2]["tokens"]   # same prompt

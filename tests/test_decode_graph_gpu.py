@@ -74,7 +74,7 @@ def run(model, cache, prompt, n_decode, program=None):
 def test_decode_graph_is_bitwise_eager_decode(request, arch, kv, mode):
     """traced: the streamed step runs the forward traced through passes.streamed_pipeline
     (ring ops lowered), as the Engine's; filled-ahead: the same, and each replay fills the
-    next step's first layers, which that step's program skips (prefetch_next);
+    next step's first layers, which that step's program skips (fill_ahead);
     tiny-arena: the eager model in the graph."""
     model = request.getfixturevalue("llama" if arch == "llama" else "hybrid")
     streamed = mode != "resident"
@@ -85,7 +85,7 @@ def test_decode_graph_is_bitwise_eager_decode(request, arch, kv, mode):
     ids_ref, ref = run(model, ref_cache, prompt, n_decode)
     cache = make_cache(model, 600, kv, streamed)
     if streamed:
-        cache.prefetch_next = mode == "filled-ahead"
+        cache.fill_ahead = mode == "filled-ahead"
     program = DecodeGraph(model, cache, layers=trunk(model),
                           compile=mode in ("traced", "filled-ahead"))
     ids, got = run(model, cache, prompt, n_decode, program)

@@ -22,6 +22,7 @@ class CpuBackend:
     check_plans = True    # the CI backend validates every span plan it builds
     sync_each_forward = True   # copies finish before end_forward returns (cheap here)
     prefetch_next = True       # begin the next decode step at the end of each forward
+    fill_ahead = True          # a captured step fills the next one's first layers
 
     def __init__(self, threaded_copies: bool = False, instrument: Instrument | None = None):
         self.device = torch.device("cpu")

@@ -204,10 +204,13 @@ class CudaBackend:
     # replay's rows are published on the compute stream, before the event every page's
     # last use becomes (pool.replayed)
     sync_each_forward = False
-    # Begin the next decode step at the end of each forward, or fill its first layers
-    # after a replay (streaming_cache.py): opt-in on CUDA (KVCOMPILE_PREFETCH_NEXT=1)
-    # until device runs compare it with the default (bench_runner.py --prefetch-next both).
+    # Begin the next eager forward at the end of each one (streaming_cache.py): opt-in on
+    # CUDA (KVCOMPILE_PREFETCH_NEXT=1): a prefill chunk's guess is always wrong.
     prefetch_next = os.environ.get("KVCOMPILE_PREFETCH_NEXT", "0") == "1"
+    # A captured decode step fills the next one's first layers (streaming_cache.end_issue):
+    # opt-in (KVCOMPILE_FILL_AHEAD=1) until device runs compare it with the default
+    # (bench_runner.py --fill-ahead both).
+    fill_ahead = os.environ.get("KVCOMPILE_FILL_AHEAD", "0") == "1"
 
     def __init__(self, device="cuda", instrument: Instrument | None = None,
                  copy: str | None = None):

@@ -100,6 +100,8 @@ class StreamingKvCache:
         # something else drops the guess (its copies only filled free ring slots).
         self.prefetch_next = (getattr(self.backend, "prefetch_next", True)
                               if prefetch_next is None else prefetch_next)
+        # A captured decode step fills the next one's first layers before it ends (end_issue)
+        self.fill_ahead = getattr(self.backend, "fill_ahead", True)
         self._next = None                 # (lo, hi, n_pages, layers) begun ahead
         self._step = None
         self._last = None                 # (t0, busy) of the forward telemetry[-1] records
@@ -280,7 +282,7 @@ class StreamingKvCache:
 
     def end_issue(self) -> None:
         """The end of a captured step's device work: the last layer's release, then, with
-        prefetch_next, the next step's first layers filled into the slots that step's
+        fill_ahead, the next step's first layers filled into the slots that step's
         program of this layout gives them (as far as the ring allows), inside the step: the
         copy engine works through the last layers' compute, the head and the graph's
         boundary, and the next step's program skips those fills (`StepLayout.ahead`). A
@@ -288,7 +290,7 @@ class StreamingKvCache:
         fills."""
         self.pool.end()
         lay = self._layout
-        if self.prefetch_next and lay is not None:
+        if self.fill_ahead and lay is not None:
             self.pool.fill_ahead(lay.pages, self._step["layers"])
 
     def end_replayed(self, moved: tuple[int, int] = (0, 0), fence=None, filled=None) -> None:

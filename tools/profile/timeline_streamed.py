@@ -134,7 +134,7 @@ def main() -> None:
     prof.export_chrome_trace(trace)
     summary = analyse(trace)
     summary.update(ctx=args.ctx, arena_mib=args.arena_mib, kv=r.kv, phases=r.phases,
-                   publish=publish_mode(e), next_step_ahead=e.cache.prefetch_next,
+                   publish=publish_mode(e), fill_ahead=e.cache.fill_ahead,
                    host_step_ms=r.stats()["host_step_ms"], step_ms=r.stats()["step_ms"])
     s = io.StringIO()
     pstats.Stats(host, stream=s).sort_stats("cumulative").print_stats(40)
