@@ -20,8 +20,7 @@ from kvcompile.loader import load_model, open_model
 from kvcompile.memory_budget import plan_engine_memory
 from kvcompile.runner import StepRunner, make_sequence_cache
 from kvcompile.generation_result import GenerationResult, TokenStream
-from kvcompile.speculative.decode import (pipelined_greedy_tokens, plain_tokens,
-                                          speculative_tokens)
+from kvcompile.speculative.decode import pipelined_tokens, plain_tokens, speculative_tokens
 from kvcompile.speculative.options import SpecOptions, check_model_supports
 from kvcompile.speculative.stats import SpecStats
 from kvcompile.runtime.telemetry import summarize
@@ -137,9 +136,10 @@ class Engine:
             cuda_graphs = self.device.type == "cuda"
         self.runner = StepRunner(model, self.cache, device=self.device, ubatch=ubatch,
                                  cuda_graphs=cuda_graphs, trace=trace)
-        # Greedy decoding picks each token on the device and queues the next step before the
-        # host reads it (speculative/decode.py): on by default where the device runs
-        # asynchronously; False runs one step at a time (the host reads every token first).
+        # Decoding draws each token on the device and queues the next step before the host
+        # reads it (speculative/decode.py; not with a repeat penalty): on by default where
+        # the device runs asynchronously; False runs one step at a time (the host reads
+        # every token first, and a seed draws what it draws on the CPU).
         self.pipeline = self.device.type == "cuda"
         if spec.enabled and self.runner.recurrent is not None:
             # checkpoints of every row a verify step can hold, allocated once, up front
@@ -228,8 +228,8 @@ class Engine:
         tokens = (speculative_tokens(self.runner.verify, self.runner.rollback, drafter, logits,
                                      sampler, history, budget, self.ctx_size, step_s, spec_stats)
                   if drafter is not None else
-                  pipelined_greedy_tokens(self.forward, logits, history, budget, step_s)
-                  if self.pipeline and sampler.plain_greedy else
+                  pipelined_tokens(self.forward, logits, sampler.pick, history, budget, step_s)
+                  if self.pipeline and sampler.on_device else
                   plain_tokens(self.forward, logits, sampler, history, budget, step_s))
         for n, token in enumerate(tokens):
             if n:

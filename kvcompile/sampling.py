@@ -79,14 +79,33 @@ class Sampler:
         seed = self.params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
+        self._device_generator = None
 
     @property
-    def plain_greedy(self) -> bool:
-        """Greedy with no repeat penalty: the first of the largest logits, whatever the
-        history (a device can pick it without the host)."""
+    def on_device(self) -> bool:
+        """The token can be drawn where the logits are (`pick`): no repeat penalty, which
+        reads the history on the host."""
         p = self.params
-        return p.temperature == 0 and (p.repeat_penalty == 1.0 or not p.repeat_last_n)
+        return p.repeat_penalty == 1.0 or not p.repeat_last_n
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token (for an `on_device` sampler) as a 1-element tensor where the
+        logits are, by the rule `__call__` follows: the first of the largest logits, or a
+        draw after temperature, top-k, min-p and top-p from this request's generator of
+        that device (on the CPU the one `__call__` uses: the same tokens for a seed)."""
+        if self.params.temperature == 0:
+            return torch.argmax(logits).reshape(1)
+        probs = self._probs(logits.detach().float())
+        return torch.multinomial(probs, 1, generator=self._generator_on(probs.device))
+
+    def _generator_on(self, device: torch.device) -> torch.Generator:
+        if device.type == "cpu":
+            return self.generator
+        if self._device_generator is None:
+            self._device_generator = torch.Generator(device).manual_seed(self.seed)
+        return self._device_generator
 
     def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
         logits = self._penalized(logits, history)

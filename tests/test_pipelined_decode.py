@@ -1,7 +1,8 @@
-"""Pipelined greedy decoding (speculative/decode.py): each token picked on the device and
-fed to the next step before the host reads it. The tokens against the recompute oracle and
-against the one-step-at-a-time loop, in every runner mode; the forward order and what an
-early stop leaves behind, on a scripted forward."""
+"""Pipelined decoding (speculative/decode.py): each token drawn on the device and fed to
+the next step before the host reads it. Greedy tokens against the recompute oracle and
+against the one-step-at-a-time loop, in every runner mode, sampled ones against the loop for
+a seed; the device draw against the host sampler's distribution; the forward order and what
+an early stop leaves behind, on a scripted forward."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -11,7 +12,8 @@ import torch
 
 from kvcompile.engine import Engine
 from kvcompile.models.llama import LlamaModel
-from kvcompile.speculative.decode import pipelined_greedy_tokens
+from kvcompile.sampling import Sampler, SamplingParams
+from kvcompile.speculative.decode import pipelined_tokens
 from kernel_oracle import fresh_seed
 from test_kv_cache import TINY, tiny_weights
 from test_runner import recompute_greedy
@@ -40,16 +42,35 @@ def test_each_forward_takes_the_device_pick_before_the_token_is_read():
         return table[len(calls)]
 
     step_s: list = []
-    tokens = pipelined_greedy_tokens(forward, table[0], [7, 8, 9], 6, step_s)
+    pick = Sampler(SamplingParams(temperature=0)).pick
+    tokens = pipelined_tokens(forward, table[0], pick, [7, 8, 9], 6, step_s)
     got = [next(tokens) for _ in range(3)]
     assert got == [int(table[i].argmax()) for i in range(3)]
     # the third token's successor was already asked for when the third was read
     assert calls == [(got[0], 3), (got[1], 4), (got[2], 5)]
     tokens.close()                       # a stop: nothing more runs
     assert len(calls) == 3 and len(step_s) == 2
-    rest = list(pipelined_greedy_tokens(forward, table[0], [7, 8, 9], 6, []))
+    rest = list(pipelined_tokens(forward, table[0], pick, [7, 8, 9], 6, []))
     assert len(rest) == 6 and len(calls) == 3 + 5    # no forward after the last token
-    assert list(pipelined_greedy_tokens(forward, table[0], [1], 0, [])) == []
+    assert list(pipelined_tokens(forward, table[0], pick, [1], 0, [])) == []
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_a_device_draw_follows_the_host_samplers_distribution(device):
+    """Sampler.pick where the logits are against Sampler.probs (the host's rule after
+    temperature, top-k, min-p, top-p): frequencies of 6000 draws within 5 standard errors."""
+    seed = fresh_seed()
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(seed)) * 2
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.02, seed=seed)
+    want = Sampler(params).probs(logits, [])
+    sampler, on = Sampler(params), logits.to(device)
+    n = 6000
+    counts = torch.bincount(torch.cat([sampler.pick(on).cpu() for _ in range(n)]),
+                            minlength=64).double() / n
+    err = (want * (1 - want) / n).sqrt()
+    assert (counts[want == 0] == 0).all(), seed
+    assert ((counts - want).abs() <= 5 * err + 1e-9).all(), (seed, (counts - want).abs().max())
 
 
 @pytest.mark.parametrize("mode", ["eager", "phase-programs", "streamed-graphs"])
@@ -68,6 +89,13 @@ def test_pipelined_tokens_equal_the_oracle_and_the_stepwise_loop(model, seed, mo
     piped = e.generate(prompt, max_tokens=6, temperature=0)
     assert piped.token_ids == stepwise.token_ids == want, (seed, mode)
     assert len(piped.step_s) == 5 and piped.decode_tok_s > 0
+    # sampled: on the CPU the device draw uses the host sampler's generator, so a seed
+    # draws the same tokens either way
+    e.pipeline = False
+    sampled = e.generate(prompt, max_tokens=6, temperature=0.9, top_k=0, min_p=0, seed=seed)
+    e.pipeline = True
+    assert e.generate(prompt, max_tokens=6, temperature=0.9, top_k=0, min_p=0,
+                      seed=seed).token_ids == sampled.token_ids, (seed, mode)
     # a repeat penalty needs the host's sampler: the same request runs step by step
     penalized = e.generate(prompt, max_tokens=6, temperature=0, repeat_penalty=1.5)
     e.pipeline = False
@@ -108,7 +136,8 @@ def test_a_stop_token_ends_a_pipelined_request_and_the_next_one_is_exact(tmp_pat
 def test_cuda_pipelined_tokens_equal_the_stepwise_ones(kv_mode):
     """On the device, where the host really runs ahead: SmolLM2's geometry (random weights),
     16K of q8_0 KV, all resident (phase programs) or through a tiny arena (decode graphs);
-    64 greedy tokens pipelined (the CUDA default) equal the stepwise ones."""
+    64 greedy tokens pipelined (the CUDA default) equal the stepwise ones; a sampled
+    request is reproducible for its seed."""
     from test_decode_graph import tiny_arena
     from test_runner_gpu import SMOL
     seed, ctx = fresh_seed(), 16384
@@ -126,5 +155,8 @@ def test_cuda_pipelined_tokens_equal_the_stepwise_ones(kv_mode):
     e.pipeline = False
     stepwise = e.generate(prompt, max_tokens=64, temperature=0)
     assert piped.token_ids == stepwise.token_ids and len(piped.token_ids) == 64, seed
+    e.pipeline = True
+    sampled = [e.generate(prompt, max_tokens=16, seed=seed).token_ids for _ in range(2)]
+    assert sampled[0] == sampled[1] and len(sampled[0]) == 16, seed
     print(f"{kv_mode}: seed {seed}, decode {piped.decode_tok_s:.1f} tok/s pipelined, "
           f"{stepwise.decode_tok_s:.1f} stepwise, programs {piped.phases}")
