@@ -134,7 +134,7 @@ def test_every_step_of_a_layout_issues_the_same_copies(models):
     first, *replayed = [c for c, lay in zip(per_step, layouts) if lay is not None]
     assert len(replayed) == 38 and replayed[0], runner.request_stats()
     assert all(c == replayed[0] for c in replayed)      # fills and publishes, all of them
-    # Each step ends by filling the next one's first layers (end_replayed), which that
+    # Each step ends by filling the next one's first layers (end_issue), which that
     # step's program skips: a step's copies are the layout's fills once, the first step's
     # (its program fills every layer) those and the next step's filled ahead.
     steady = replayed[0]

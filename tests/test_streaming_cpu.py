@@ -203,8 +203,8 @@ def test_captured_decode_steps_hold_the_fences_under_injected_delays(model, type
     """Decode steps in fixed layouts (phase/decode_graph.py; on the CPU each replay reruns
     the step) through a threaded copy engine with random copy and compute delays: no fence
     violation, the resident decode's tokens and logits; 16-token pages, so the decode
-    crosses page boundaries (a new layout each). Each replay fills the next step's first
-    layers ahead, still in flight when that step's program (which skips them) runs."""
+    crosses page boundaries (a new layout each). Each step ends by filling the next step's
+    first layers, still in flight when that step's program (which skips them) runs."""
     from kvcompile.phase.decode_graph import DecodeGraph
     prompt = _prompt(SEED + 5, PROMPT_LEN - 10)   # room for 24 decoded tokens
     ids_ref, ref = _reference(model, types, prompt, 24)
