@@ -15,20 +15,7 @@ from kvcompile.models.llama import LlamaModel
 from kvcompile.sampling import Sampler, SamplingParams
 from kvcompile.speculative.decode import pipelined_tokens
 from kernel_oracle import fresh_seed
-from test_kv_cache import TINY, tiny_weights
-from test_runner import recompute_greedy
-
-CFG = replace(TINY, context_length=1024)
-
-
-@pytest.fixture(scope="module")
-def seed():
-    return fresh_seed()
-
-
-@pytest.fixture(scope="module")
-def model(seed):
-    return LlamaModel.from_weights(CFG, tiny_weights(CFG, torch.Generator().manual_seed(seed)))
+from test_runner import CFG, model, recompute_greedy, seed  # noqa: F401  (fixtures)
 
 
 def test_each_forward_takes_the_device_pick_before_the_token_is_read():

@@ -7,10 +7,10 @@ layout (runtime/step_layout.py). So the whole step is captured once per layout, 
 stream forked into the capture and joined back, and a step is then: the policy's decision
 on the host, one graph replay, the host's bookkeeping. A new layout (the context grew past
 it, or the split changed) is captured at its first step; a step whose resident pages wait
-for a refill from the host runs eagerly once. With the cache's prefetch_next, a step ends by
+for a refill from the host runs eagerly once. With the cache's fill_ahead, a step ends by
 filling the next step's first layers (inside its graph, after its last fills) and the next
-step runs a second program of the layout, which skips those fills (`StepLayout.ahead`). A resident cache (a hybrid model's) has one
-layout: its capture serves every step.
+step runs a second program of the layout, which skips those fills (`StepLayout.ahead`). A
+resident cache (a hybrid model's) has one layout: its capture serves every step.
 
 The capture computes nothing (captured work does not run), so the step is then replayed
 for real. A program's first step runs eagerly on the capture stream (Triton compiles and

@@ -449,8 +449,7 @@ class StreamingPool:
         """Every page's last use is done: after a drain, or after a capture (its events
         were never recorded: nothing ran)."""
         self.last_use = [DONE] * self.P
-        if self.filled_ahead is not None:
-            self.filled_ahead.ready = {li: [] for li in self.filled_ahead.ready}
+        self.filled_ahead = self.ahead_record()
 
     def abandon(self) -> None:
         """After a failed capture: its forward goes without publishing (captured work never
