@@ -213,3 +213,35 @@ def test_min_depth_holds_the_lookahead():
     assert idle.state.depth == 2
     plain = step(replace(cfg, min_depth=1), PolicyState(10, depth=2), Observation(50, 0, 0.0, 0.1))
     assert plain.state.depth == 1
+
+
+def test_decode_steps_take_a_fractional_ring_at_once_and_prefill_takes_its_own_back():
+    """decode_depth: a decode step gets the split whose ring holds that many layers of
+    stream (the largest such r), at once (a change of phase waits out no patience), keeps
+    it while decoding, and the next prefill gets the depth-2 split back at once."""
+    rng = random.Random(SEED + 12)
+    checked = 0
+    for _ in range(200):
+        L = rng.randrange(3, 40)
+        planned = rng.randrange(4, 300)
+        dd = rng.choice([1.1, 1.25, 1.5])
+        cfg = PolicyConfig(n_layers=L, total_pages=rng.randrange(planned + 1, 2 * L * planned),
+                           min_depth=2, decode_depth=dd)
+        c = planned + cfg.headroom_pages
+        pre = step(cfg, PolicyState(depth=2), Observation(planned, planned_pages=planned))
+        dec = step(cfg, pre.state, Observation(planned, planned_pages=planned, decode=True))
+        r_p, r_d = pre.resident_per_layer, dec.resident_per_layer
+        msg = (SEED, cfg, planned, r_p, r_d)
+        assert r_d == max(target_split(cfg, planned, dd), r_p), msg
+        assert serves(cfg, r_d, planned), msg
+        assert dec.accepted == (r_d != r_p) and dec.state.decode, msg
+        if (L * c > cfg.total_pages and r_p < r_d < c
+                and cfg.total_pages - L * r_d >= dd * (c - r_d)):
+            checked += 1       # maximal: one more resident page breaks the ring's need
+            assert cfg.total_pages - L * (r_d + 1) < dd * (c - r_d - 1), msg
+        again = step(cfg, dec.state, Observation(planned, 0, 0.5, 0.95, planned_pages=planned,
+                                                 decode=True))
+        assert not again.accepted and again.resident_per_layer == r_d, msg
+        back = step(cfg, again.state, Observation(planned, planned_pages=planned))
+        assert back.resident_per_layer == r_p and back.accepted == (r_d != r_p), msg
+    assert checked > 20, (SEED, checked)

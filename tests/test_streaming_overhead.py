@@ -44,15 +44,17 @@ def test_a_decode_step_makes_few_calls_and_one_host_read():
     assert res["streamed_pages_per_layer"] >= 12, res
     assert per["positions_host_reads"] == 1, per         # begin_forward's one read
     assert per.get("host_sync", 0) == 0, per              # nothing waits for the device
-    # per layer: K and V fills (a second pair where the ring wraps), K and V publishes;
-    # every table in one op per forward
-    assert per["aten.copy_"] <= 5 * L + 2, per
+    # per layer: K and V fills (a second pair where the ring wraps, a third where the
+    # fill is split around the layer before: runtime/pool.py), K and V publishes; every
+    # table in one op per forward
+    assert per["aten.copy_"] <= 7 * L + 2, per
     assert per.get("aten.arange", 0) == 0, per
     # per layer: a ready wait and the publish's wait for the compute; fills' waits for
     # consumed pages are implied by the publish waits that came before them
     assert per["stream_wait"] <= 2 * L, per
-    # per layer: start and end of the fill and of the publish, and the consumed fence
-    assert per["event_record"] <= 5 * L, per
+    # per layer: start and end of the fill (of each part of a split one) and of the
+    # publish, and the consumed fence
+    assert per["event_record"] <= 7 * L, per
     assert per["event_query"] <= 4, per                   # telemetry only, read lazily
 
 

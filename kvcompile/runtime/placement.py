@@ -25,6 +25,8 @@ class Placement:
     ready: list = field(default_factory=list)
     claims: list = field(default_factory=list)   # (pages, owners) taken without a copy
     released: bool = False
+    placed: int = 0                  # logical pages [0, placed) have their slots and fills
+    held: list = field(default_factory=list)     # ring slot ranges this layer holds
 
     @classmethod
     def build(cls, li, L, r, n, ring: Ring, cursor: int) -> "Placement":
@@ -38,6 +40,10 @@ class Placement:
     @property
     def n_streamed(self) -> int:
         return self.n - self.r
+
+    @property
+    def complete(self) -> bool:
+        return self.placed == self.n
 
     def slot_ranges(self):
         return [range(p0, p0 + c) for _, p0, c in self.ring_runs]

@@ -10,7 +10,11 @@ to the resident side. A saturated copy engine keeps the depth: going back to dep
 save a few percent of the bytes (one layer's ring share becomes resident) but serialises
 each layer's copy behind the previous layer's attention, which costs more than it saves
 (measured on the H200: the split flipped between 1 and 2 every few steps, each flip a
-drain; the streaming cache therefore keeps depth >= 2 with `min_depth`). A request that
+drain; the streaming cache therefore keeps depth >= 2 with `min_depth`). Decode steps are
+another matter: their compute per layer is short, so with split fills (runtime/pool.py) a
+ring of one layer's stream plus a margin that lands during that compute keeps the copy
+engine busy: `decode_depth` (e.g. 1.25 layers) is the depth of forwards of few rows, and
+a change of phase (prefill <-> decode) is taken at once, without patience. A request that
 says how far it will grow (`planned_pages`: prompt + max tokens) gets the split for that
 context at its first forward, so prefill and decode run on one split. Hysteresis: a new split is accepted only when it differs by at least
 `hysteresis_pages` per layer and was proposed `patience` steps in a row -- unless the
@@ -19,9 +23,12 @@ still-leased page to another role is never accepted; the caller drains and asks 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from kvcompile.errors import ArenaError
+
+DECODE_ROWS = 8   # a forward of at most this many rows is a decode or verify step
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,7 @@ class PolicyConfig:
     total_pages: int              # physical pages of the arena's KV regions
     max_depth: int = 2
     min_depth: int = 1
+    decode_depth: float | None = None  # ring depth (in layers) of decode steps; None: depth
     headroom_pages: int = 1       # growth room so decode does not repartition at each page
     hysteresis_pages: int = 1
     patience: int = 3
@@ -43,6 +51,7 @@ class PolicyState:
     depth: int = 1
     pending: int | None = None    # proposed r waiting out the hysteresis
     streak: int = 0
+    decode: bool = False          # the split was made for decode steps (decode_depth)
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,7 @@ class Observation:
     leased_pages: frozenset = field(default_factory=frozenset)  # physical pages still in use
     planned_pages: int = 0        # pages the request will reach (its prompt + max tokens):
     # the split is made for these from the start, so it need not change as the context grows
+    decode: bool = False          # the next forward is a decode (or verify) step: few rows
 
 
 @dataclass(frozen=True)
@@ -75,8 +85,9 @@ def serves(cfg: PolicyConfig, r: int, context_pages: int) -> bool:
     return r >= 0 and ring_slots(cfg, r) >= max(context_pages - r, 0)
 
 
-def target_split(cfg: PolicyConfig, context_pages: int, depth: int) -> int:
-    """Largest r whose ring holds `depth` layers of streamed pages (with headroom)."""
+def target_split(cfg: PolicyConfig, context_pages: int, depth: float) -> int:
+    """Largest r whose ring holds `depth` (maybe a fraction) layers of streamed pages, with
+    headroom; fewer layers (whole ones) where that cannot be."""
     L, P = cfg.n_layers, cfg.total_pages
     if P < context_pages:
         raise ArenaError(f"the arena's KV space holds {P} pages but one layer's context needs "
@@ -84,8 +95,8 @@ def target_split(cfg: PolicyConfig, context_pages: int, depth: int) -> int:
     c = context_pages + cfg.headroom_pages
     if L * c <= P:
         return P // L                        # everything resident, growth room included
-    for k in range(min(depth, L - 1), 0, -1):
-        r = min((P - k * c) // (L - k), c)
+    for k in sorted({min(depth, L - 1), *range(min(int(depth), L - 1), 0, -1)}, reverse=True):
+        r = min(math.floor((P - k * c) / (L - k)), c)
         if r >= 0:
             return r
     return 0 if serves(cfg, 0, context_pages) else -1
@@ -99,15 +110,23 @@ def changed_pages(cfg: PolicyConfig, r_old: int, r_new: int) -> range:
 
 def step(cfg: PolicyConfig, state: PolicyState, obs: Observation) -> Decision:
     depth = _next_depth(cfg, state, obs)
-    target = target_split(cfg, max(obs.context_pages, obs.planned_pages), depth)
+    decode = obs.decode and cfg.decode_depth is not None
+    pages = max(obs.context_pages, obs.planned_pages)
+    target = target_split(cfg, pages, depth)
+    if decode:           # (never fewer resident pages than prefill's split keeps)
+        target = max(target, target_split(cfg, pages, cfg.decode_depth))
     cur = state.resident_per_layer
     forced = not serves(cfg, cur, obs.context_pages)
+    phase = decode != state.decode and cur >= 0   # prefill <-> decode: no patience
 
     def keep(reason, pending=None, streak=0):
         s = replace(state, depth=depth, pending=pending, streak=streak)
         return Decision(s, False, cur, ring_slots(cfg, cur), reason)
 
-    if not forced:
+    if phase and target == cur:
+        s = replace(state, depth=depth, pending=None, streak=0, decode=decode)
+        return Decision(s, False, cur, ring_slots(cfg, cur), "same split for this phase")
+    if not forced and not phase:
         if abs(target - cur) < cfg.hysteresis_pages:
             return keep("within hysteresis")
         streak = state.streak + 1 if state.pending == target else 1
@@ -117,10 +136,11 @@ def step(cfg: PolicyConfig, state: PolicyState, obs: Observation) -> Decision:
     if busy:
         return keep(f"pages {busy[:4]}{'...' if len(busy) > 4 else ''} still leased; drain "
                     f"and ask again", target, state.streak)
-    new = PolicyState(resident_per_layer=target, depth=depth)
+    new = PolicyState(resident_per_layer=target, depth=depth, decode=decode)
     return Decision(new, True, target, ring_slots(cfg, target),
                     "forced: current split cannot serve the context" if forced
-                    else f"resident {cur} -> {target} pages per layer")
+                    else f"resident {cur} -> {target} pages per layer"
+                    + (f" ({'decode' if decode else 'prefill'})" if phase else ""))
 
 
 def _next_depth(cfg: PolicyConfig, state: PolicyState, obs: Observation) -> int:

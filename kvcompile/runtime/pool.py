@@ -10,9 +10,12 @@ span plan), host->device copies of contiguous runs (one group per layer: a K and
 per run), and ready fences; the page tables of a forward over consecutive layers are all
 written at its start (first-in first-out slots make every layer's placement known). A
 layer only takes slots already released by earlier layers, so a copy waits only on
-consumed fences that exist (recorded), never on future work; prefetch of later layers
-stops at the first layer the ring cannot take yet. Release publishes the rows written this
-forward to host history and records each page's consumed fence.
+consumed fences that exist (recorded), never on future work. Split fills: a layer whose
+first slots are free but whose last ones the layer before it still holds takes and fills
+the free ones now (they land while that layer computes) and the rest once it releases, so
+a ring of one layer's stream plus a margin keeps the copy engine busy (runtime/policy.py,
+`decode_depth`); prefetch of later layers stops at such a layer. Release publishes the
+rows written this forward to host history and records each page's consumed fence.
 
 A fixed forward (`begin(..., fixed=True)`, a step captured as one CUDA graph) does the same
 device work whatever the position within its pages: slots from ring slot 0, every streamed
@@ -58,6 +61,7 @@ class ForwardCounters:
     streamed_reads: int = 0
     peak_held: int = 0
     copies: int = 0
+    split: int = 0               # layers filled in two parts (split fills)
 
 
 class StreamingPool:
@@ -79,6 +83,8 @@ class StreamingPool:
         self.row_maps = row_maps                 # (K, V) RowMaps: fixed forwards publish rows
         self.rows = None                         # the active fixed forward's positions
         self.filled_ahead: FilledAhead | None = None
+        self.split_fills = True                  # a layer may take its free slots first
+        self.partial: Placement | None = None    # the layer waiting for its last slots
         dev = k_pool.device
         # Every layer's table is a row of one tensor, so a forward over all layers writes
         # them in one device op (begin). Rows start 16-byte aligned, like separate tensors.
@@ -200,6 +206,7 @@ class StreamingPool:
             raise KvLayoutError(f"{n_pages} pages per layer need a ring of "
                                 f"{n_pages - self.r} slots; the ring has {self.ring.n_slots}")
         self.active, self.issued, self.current = (n_pages, written), {}, None
+        self.partial = None
         self.count = ForwardCounters()
         self._tables_written = self._write_all_tables(n_pages)
         self._prefetch()
@@ -239,7 +246,7 @@ class StreamingPool:
             self.release(self.current)
         self._prefetch()
         job = self.issued.get(li)
-        if job is None:
+        if job is None or not job.complete:
             raise KvLayoutError(f"layer {layer} could not get ring slots: layers must be "
                                 f"acquired in the order given to begin_forward, once each")
         if job.released:
@@ -315,47 +322,83 @@ class StreamingPool:
             self.release(self.current)
         for job in self.issued.values():     # issued but never acquired (a failed forward):
             if not job.released:             # its slots are free once its copies landed
-                self._unhold(job, AllOf(job.ready))
                 if self.checker is not None:
-                    self.checker.release([p for s in job.slot_ranges() for p in s])
-        self.active, self.issued, self.rows = None, {}, None
+                    self.checker.release([p for s in job.held for p in s])
+                self._unhold(job, AllOf(job.ready))
+        self.active, self.issued, self.rows, self.partial = None, {}, None, None
 
     # ---- issuing ---------------------------------------------------------------------------
     def _prefetch(self) -> None:
-        """Issue layers in order from the first not issued, as far as the ring allows."""
-        nxt = len(self.issued)
-        while nxt < len(self.order) and self._issue(self.order[nxt], copy=nxt >= self.ahead):
-            nxt += 1
+        """Issue layers in order from the first not issued, as far as the ring allows (the
+        rest of a layer placed in part first)."""
+        if self.partial is None or self._place(self.partial, self.partial.n):
+            self.partial = None
+            nxt = len(self.issued)
+            while nxt < len(self.order) and self._issue(self.order[nxt],
+                                                         copy=nxt >= self.ahead):
+                nxt += 1
+                if self.partial is not None:
+                    break
         self.count.peak_held = max(self.count.peak_held, self.held)
 
     def _issue(self, li: int, copy: bool = True) -> bool:
-        """Place layer li (ring slots, runs) and fill it; copy=False: its fills were
-        issued ahead into the very slots (fill_ahead), so only the placement is made."""
+        """Place layer li (ring slots, runs) and fill it, or with split fills only the
+        pages whose slots are free now (`partial`); copy=False: its fills were issued ahead
+        into the very slots (fill_ahead), so only the placement is made."""
         n_pages, _ = self.active
-        ring, r = self._ring, min(self.r, n_pages)
+        r = min(self.r, n_pages)
+        job = Placement.build(li, self.L, r, n_pages, self._ring, self.cursor)
+        free = self._free_prefix(job)
+        if free < job.n_streamed and (not copy or not self.split_fills or not free):
+            return False
+        self.cursor = (self.cursor + job.n_streamed) % max(self._ring.n_slots, 1)
+        v = self.valid_upto[li]
+        self.valid_upto[li] = max(v, r)
+        job.placed = min(v, r)                       # stale resident pages are refilled
+        self.issued[li] = job
+        self._place(job, r + free, copy)
+        if not job.complete:
+            self.partial = job
+            self.count.split += 1
+        return True
+
+    def _free_prefix(self, job: Placement) -> int:
+        """How many of the layer's streamed pages, in order, have a free ring slot."""
+        if "skip_consumed_wait" in self.unsafe:
+            return job.n_streamed
+        free = 0
+        for s in job.slot_ranges():
+            seg = self.holder[s.start:s.stop]
+            k = next((i for i, h in enumerate(seg) if h is not None), len(seg))
+            free += k
+            if k < len(seg):
+                break
+        return free
+
+    def _place(self, job: Placement, upto: int, copy: bool = True) -> bool:
+        """Take the slots of the job's logical pages [placed, upto) and fill them (one
+        copy group: a K and a V copy per run, behind each page's last use); False, nothing
+        done, while a slot is still held."""
+        runs = job.runs(job.placed, upto)
+        ring0 = self._ring.first_physical_page
+        slots = [range(p0, p0 + n) for _, p0, n in runs if p0 >= ring0]
         ignore_held = "skip_consumed_wait" in self.unsafe
-        if not ignore_held and n_pages - r > ring.n_slots - self.held:
-            return False                                 # not enough free slots, surely
-        job = Placement.build(li, self.L, r, n_pages, ring, self.cursor)
-        slots = job.slot_ranges()
         if not ignore_held and any(self.holder[s.start:s.stop].count(None) != len(s)
                                    for s in slots):
             return False
-        layer = self.layers[li]
+        layer, li = self.layers[job.li], job.li
         for s in slots:
             self.held += self.holder[s.start:s.stop].count(None)
             self.holder[s.start:s.stop] = [layer] * len(s)
-        self.cursor = (self.cursor + job.n_streamed) % max(ring.n_slots, 1)
-        v = self.valid_upto[li]
-        todo = job.runs(min(v, r), r) + job.ring_runs   # stale resident pages, then streamed
-        self.valid_upto[li] = max(v, r)
+        job.held += slots
+        job.placed = upto
         rows_cut = self.host.rows_pages(layer)           # pages from here on have no rows
         ring_cut = self.host.max_pages if self.fixed else rows_cut
         chk = self.checker is not None
         pairs, after, pages, owners = [], set(), [], []
         hk, hv = self.host.k[layer], self.host.v[layer]
-        for lp0, p0, n in todo:
-            k = max(0, min(n, (rows_cut if lp0 < r else ring_cut) - lp0))
+        for lp0, p0, n in runs:
+            k = max(0, min(n, (rows_cut if lp0 < job.r else ring_cut) - lp0))
             if k:      # published rows: copy them (all runs of the layer in one group)
                 pairs += [(self.k_pool[p0:p0 + k], hk[lp0:lp0 + k]),
                           (self.v_pool[p0:p0 + k], hv[lp0:lp0 + k])]
@@ -379,7 +422,6 @@ class StreamingPool:
             job.ready.append(self.engine.copy(pairs, CopyNote("fill", tuple(pages), owners,
                                                               owners), after=list(after)))
             self.count.copies += 1
-        self.issued[li] = job
         return True
 
     # ---- fixed forwards ---------------------------------------------------------------------
@@ -392,7 +434,11 @@ class StreamingPool:
         if self.refills(n_pages, layers):
             return 0
         count = self.count                   # the last forward's, for its telemetry
-        self.begin(n_pages, range(0), layers, fixed=True)
+        self.split_fills = False             # whole layers only: the forward skips them
+        try:
+            self.begin(n_pages, range(0), layers, fixed=True)
+        finally:
+            self.split_fills = True
         self.count = count
         jobs = self.issued
         for job in jobs.values():            # free again once their copies landed
@@ -430,6 +476,32 @@ class StreamingPool:
             wait_all([f for fs in a.ready.values() for f in fs])
             self.checker.release(a.slots)
 
+    def refill(self, n_pages: int, layers) -> None:
+        """Copy now, outside any forward, the stale resident pages a forward over n_pages
+        would refill (`refills`), and order the compute side after them: that forward can
+        then be a captured step, which must not repeat the refill at every replay."""
+        self._idle("refill resident pages")
+        r = min(self.r, n_pages)
+        pairs, after, pages, owners = [], set(), [], []
+        for layer in layers:
+            li = self.index[layer]
+            v, cut = self.valid_upto[li], min(r, self.host.rows_pages(layer))
+            for lp in range(v, cut):
+                p = lp * self.L + li
+                pairs += [(self.k_pool[p:p + 1], self.host.k[layer][lp:lp + 1]),
+                          (self.v_pool[p:p + 1], self.host.v[layer][lp:lp + 1])]
+                after.add(self.last_use[p])
+                pages.append(p)
+                owners.append((li, lp))
+            self.valid_upto[li] = max(v, cut)
+        if pairs:
+            owners = tuple(owners)
+            f = self.engine.copy(pairs, CopyNote("fill", tuple(pages), owners, owners),
+                                 after=list(after))
+            for p in pages:
+                self.last_use[p] = f
+            device_wait_all([f])
+
     def refills(self, n_pages: int, layers) -> bool:
         """Would a forward over n_pages copy stale resident pages from host history (once,
         after a repartition or drop_resident: such a forward must not be captured)?"""
@@ -459,6 +531,7 @@ class StreamingPool:
             self._unhold(job, None)
             job.released = True
         self.active, self.issued, self.current, self.fixed = None, {}, None, False
+        self.partial = None
         self.rows = self.filled_ahead = None
         self.cursor, self.valid_upto = self._before_capture
         self._table_known = [0] * self.L
@@ -478,11 +551,12 @@ class StreamingPool:
         return None if a is None else replace(a, ready={li: [] for li in a.ready})
 
     def _unhold(self, job: Placement, fence) -> None:
-        for s in job.slot_ranges():
+        for s in job.held:
             self.held -= len(s) - self.holder[s.start:s.stop].count(None)
             self.holder[s.start:s.stop] = [None] * len(s)
             if fence is not None:
                 self.last_use[s.start:s.stop] = [fence] * len(s)
+        job.held = []
 
     def _idle(self, what: str) -> None:
         if self.active is not None:

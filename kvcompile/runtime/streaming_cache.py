@@ -82,8 +82,10 @@ class StreamingKvCache:
                                                               (self.v_type, "v")))
         self.pool = StreamingPool(k_pool, v_pool, self.host, self.layers, self.engine,
                                   self.backend, self.num_pages, unsafe, row_maps=maps)
-        # depth >= 2 (the next layer's copies run while this one computes) unless asked
-        policy = {"min_depth": 2, **(policy or {})}
+        # Prefill: depth >= 2 (the next layer's copies run while this one computes) unless
+        # asked. Decode: a layer's compute is short; split fills let a quarter layer of
+        # margin cover it, and the bytes a step streams fall with the ring (policy.py).
+        policy = {"min_depth": 2, "decode_depth": 1.25, **(policy or {})}
         self.policy_config = P.PolicyConfig(len(self.layers), n_phys, **policy)
         self.planned_pages = 0            # pages the current request will reach (plan())
         self.policy_state = P.PolicyState(depth=self.policy_config.max_depth)
@@ -191,7 +193,7 @@ class StreamingKvCache:
         self._settle_copy_busy(t0, busy)
         # a forward begun ahead counts the fills issued then
         h2d = self.engine.bytes_h2d if self._next is None else self._next_h2d
-        repart, reason = self._apply_policy(n_pages)
+        repart, reason = self._apply_policy(n_pages, hi - lo + 1)
         self._step = dict(t0=t0, busy=busy, lo=lo, hi=hi, h2d=h2d, d2h=self.engine.bytes_d2h,
                           tokens=int(positions.numel()), pages=n_pages, repart=repart,
                           reason=reason, layers=layers, positions=positions)
@@ -230,16 +232,16 @@ class StreamingKvCache:
             self._begin_next(s["hi"], s["layers"])
 
     # ---- captured decode steps ------------------------------------------------------------
-    def step_layout(self) -> StepLayout | None:
+    def step_layout(self) -> StepLayout:
         """The fixed layout the open forward can run in as a captured step: the last one
-        while it serves, else a new one from this step's page on. None while resident
-        pages wait for their refill from host history (run this forward eagerly: a capture
-        would repeat the refill every step)."""
+        while it serves, else a new one from this step's page on. Resident pages waiting
+        for their refill from host history (after a change of split) are copied first,
+        outside the step: a captured step would repeat the refill at every replay."""
         s = self._step
         lay = self._layout_for(s["lo"] // self.page_size, s["pages"], s["layers"])
         self._drop_next()                 # a forward begun ahead is not a fixed one (and
         if self.pool.refills(lay.pages, s["layers"]):    # it may have refilled pages)
-            return None
+            self.pool.refill(lay.pages, s["layers"])
         self._layout = lay
         ahead = self.pool.ahead_for(lay.pages, s["layers"])   # by the last replay's guess
         return replace(lay, ahead=ahead) if ahead else lay
@@ -324,7 +326,7 @@ class StreamingKvCache:
             ring_occupancy=c.peak_held / ring if ring else 0.0,
             resident_reads=c.resident_reads, streamed_reads=c.streamed_reads, layers=len(s["layers"]),
             repartitioned=s["repart"], policy=s["reason"], wall_ms=1e3 * wall,
-            replayed=replayed))
+            replayed=replayed, split_layers=c.split))
         self._last = (s["t0"], s["busy"])
 
     def _begin_next(self, hi: int, layers) -> None:
@@ -362,10 +364,11 @@ class StreamingKvCache:
         pct = _busy_pct(busy - last[1], max(now - last[0], 1e-9))
         self.telemetry[-1] = replace(self.telemetry[-1], copy_busy_pct=pct)
 
-    def _apply_policy(self, n_pages: int) -> tuple[bool, str]:
+    def _apply_policy(self, n_pages: int, rows: int) -> tuple[bool, str]:
         last = self.telemetry[-1] if self.telemetry else None
         obs = P.Observation(
             context_pages=n_pages, planned_pages=min(self.planned_pages, self.num_pages),
+            decode=rows <= P.DECODE_ROWS,
             readiness_misses=last.readiness_misses if last else 0,
             # (a replayed step observed no misses nor copy time: no feedback from it)
             ring_occupancy=last.ring_occupancy if last and not last.replayed else None,

@@ -25,6 +25,7 @@ class StepStats:
     wall_ms: float = 0.0         # host time from begin to end of the forward
     replayed: bool = False       # a captured step's replay: its misses and copy-busy time
     #                              were not observed (a capture cannot query or time events)
+    split_layers: int = 0        # layers whose fill waited in part for the layer before
 
     def as_dict(self) -> dict:
         return asdict(self)
