@@ -235,6 +235,11 @@ def test_decode_steps_take_a_fractional_ring_at_once_and_prefill_takes_its_own_b
         assert r_d == max(target_split(cfg, planned, dd), r_p), msg
         assert serves(cfg, r_d, planned), msg
         assert dec.accepted == (r_d != r_p) and dec.state.decode, msg
+        if r_d != r_p:         # blocked by a leased page: not taken, but the caller must
+            leased = frozenset(changed_pages(cfg, r_p, r_d)[:1])    # drain and ask again
+            held = step(cfg, pre.state, Observation(planned, planned_pages=planned,
+                                                    decode=True, leased_pages=leased))
+            assert not held.accepted and held.urgent and not held.state.decode, msg
         if (L * c > cfg.total_pages and r_p < r_d < c
                 and cfg.total_pages - L * r_d >= dd * (c - r_d)):
             checked += 1       # maximal: one more resident page breaks the ring's need

@@ -268,3 +268,38 @@ def test_copy_busy_counts_copies_that_land_after_the_host_moved_on():
     # late / (begin-to-begin wall >= 2 * late): at most half, at least ~a fifth
     assert 20 < settled - first <= 50.5, (SEED, first, settled)
     assert cache.telemetry[1].copy_busy_pct <= 100.0
+
+
+def test_decode_takes_its_split_once_though_the_host_runs_ahead():
+    """On CUDA the host runs ahead: at the first decode step the prefill's pages are still
+    in use (leased). The change of phase to decode's smaller ring must not wait for a
+    moment with nothing in flight (there is none while decoding: each step's leases were
+    gathered, a query of every page's fence, and the split never changed): it drains once
+    and switches; later steps keep the split without asking for leases."""
+    L, ctx = 8, 32 * 256 - 64
+    cfg = C.geometry(L)
+    fake = C.FakeCuda()
+    with fake.active():
+        cache = StreamingKvCache(cfg, ctx + 64, C.arena_mib(cfg, L * 16 + 24), "q8_0", "q4_0",
+                                 backend=C.fake_cuda_backend(fake))
+        cache.plan(ctx + 16)
+        model = C.ProtocolModel(cache.layers)
+        tok = torch.zeros(1, dtype=torch.long)
+        leases = []
+        real = cache.pool.leased_pages
+        cache.pool.leased_pages = lambda: (leases.append(1), real())[1]
+        with torch.inference_mode():
+            for s in range(0, ctx - 8, 2048):         # no host sync: the device lags
+                n = min(2048, ctx - 8 - s)
+                forward(model, cache, tok.expand(n), torch.arange(s, s + n))
+            prefill_r = cache.pool.r
+            for p in range(ctx - 8, ctx + 8):
+                forward(model, cache, tok, torch.tensor([p]))
+        cache.close()
+    tel = cache.telemetry
+    first = next(i for i, s in enumerate(tel) if s.tokens == 1)
+    assert tel[first].repartitioned and "decode" in tel[first].policy, tel[first]
+    assert cache.pool.r > prefill_r, (cache.pool.r, prefill_r)
+    assert not any(s.repartitioned for s in tel[first + 1:]), tel[first + 1:]
+    assert len(leases) <= 3, len(leases)
+    assert sum(s.split_layers for s in tel[first + 1:]) > 0

@@ -74,6 +74,8 @@ class Decision:
     resident_per_layer: int
     ring_slots: int
     reason: str
+    urgent: bool = False          # not accepted only because of leases, but it must not
+    #                               wait (forced, or a change of phase): drain, ask again
 
 
 def ring_slots(cfg: PolicyConfig, r: int) -> int:
@@ -134,8 +136,9 @@ def step(cfg: PolicyConfig, state: PolicyState, obs: Observation) -> Decision:
             return keep(f"waiting ({streak}/{cfg.patience})", target, streak)
     busy = sorted(set(changed_pages(cfg, cur, target)) & set(obs.leased_pages))
     if busy:
-        return keep(f"pages {busy[:4]}{'...' if len(busy) > 4 else ''} still leased; drain "
-                    f"and ask again", target, state.streak)
+        return replace(keep(f"pages {busy[:4]}{'...' if len(busy) > 4 else ''} still "
+                            f"leased; drain and ask again", target, state.streak),
+                       urgent=forced or phase)
     new = PolicyState(resident_per_layer=target, depth=depth, decode=decode)
     return Decision(new, True, target, ring_slots(cfg, target),
                     "forced: current split cannot serve the context" if forced

@@ -382,8 +382,8 @@ class StreamingKvCache:
             # they are gathered only for a change the policy would accept.
             obs = replace(obs, leased_pages=self.pool.leased_pages())
             d = P.step(self.policy_config, self.policy_state, obs)
-        if not d.accepted and not P.serves(self.policy_config, d.resident_per_layer, n_pages):
-            self.pool.drain()             # forced but blocked by leases: wait, then ask again
+        if d.urgent:                      # forced, or a new phase, but blocked by leases:
+            self.pool.drain()             # wait, then ask again
             obs = replace(obs, leased_pages=self.pool.leased_pages())
             d = P.step(self.policy_config, self.policy_state, obs)
         self.policy_state = d.state
