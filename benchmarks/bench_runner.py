@@ -87,6 +87,8 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
     if fill_ahead is not None and hasattr(e.cache, "fill_ahead"):
         e.cache.fill_ahead = fill_ahead
     row["fill_ahead"] = getattr(e.cache, "fill_ahead", None)
+    policy = getattr(e.cache, "policy_config", None)
+    row["decode_depth"] = None if policy is None else policy.decode_depth
     ids = S.random_ids(ctx - args.decode_steps - 2, g.vocab, args.seed, "cpu").tolist()
     warm = e.generate(ids[:WARM_PROMPT], max_tokens=WARM_STEPS, temperature=0)
     r = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)

@@ -196,7 +196,7 @@ def test_fences_hold_under_injected_delays(model, types, copy_ms, compute_ms):
     assert ids == ids_ref and torch.equal(got, ref), SEED
     last = cache.telemetry[-1]
     assert last.streamed_reads > last.ring_slots > 0     # slots are reused within a forward
-    # decode steps run on a ring of 1.25 layers: fills split around the layer before
+    # decode steps run on a ring of 1.5 layers: fills split around the layer before
     assert last.tokens == 1 and last.split_layers > 0, last
     assert any(s.tokens > 1 and not s.split_layers for s in cache.telemetry), SEED
 

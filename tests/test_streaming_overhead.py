@@ -303,3 +303,14 @@ def test_decode_takes_its_split_once_though_the_host_runs_ahead():
     assert not any(s.repartitioned for s in tel[first + 1:]), tel[first + 1:]
     assert len(leases) <= 3, len(leases)
     assert sum(s.split_layers for s in tel[first + 1:]) > 0
+
+
+@pytest.mark.parametrize("raw", ["0.5", "deep", "9"])
+def test_a_bad_decode_depth_is_a_clear_error(monkeypatch, raw):
+    from kvcompile.errors import ArenaError
+    from kvcompile.runtime.streaming_cache import decode_depth
+    monkeypatch.setenv("KVCOMPILE_DECODE_DEPTH", raw)
+    with pytest.raises(ArenaError, match="KVCOMPILE_DECODE_DEPTH"):
+        decode_depth()
+    monkeypatch.setenv("KVCOMPILE_DECODE_DEPTH", "1.75")
+    assert decode_depth() == 1.75

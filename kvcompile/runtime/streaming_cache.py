@@ -12,6 +12,7 @@ so after every forward the host holds the authoritative KV.
 """
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from dataclasses import replace
@@ -31,6 +32,21 @@ from kvcompile.runtime.pool import StreamingPool
 from kvcompile.runtime.row_publish import RowMap
 from kvcompile.runtime.step_layout import StepLayout
 from kvcompile.runtime.telemetry import StepStats, summarize
+
+
+def decode_depth() -> float:
+    """The decode steps' ring depth in layers: KVCOMPILE_DECODE_DEPTH, else 1.5 (its margin
+    must land while one layer computes: a GPU whose layers compute longer against their
+    copy wants more)."""
+    raw = os.environ.get("KVCOMPILE_DECODE_DEPTH", "1.5")
+    try:
+        depth = float(raw)
+    except ValueError:
+        depth = 0.0
+    if not 1.0 <= depth <= 8.0:
+        raise ArenaError(f"KVCOMPILE_DECODE_DEPTH={raw!r}: give a ring depth in layers "
+                         f"from 1 to 8, e.g. 1.5")
+    return depth
 
 
 def _busy_pct(busy_s: float, wall_s: float) -> float:
@@ -83,9 +99,9 @@ class StreamingKvCache:
         self.pool = StreamingPool(k_pool, v_pool, self.host, self.layers, self.engine,
                                   self.backend, self.num_pages, unsafe, row_maps=maps)
         # Prefill: depth >= 2 (the next layer's copies run while this one computes) unless
-        # asked. Decode: a layer's compute is short; split fills let a quarter layer of
-        # margin cover it, and the bytes a step streams fall with the ring (policy.py).
-        policy = {"min_depth": 2, "decode_depth": 1.25, **(policy or {})}
+        # asked. Decode: a layer's compute is short; with split fills a part of a layer
+        # as margin covers it, and the bytes a step streams fall with the ring (policy.py).
+        policy = {"min_depth": 2, "decode_depth": decode_depth(), **(policy or {})}
         self.policy_config = P.PolicyConfig(len(self.layers), n_phys, **policy)
         self.planned_pages = 0            # pages the current request will reach (plan())
         self.policy_state = P.PolicyState(depth=self.policy_config.max_depth)

@@ -135,6 +135,7 @@ def main() -> None:
     summary = analyse(trace)
     summary.update(ctx=args.ctx, arena_mib=args.arena_mib, kv=r.kv, phases=r.phases,
                    publish=publish_mode(e), fill_ahead=e.cache.fill_ahead,
+                   decode_depth=e.cache.policy_config.decode_depth,
                    host_step_ms=r.stats()["host_step_ms"], step_ms=r.stats()["step_ms"])
     s = io.StringIO()
     pstats.Stats(host, stream=s).sort_stats("cumulative").print_stats(40)
