@@ -41,10 +41,11 @@ def models(tmp_path_factory):
     return {"llama": llama, "qwen35": tiny_hybrid(tmp_path_factory.mktemp("dg"), SEED % 1000)}
 
 
-def tiny_arena(model, k: str = "f32", v: str | None = None, ctx: int = CTX) -> float:
-    """1.1 x the smallest arena (the MTP layer's KV counted): nearly every page streams."""
+def tiny_arena(model, k: str = "f32", v: str | None = None, ctx: int = CTX,
+               times: float = 1.1) -> float:
+    """`times` x the smallest arena (the MTP layer's KV counted): nearly every page streams."""
     full = model.layer_plan.kv_config(model.config)
-    return min_arena_bytes(full, ctx, k, v or k) * 1.1 / MIB
+    return min_arena_bytes(full, ctx, k, v or k) * times / MIB
 
 
 @torch.inference_mode()

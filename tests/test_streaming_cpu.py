@@ -224,6 +224,11 @@ def test_captured_decode_steps_hold_the_fences_under_injected_delays(model, type
     assert s["replays"] == 23 and s["captures"] >= 2, s
     assert cache.telemetry[-1].replayed and cache.telemetry[-1].streamed_reads > 0
     assert any(layout.ahead for layout in program.programs), list(program.programs)
+    # decode's own split (a ring of 1.5 layers), its new resident pages refilled before
+    # the first captured step; the fills split around the layer before
+    tel = cache.telemetry
+    assert any(s.tokens == 1 and s.repartitioned and "decode" in s.policy for s in tel), SEED
+    assert tel[-1].split_layers > 0, tel[-1]
 
 
 @pytest.mark.parametrize("unsafe,copy_ms,compute_ms,expect", [
