@@ -23,6 +23,7 @@ class CpuBackend:
     sync_each_forward = True   # copies finish before end_forward returns (cheap here)
     prefetch_next = True       # begin the next decode step at the end of each forward
     fill_ahead = True          # a captured step fills the next one's first layers
+    decode_depth = 1.5         # decode steps' ring, in layers, with split fills (policy.py)
 
     def __init__(self, threaded_copies: bool = False, instrument: Instrument | None = None):
         self.device = torch.device("cpu")

@@ -13,7 +13,7 @@ each layer's copy behind the previous layer's attention, which costs more than i
 drain; the streaming cache therefore keeps depth >= 2 with `min_depth`). Decode steps are
 another matter: their compute per layer is short, so with split fills (runtime/pool.py) a
 ring of one layer's stream plus a margin that lands during that compute keeps the copy
-engine busy: `decode_depth` (e.g. 1.25 layers) is the depth of forwards of few rows, and
+engine busy: `decode_depth` (e.g. 1.5 layers) is the depth of forwards of few rows, and
 a change of phase (prefill <-> decode) is taken at once, without patience. A request that
 says how far it will grow (`planned_pages`: prompt + max tokens) gets the split for that
 context at its first forward, so prefill and decode run on one split. Hysteresis: a new split is accepted only when it differs by at least

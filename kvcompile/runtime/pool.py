@@ -434,11 +434,11 @@ class StreamingPool:
         if self.refills(n_pages, layers):
             return 0
         count = self.count                   # the last forward's, for its telemetry
-        self.split_fills = False             # whole layers only: the forward skips them
-        try:
+        split, self.split_fills = self.split_fills, False   # whole layers: the forward
+        try:                                                 # skips them
             self.begin(n_pages, range(0), layers, fixed=True)
         finally:
-            self.split_fills = True
+            self.split_fills = split
         self.count = count
         jobs = self.issued
         for job in jobs.values():            # free again once their copies landed

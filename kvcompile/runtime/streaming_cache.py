@@ -34,11 +34,14 @@ from kvcompile.runtime.step_layout import StepLayout
 from kvcompile.runtime.telemetry import StepStats, summarize
 
 
-def decode_depth() -> float:
-    """The decode steps' ring depth in layers: KVCOMPILE_DECODE_DEPTH, else 1.5 (its margin
-    must land while one layer computes: a GPU whose layers compute longer against their
-    copy wants more)."""
-    raw = os.environ.get("KVCOMPILE_DECODE_DEPTH", "1.5")
+def decode_depth(default: float | None) -> float | None:
+    """The decode steps' ring depth in layers (None: prefill's, whole-layer fills):
+    KVCOMPILE_DECODE_DEPTH, else the backend's `default`. Its margin over one layer must
+    land while a layer computes: a GPU whose layers compute longer against their copy
+    wants more."""
+    raw = os.environ.get("KVCOMPILE_DECODE_DEPTH")
+    if raw is None:
+        return default
     try:
         depth = float(raw)
     except ValueError:
@@ -101,7 +104,9 @@ class StreamingKvCache:
         # Prefill: depth >= 2 (the next layer's copies run while this one computes) unless
         # asked. Decode: a layer's compute is short; with split fills a part of a layer
         # as margin covers it, and the bytes a step streams fall with the ring (policy.py).
-        policy = {"min_depth": 2, "decode_depth": decode_depth(), **(policy or {})}
+        depth = decode_depth(getattr(self.backend, "decode_depth", None))
+        policy = {"min_depth": 2, "decode_depth": depth, **(policy or {})}
+        self.pool.split_fills = depth is not None
         self.policy_config = P.PolicyConfig(len(self.layers), n_phys, **policy)
         self.planned_pages = 0            # pages the current request will reach (plan())
         self.policy_state = P.PolicyState(depth=self.policy_config.max_depth)
