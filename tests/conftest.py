@@ -36,3 +36,16 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# The longest files first (their module fixtures run the Triton interpreter or llama.cpp):
+# `./dev test` hands whole files to two workers in collection order, so a long file
+# collected late would leave one worker running it alone at the end.
+LONGEST_FIRST = ("test_kernels_span_attention.py", "test_llama_parity.py", "test_quant_types.py",
+                 "test_cli.py", "test_kernels_qlinear.py", "test_examples.py",
+                 "test_prefill_chunks.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
