@@ -6,8 +6,8 @@ the publishes of the written rows back to the host -- is the same for every posi
 layout (runtime/step_layout.py). So the whole step is captured once per layout, the copy
 stream forked into the capture and joined back, and a step is then: the policy's decision
 on the host, one graph replay, the host's bookkeeping. A new layout (the context grew past
-it, or the split changed) is captured at its first step; a step whose resident pages wait
-for a refill from the host runs eagerly once. With the cache's fill_ahead, a step ends by
+it, or the split changed) is captured at its first step; resident pages waiting for a
+refill from the host are copied before it, outside the graph. With the cache's fill_ahead, a step ends by
 filling the next step's first layers (inside its graph, after its last fills) and the next
 step runs a second program of the layout, which skips those fills (`StepLayout.ahead`). A
 resident cache (a hybrid model's) has one layout: its capture serves every step.

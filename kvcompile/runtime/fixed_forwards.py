@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvcompile.runtime.copy_engine import CopyNote
 from kvcompile.runtime.fences import DONE, AllOf, device_wait_all, wait_all
+from kvcompile.runtime.placement import Placement
 
 
 @dataclass
@@ -93,25 +93,19 @@ class FixedForwards:
         then be a captured step, which must not repeat the refill at every replay."""
         self._idle("refill resident pages")
         r = min(self.r, n_pages)
-        pairs, after, pages, owners = [], set(), [], []
+        ready = []
         for layer in layers:
             li = self.index[layer]
             v, cut = self.valid_upto[li], min(r, self.host.rows_pages(layer))
-            for lp in range(v, cut):
-                p = lp * self.L + li
-                pairs += [(self.k_pool[p:p + 1], self.host.k[layer][lp:lp + 1]),
-                          (self.v_pool[p:p + 1], self.host.v[layer][lp:lp + 1])]
-                after.add(self.last_use[p])
-                pages.append(p)
-                owners.append((li, lp))
+            if v < cut:                      # a placement of its resident pages alone
+                job = Placement.build(li, self.L, r, r, self._ring, 0)
+                job.placed = v
+                self._place(job, cut)
+                self.last_use[v * self.L + li:cut * self.L + li:self.L] = \
+                    [job.ready[-1]] * (cut - v)      # (its copy: every page has rows)
+                ready += job.ready
             self.valid_upto[li] = max(v, cut)
-        if pairs:
-            owners = tuple(owners)
-            f = self.engine.copy(pairs, CopyNote("fill", tuple(pages), owners, owners),
-                                 after=list(after))
-            for p in pages:
-                self.last_use[p] = f
-            device_wait_all([f])
+        device_wait_all(ready)
 
     def refills(self, n_pages: int, layers) -> bool:
         """Would a forward over n_pages copy stale resident pages from host history (once,

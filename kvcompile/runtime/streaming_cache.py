@@ -261,8 +261,7 @@ class StreamingKvCache:
         s = self._step
         lay = self._layout_for(s["lo"] // self.page_size, s["pages"], s["layers"])
         self._drop_next()                 # a forward begun ahead is not a fixed one (and
-        if self.pool.refills(lay.pages, s["layers"]):    # it may have refilled pages)
-            self.pool.refill(lay.pages, s["layers"])
+        self.pool.refill(lay.pages, s["layers"])         # it may have refilled pages)
         self._layout = lay
         ahead = self.pool.ahead_for(lay.pages, s["layers"])   # by the last replay's guess
         return replace(lay, ahead=ahead) if ahead else lay
