@@ -117,6 +117,9 @@ INTERP += [_with_impl(c, "transposed", "-transposed") for c in DECODE_CASES
 INTERP += [(c[0] + "-tma", *c[1:OPTS], dict(c[OPTS], tma=True), *c[OPTS + 1:])
            for c in INTERP if c[0].endswith("-transposed")]
 INTERP_IDS = [c[0] for c in INTERP]
+# the blocks kernel again over every decode case, and the TMA reads of the transposed one:
+# with `-m slow` (CI runs both); the README's test command runs the rest
+EXHAUSTIVE = {c[0] for c in INTERP if c[0].endswith(("-blocks", "-tma"))}
 # cases also run with q as a head slice of a wider tensor (the model splits q off one
 # [T, Hq + Hk, D] rope output): placement "strided_q" must equal "resident" bitwise
 STRIDED_Q = {"decode-Kq8_0-Vq4_0-rows8-ctx70", "decode-Kq8_0-Vq4_0-rows8-ctx70-blocks",
@@ -131,11 +134,10 @@ def head_slice(q: torch.Tensor, gen) -> torch.Tensor:
     return torch.cat([q, extra], 1)[:, :q.shape[1]]
 
 
-@pytest.fixture(scope="module")
-def interp_runs():
+def _interp_runs(cases):
     gen = torch.Generator().manual_seed(fresh_seed())
     jobs, keys, inputs = [], [], {}
-    for cid, kernel, kn, vn, n_ctx, rows, d, n_kv, g, p, qd, plans, opts, *extra in INTERP:
+    for cid, kernel, kn, vn, n_ctx, rows, d, n_kv, g, p, qd, plans, opts, *extra in cases:
         q, q_pos, placed = build(kn, vn, n_ctx, rows, d, n_kv, g, p, qd, gen, plans,
                                  **(extra[0] if extra else {}))
         inputs[cid] = (kn, vn, q, q_pos, placed, p, opts.get("out_rot"))
@@ -156,9 +158,30 @@ def interp_runs():
     return inputs, outs
 
 
-@pytest.mark.parametrize("case", INTERP_IDS)
+@pytest.fixture(scope="module")
+def interp_runs():
+    return _interp_runs([c for c in INTERP if c[0] not in EXHAUSTIVE])
+
+
+@pytest.fixture(scope="module")
+def interp_runs_exhaustive():
+    return _interp_runs([c for c in INTERP if c[0] in EXHAUSTIVE])
+
+
+@pytest.mark.parametrize("case", [i for i in INTERP_IDS if i not in EXHAUSTIVE])
 def test_interpreted_kernel_exact_and_placement_independent(interp_runs, case):
-    inputs, outs = interp_runs
+    check_interpreted(interp_runs, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [i for i in INTERP_IDS if i in EXHAUSTIVE])
+def test_interpreted_kernel_exact_and_placement_independent_exhaustive(
+        interp_runs_exhaustive, case):
+    check_interpreted(interp_runs_exhaustive, case)
+
+
+def check_interpreted(runs, case):
+    inputs, outs = runs
     kn, vn, q, q_pos, placed, p, out_rot = inputs[case]
     table, kp, vp = placed["resident"]
     ref = dense_reference(q, kp, vp, table, q_pos, kn, vn, p, q.shape[-1] ** -0.5)
