@@ -24,6 +24,7 @@ still-leased page to another role is never accepted; the caller drains and asks 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from dataclasses import dataclass, field, replace
 
 from kvcompile.errors import ArenaError
@@ -97,6 +98,7 @@ def target_split(cfg: PolicyConfig, context_pages: int, depth: float) -> int:
     c = context_pages + cfg.headroom_pages
     if L * c <= P:
         return P // L                        # everything resident, growth room included
+    depth = Fraction(depth).limit_denominator(1000)   # exact: no r lost to rounding
     for k in sorted({min(depth, L - 1), *range(min(int(depth), L - 1), 0, -1)}, reverse=True):
         r = min(math.floor((P - k * c) / (L - k)), c)
         if r >= 0:
