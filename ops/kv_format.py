@@ -2,7 +2,9 @@
 
 A page holds `page_size` token positions for all KV heads of a layer. Pools are uint8
 tensors [num_pages, page_bytes] so that pages can live anywhere in an arena (resident
-region or ring slot) and be copied as raw bytes. Inside a page the layout is head-major,
+region or ring slot) and be copied as raw bytes. Pages may lie further apart than their
+size (`pool.stride(0)` >= page_bytes: the streaming cache keeps a K and a V page side by
+side, runtime/kv_pages.py); kernels address page p at p * pool.stride(0). Inside a page the layout is head-major,
 codes apart from scales, and depends on the role (K or V) for the quantized types:
 
   f32/f16/bf16:  values [H, P, D] of that dtype (K and V)
@@ -98,6 +100,11 @@ def check_page_size(page_size: int) -> None:
     if page_size <= 0:
         raise KvLayoutError(f"page size must be a positive number of positions, got "
                             f"{page_size!r}")
+
+
+def dense_pages(pool: torch.Tensor) -> bool:
+    """Rows of pages the kernels can address: a dense last dim, pages stride(0) apart."""
+    return pool.dim() == 2 and pool.stride(1) == 1 and pool.stride(0) >= pool.shape[1]
 
 
 def n_kv_heads_of(pool: torch.Tensor, t: KvType, page_size: int, head_dim: int) -> int:

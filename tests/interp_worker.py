@@ -49,6 +49,13 @@ def run(job: dict) -> dict:
         launch(a["pools"], hosts, a["maps"], a["table"], a["positions"], a["page_size"],
                opts["block"])
         return {"hosts": hosts}
+    if job["kind"] == "kv_write" and "kv_pool" in a:      # pools as views of page pairs
+        from kvcompile.runtime.kv_pages import PagePair
+        kv = a["kv_pool"].clone()
+        kp, vp = PagePair(a["k_pool"].shape[1], a["v_pool"].shape[1]).views(kv)
+        kv_write_triton(kp, vp, a["k_new"], a["v_new"], a["slots"], a["k_type"], a["v_type"],
+                        a["page_size"], a.get("page_table"))
+        return {"kv_pool": kv}
     if job["kind"] == "kv_write":
         kp, vp = a["k_pool"].clone(), a["v_pool"].clone()
         kv_write_triton(kp, vp, a["k_new"], a["v_new"], a["slots"], a["k_type"], a["v_type"],

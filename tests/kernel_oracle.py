@@ -41,6 +41,20 @@ def garbage_pool(n_pages: int, kv_name: str, page_size: int, n_kv: int, head_dim
     return pool.to(device)
 
 
+def paired_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, gen: torch.Generator):
+    """The same pages as the streaming cache lays them out (runtime/kv_pages.PagePair):
+    (buffer [N, stride], K view, V view), each physical page a K page then a V page, any
+    padding random bytes; a kernel that steps pages by page_bytes reads the wrong ones."""
+    from kvcompile.runtime.kv_pages import PagePair
+    pair = PagePair(k_pool.shape[1], v_pool.shape[1])
+    kv = torch.randint(0, 256, (k_pool.shape[0], pair.stride), dtype=torch.uint8,
+                       generator=gen).to(k_pool.device)
+    k, v = pair.views(kv)
+    k.copy_(k_pool)
+    v.copy_(v_pool)
+    return kv, k, v
+
+
 def placements(n_pages: int, page_size: int) -> dict[str, SpanPlan]:
     """Three plans for logical pages 0..n-1 in one pool of 3n + 3 pages: all resident,
     resident then ring, all in the ring with a wrap (when n > 1)."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kvcompile.ops  # noqa: F401
-from kernel_oracle import PAIRS, fresh_seed, garbage_pool, run_interpreted
+from kernel_oracle import PAIRS, fresh_seed, garbage_pool, paired_pools, run_interpreted
 from kvcompile.errors import KvLayoutError
 from kvcompile.ops import kv_format as F
 from kvcompile.ops.kv_write.naive import kv_write_naive
@@ -81,6 +81,27 @@ def interp_runs():
 def test_interpreted_kv_write_matches_reference_and_gguf(interp_runs, case):
     a, r = interp_runs[case]
     check_case(a, r["k_pool"], r["v_pool"])
+
+
+def test_interpreted_kv_write_into_page_pairs():
+    """Pools that are views of one buffer of page pairs (the streaming cache's layout):
+    the kernel writes the reference's bytes into the views and nothing else of the buffer."""
+    from kvcompile.runtime.kv_pages import PagePair
+    gen = torch.Generator().manual_seed(fresh_seed())
+    cases, jobs = [], []
+    for k_name, v_name in SOME:
+        a = make_case(64, k_name, v_name, n_rows=6, n_kv=2, page_size=16, n_pages=4, gen=gen)
+        kv, _, _ = paired_pools(a["k_pool"], a["v_pool"], gen)
+        cases.append((a, kv))
+        jobs.append({"kind": "kv_write", "args": dict(a, kv_pool=kv)})
+    for (a, kv), r in zip(cases, run_interpreted(jobs)):
+        got_k, got_v = PagePair(a["k_pool"].shape[1], a["v_pool"].shape[1]).views(r["kv_pool"])
+        check_case(a, got_k, got_v)
+        want = kv.clone()
+        want_k, want_v = PagePair(got_k.shape[1], got_v.shape[1]).views(want)
+        want_k.copy_(got_k)
+        want_v.copy_(got_v)
+        assert torch.equal(r["kv_pool"], want)       # no byte outside the two views moved
 
 
 def with_page_table(a, gen):

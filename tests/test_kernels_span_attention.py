@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import kvcompile.ops  # noqa: F401
-from kernel_oracle import (PAIRS, args_of, build, dense_reference, fresh_seed, rel_err,
-                           run_interpreted)
+from kernel_oracle import (PAIRS, args_of, build, dense_reference, fresh_seed,
+                           paired_pools, rel_err, run_interpreted)
 from kvcompile.errors import KvLayoutError
 from kvcompile.kv_rotation import V_BLOCK, diagonal_blocks, v_rotation
 from kvcompile.ops import kv_format as F
@@ -126,6 +126,13 @@ STRIDED_Q = {"decode-Kq8_0-Vq4_0-rows8-ctx70", "decode-Kq8_0-Vq4_0-rows8-ctx70-b
              "decode-Kq8_0-Vq4_0-rows2-ctx70-transposed",
              "prefill-Kq8_0-Vq4_0-rows8-ctx70", "decode-Kbf16-Vbf16-D128-ctx40-blocks"}
 assert STRIDED_Q <= set(INTERP_IDS)
+# cases also run on pools that are views of one page-pair buffer (the streaming cache's
+# layout, pages further apart than their size): placement "paired" equals "resident" bitwise
+PAIRED = {"decode-Kq8_0-Vq4_0-rows8-ctx70", "decode-Kq8_0-Vq4_0-rows8-ctx70-blocks",
+          "decode-Kq8_0-Vq4_0-rows2-ctx70-transposed",
+          "decode-Kq8_0-Vq4_0-rows2-ctx70-transposed-tma",
+          "prefill-Kq8_0-Vq4_0-rows8-ctx70", "decode-Kbf16-Vbf16-D128-ctx40"}
+assert PAIRED <= set(INTERP_IDS)
 
 
 def head_slice(q: torch.Tensor, gen) -> torch.Tensor:
@@ -152,6 +159,13 @@ def _interp_runs(cases):
             jobs.append({"kind": kernel, "opts": opts,
                          "args": args_of(kn, vn, qs, q_pos, table, kp, vp, p)})
             keys.append((cid, "strided_q"))
+        if cid in PAIRED:
+            table, kp, vp = placed["resident"]
+            _, pk, pv = paired_pools(kp, vp, gen)
+            assert pk.stride(0) > pk.shape[1] and torch.equal(pk, kp) and torch.equal(pv, vp)
+            jobs.append({"kind": kernel, "opts": opts,
+                         "args": args_of(kn, vn, q, q_pos, table, pk, pv, p)})
+            keys.append((cid, "paired"))
     outs = {}
     for key, res in zip(keys, run_interpreted(jobs)):
         outs.setdefault(key[0], {})[key[1]] = res["out"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_oracle import PAIRS, fresh_seed, garbage_pool, run_interpreted
+from kernel_oracle import PAIRS, fresh_seed, garbage_pool, paired_pools, run_interpreted
 from kvcompile.ops import kv_format as F
 from kvcompile.ops.kv_write.naive import kv_write_naive
 from kvcompile.runtime.row_publish import RowMap, publish_rows_cuda, publish_rows_reference
@@ -72,6 +72,11 @@ def test_kernel_interpreted_equals_the_oracle():
     gen = torch.Generator().manual_seed(fresh_seed())
     cases = [case(k, v, 64, 2, gen) for k, v in (("q8_0", "q4_0"), ("f16", "bf16"),
                                                   ("q4_0", "f32"))]
+    # the last case's pools as views of page pairs (the streaming cache's layout): pool
+    # and host pages then lie different distances apart
+    c = cases[-1]
+    c["pools"] = list(paired_pools(*c["pools"], gen)[1:])
+    assert c["pools"][0].stride(0) != c["hosts"][0].stride(0)
     jobs = [dict(kind="publish_rows", opts=dict(block=64), args=dict(
         pools=c["pools"], hosts=c["hosts"], maps=[(m.base, m.stride) for m in c["maps"]],
         table=c["table"], positions=c["positions"], page_size=P)) for c in cases]

@@ -1,7 +1,8 @@
 """Host history: the authoritative copy of every attention layer's KV, as page arrays.
 
-Per layer a K and a V array uint8 [max_pages, page_bytes] in host memory (pinned on
-CUDA), laid out exactly like device pages so a run of contiguous pages is one copy.
+Per layer one array uint8 [max_pages, pair.stride] in host memory (pinned on CUDA), each
+row a K page and a V page (kv_pages.PagePair), laid out exactly like the arena's pages so a
+run of contiguous pages is one copy; `k` and `v` are its K and V views.
 `rows[layer]` counts the positions published for that layer (layers may differ: an MTP
 layer runs its own forwards); pages at or past it hold nothing yet and need no
 host->device copy.
@@ -12,14 +13,15 @@ import torch
 
 
 class HostHistory:
-    def __init__(self, layers, max_pages: int, k_page_bytes: int, v_page_bytes: int,
-                 page_size: int, alloc=None):
+    def __init__(self, layers, max_pages: int, pair, page_size: int, alloc=None):
         alloc = alloc or (lambda shape: torch.zeros(shape, dtype=torch.uint8))
         self.layers = tuple(layers)
         self.page_size = page_size
         self.max_pages = max_pages
-        self.k = {i: alloc((max_pages, k_page_bytes)) for i in self.layers}
-        self.v = {i: alloc((max_pages, v_page_bytes)) for i in self.layers}
+        self.kv = {i: alloc((max_pages, pair.stride)) for i in self.layers}
+        views = {i: pair.views(self.kv[i]) for i in self.layers}
+        self.k = {i: kv[0] for i, kv in views.items()}
+        self.v = {i: kv[1] for i, kv in views.items()}
         self.rows = {i: 0 for i in self.layers}
 
     def has_rows(self, layer: int, logical_page: int) -> bool:
@@ -45,4 +47,4 @@ class HostHistory:
 
     @property
     def nbytes(self) -> int:
-        return sum(self.k[i].nbytes + self.v[i].nbytes for i in self.layers)
+        return sum(self.kv[i].nbytes for i in self.layers)

@@ -6,8 +6,8 @@ only the pages at the boundary. The ring is [L * r, P), one ring for all streame
 handed out first-in first-out so the slots taken next are the ones released longest ago.
 
 Per forward, layers are issued in order: a layer gets ring slots for its pages >= r (its
-span plan), host->device copies of contiguous runs (one group per layer: a K and a V copy
-per run), and ready fences; the page tables of a forward over consecutive layers are all
+span plan), host->device copies of contiguous runs (one group per layer: one copy per run, a
+physical page holding its K and V page side by side), and ready fences; the page tables of a forward over consecutive layers are all
 written at its start (first-in first-out slots make every layer's placement known). A
 layer only takes slots already released by earlier layers, so a copy waits only on
 consumed fences that exist (recorded), never on future work. Split fills: a layer whose
@@ -46,14 +46,17 @@ class ForwardCounters:
 
 
 class StreamingPool(FixedForwards):
-    def __init__(self, k_pool, v_pool, host, layers, engine, backend, max_pages: int,
+    def __init__(self, kv_pool, pair, host, layers, engine, backend, max_pages: int,
                  unsafe=frozenset(), check_plans: bool | None = None, row_maps=None):
+        """kv_pool: uint8 [P, pair.stride], physical pages each a K and a V page
+        (kv_pages.PagePair): a run of pages is one copy."""
         if set(unsafe) - UNSAFE:
             raise ValueError(f"unknown unsafe switches {set(unsafe) - UNSAFE}")
-        self.k_pool, self.v_pool, self.host = k_pool, v_pool, host
+        self.kv_pool, self.host = kv_pool, host
+        self.k_pool, self.v_pool = pair.views(kv_pool)
         self.layers = tuple(layers)
         self.index = {layer: li for li, layer in enumerate(self.layers)}
-        self.L, self.P = len(self.layers), k_pool.shape[0]
+        self.L, self.P = len(self.layers), kv_pool.shape[0]
         self.engine, self.backend, self.unsafe = engine, backend, frozenset(unsafe)
         self.checker = engine.instrument.checker
         # Validate every placement as a SpanPlan (one span per resident page: ~0.5 ms per
@@ -66,7 +69,7 @@ class StreamingPool(FixedForwards):
         self.filled_ahead: FilledAhead | None = None
         self.split_fills = True                  # a layer may take its free slots first
         self.partial: Placement | None = None    # the layer waiting for its last slots
-        dev = k_pool.device
+        dev = kv_pool.device
         # Every layer's table is a row of one tensor, so a forward over all layers writes
         # them in one device op (begin). Rows start 16-byte aligned, like separate tensors.
         self._tables = torch.zeros(self.L, -(-max_pages // 4) * 4, dtype=torch.int32,
@@ -109,7 +112,7 @@ class StreamingPool(FixedForwards):
         have = self._ring_pages_of.get(self.r)
         if have is None:
             n = ring.n_slots + self.L * min(ring.n_slots, self.max_pages)
-            slots = torch.arange(n, dtype=torch.int32, device=self.k_pool.device)
+            slots = torch.arange(n, dtype=torch.int32, device=self.kv_pool.device)
             have = self._ring_pages_of[self.r] = (slots % max(ring.n_slots, 1)
                                                   + ring.first_physical_page)
         self._ring_pages = have
@@ -142,8 +145,7 @@ class StreamingPool(FixedForwards):
         self._drop_ahead()
         n = self.L * self.r
         wait_all(set(self.last_use[:n]))
-        self.k_pool[:n].fill_(0x7F)
-        self.v_pool[:n].fill_(0x7F)
+        self.kv_pool[:n].fill_(0x7F)
         self.valid_upto = [0] * self.L
         if self.checker is not None:
             self.checker.release(range(n))
@@ -281,8 +283,7 @@ class StreamingPool(FixedForwards):
         runs = job.runs(written.start, min(written.stop, job.n)) if self.rows is None else ()
         for lp0, p0, n in runs:
             keys = tuple((li, lp) for lp in range(lp0, lp0 + n)) if chk else ()
-            f = self.engine.copy([(self.host.k[layer][lp0:lp0 + n], self.k_pool[p0:p0 + n]),
-                                  (self.host.v[layer][lp0:lp0 + n], self.v_pool[p0:p0 + n])],
+            f = self.engine.copy([(self.host.kv[layer][lp0:lp0 + n], self.kv_pool[p0:p0 + n])],
                                  CopyNote("publish", tuple(range(p0, p0 + n)) if chk else (),
                                           (), keys),
                                  after=[done])
@@ -358,7 +359,7 @@ class StreamingPool(FixedForwards):
 
     def _place(self, job: Placement, upto: int, copy: bool = True) -> bool:
         """Take the slots of the job's logical pages [placed, upto) and fill them (one
-        copy group: a K and a V copy per run, behind each page's last use); False, nothing
+        copy group: one copy per run, behind each page's last use); False, nothing
         done, while a slot is still held."""
         runs = job.runs(job.placed, upto)
         ring0 = self._ring.first_physical_page
@@ -377,12 +378,11 @@ class StreamingPool(FixedForwards):
         ring_cut = self.host.max_pages if self.fixed else rows_cut
         chk = self.checker is not None
         pairs, after, pages, owners = [], set(), [], []
-        hk, hv = self.host.k[layer], self.host.v[layer]
+        hkv = self.host.kv[layer]
         for lp0, p0, n in runs:
             k = max(0, min(n, (rows_cut if lp0 < job.r else ring_cut) - lp0))
             if k:      # published rows: copy them (all runs of the layer in one group)
-                pairs += [(self.k_pool[p0:p0 + k], hk[lp0:lp0 + k]),
-                          (self.v_pool[p0:p0 + k], hv[lp0:lp0 + k])]
+                pairs.append((self.kv_pool[p0:p0 + k], hkv[lp0:lp0 + k]))
                 if not ignore_held:
                     after.update(self.last_use[p0:p0 + k])
                 if chk:

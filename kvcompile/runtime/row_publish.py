@@ -42,7 +42,8 @@ class RowMap:
 def publish_rows_reference(pools, hosts, table: torch.Tensor, positions: torch.Tensor,
                            maps) -> None:
     """For K and V (pools, hosts, maps: pairs) and every p in positions: host[page of p] <-
-    the bytes of p from pool[table[page of p]] (pages are rows of uint8 [pages, bytes])."""
+    the bytes of p from pool[table[page of p]] (pages are rows of uint8 [pages, bytes],
+    stride(0) apart)."""
     pos = positions.to(torch.long)
     for pool, host, m in zip(pools, hosts, maps):
         lp, within = pos // m.page_size, pos % m.page_size
@@ -56,8 +57,8 @@ def publish_rows_cuda(pools, hosts, table: torch.Tensor, positions: torch.Tensor
     """The same by one Triton kernel on the current stream; hosts are pinned memory."""
     from kvcompile.runtime.row_publish_kernel import launch
     for pool, host in zip(pools, hosts):
-        if pool.stride() != (pool.shape[1], 1) or host.stride() != (host.shape[1], 1):
-            raise ValueError("row publishing needs contiguous rows of pages")
+        if not (F.dense_pages(pool) and F.dense_pages(host)):
+            raise ValueError("row publishing needs rows of pages with a dense last dim")
         if pool.shape[1] != host.shape[1]:
             raise ValueError(f"pool pages of {pool.shape[1]} bytes, host pages of "
                              f"{host.shape[1]}")

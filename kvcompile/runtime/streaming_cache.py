@@ -27,7 +27,7 @@ from kvcompile.runtime.arena import MIB, Arena, align, mib_for
 from kvcompile.runtime.backend import CpuBackend
 from kvcompile.runtime.fences import AllOf
 from kvcompile.runtime.host_history import HostHistory
-from kvcompile.runtime.kv_pages import fit_pages, layer_extras, min_arena_bytes, page_bytes
+from kvcompile.runtime.kv_pages import PagePair, layer_extras, min_arena_bytes, page_bytes
 from kvcompile.runtime.pool import StreamingPool
 from kvcompile.runtime.row_publish import RowMap
 from kvcompile.runtime.step_layout import StepLayout
@@ -84,22 +84,22 @@ class StreamingKvCache:
                 f"{self.k_type.name}/{self.v_type.name} KV (the ring must hold one layer's "
                 f"whole context); use --kv-stream-arena-mib {mib_for(need)} or more, or "
                 f"lower --ctx-size")
-        self.backend.check_host_bytes(len(self.layers) * self.num_pages * (kb + vb))
-        n_phys = fit_pages(nbytes - align(workspace_bytes), kb, vb)
+        pair = PagePair(kb, vb)
+        self.backend.check_host_bytes(len(self.layers) * self.num_pages * pair.stride)
+        n_phys = pair.fit(nbytes - align(workspace_bytes))
         self.arena = Arena(nbytes, self.backend.device_buffer(nbytes))
         with self.arena.begin() as tx:
-            tx.reserve("workspace", workspace_bytes).reserve("kv_k", n_phys * kb)
-            tx.reserve("kv_v", n_phys * vb)
-        self._leases = [self.arena.lease("kv_k"), self.arena.lease("kv_v")]
-        k_pool = self._leases[0].view().view(n_phys, kb)
-        v_pool = self._leases[1].view().view(n_phys, vb)
-        self.host = HostHistory(self.layers, self.num_pages, kb, vb, page_size,
+            tx.reserve("workspace", workspace_bytes).reserve("kv", n_phys * pair.stride)
+        self._leases = [self.arena.lease("kv")]
+        kv_pool = self._leases[0].view().view(n_phys, pair.stride)
+        k_pool, v_pool = pair.views(kv_pool)
+        self.host = HostHistory(self.layers, self.num_pages, pair, page_size,
                                 alloc=self.backend.host_buffer)
         self.engine = self.backend.copy_engine()
         maps = tuple(RowMap.of(t, config.n_kv_heads, page_size, config.head_dim, role,
                                k_pool.device) for t, role in ((self.k_type, "k"),
                                                               (self.v_type, "v")))
-        self.pool = StreamingPool(k_pool, v_pool, self.host, self.layers, self.engine,
+        self.pool = StreamingPool(kv_pool, pair, self.host, self.layers, self.engine,
                                   self.backend, self.num_pages, unsafe, row_maps=maps)
         # Prefill: depth >= 2 (the next layer's copies run while this one computes) unless
         # asked. Decode: a layer's compute is short; with split fills a part of a layer

@@ -1,6 +1,7 @@
 """torch.ops.kvcompile.kv_write: quantize-on-write of new K/V rows into their pages.
 
-k_pool / v_pool: uint8 [num_pages, page_bytes] (see kv_format), mutated in place.
+k_pool / v_pool: uint8 [num_pages, page_bytes] (see kv_format; pages stride(0) apart),
+mutated in place.
 k_new / v_new:   [T, n_kv_heads, head_dim] rows to store.
 slots:           int [T], physical page * page_size + offset of each row; with page_table
                  (int32 [logical pages]) the row's logical position instead, mapped in the
@@ -55,7 +56,8 @@ def check_kv_write_args(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, pag
                                 f" KV heads but the rows have {n_heads}")
     if k_pool.device.type == "cuda":
         problems = [text for bad, text in (
-            (not (k_pool.is_contiguous() and v_pool.is_contiguous()), "contiguous pools"),
+            (not (F.dense_pages(k_pool) and F.dense_pages(v_pool)),
+             "pools of dense page rows"),
             (k_new.stride(2) != 1 or v_new.stride(2) != 1, "rows with a dense last dim"),
             (not slots.is_contiguous(), "contiguous slots"),
             (page_table is not None and not page_table.is_contiguous(),

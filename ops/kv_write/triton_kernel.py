@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kvcompile.ops import kv_format as F
 from kvcompile.ops.cast import to_bf16 as _to_bf16
 from kvcompile.ops.launching import interpreting, launchable
 from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
@@ -106,7 +107,7 @@ def _store_scales(scales, head, off, dsc, P: tl.constexpr, D: tl.constexpr,
 
 @triton.jit
 def _kv_write(k_pool, v_pool, k_new, v_new, slots, page_table, stride_kt, stride_kh,
-              stride_vt, stride_vh, k_page_bytes, v_page_bytes, k_code_bytes, v_code_bytes,
+              stride_vt, stride_vh, k_page_stride, v_page_stride, k_code_bytes, v_code_bytes,
               P: tl.constexpr, D: tl.constexpr, K_TYPE: tl.constexpr, V_TYPE: tl.constexpr,
               HAS_TABLE: tl.constexpr, EXACT_MUL: tl.constexpr, PDL: tl.constexpr):
     wait_for_producers(PDL)
@@ -123,17 +124,17 @@ def _kv_write(k_pool, v_pool, k_new, v_new, slots, page_table, stride_kt, stride
     d_lo = blk[:, None] * 32 + j[None, :]   # values 0..15 of each block
     d_hi = d_lo + 16                         # values 16..31
     t64 = t.to(tl.int64)
-    _store_row(k_pool, page * k_page_bytes, h, off, k_new + t64 * stride_kt + h * stride_kh,
+    _store_row(k_pool, page * k_page_stride, h, off, k_new + t64 * stride_kt + h * stride_kh,
                d_lo, d_hi, k_code_bytes, P, D, K_TYPE, False, EXACT_MUL)
     v_pos_major: tl.constexpr = V_TYPE == 2 or V_TYPE == 8    # quantized V (kv_format)
-    _store_row(v_pool, page * v_page_bytes, h, off, v_new + t64 * stride_vt + h * stride_vh,
+    _store_row(v_pool, page * v_page_stride, h, off, v_new + t64 * stride_vt + h * stride_vh,
                d_lo, d_hi, v_code_bytes, P, D, V_TYPE, v_pos_major, EXACT_MUL)
 
 
 def kv_write_triton(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size,
                     page_table=None):
     """Launch the kernel (arguments already validated by check_kv_write_args)."""
-    assert k_pool.is_contiguous() and v_pool.is_contiguous(), "KV pools must be contiguous"
+    assert F.dense_pages(k_pool) and F.dense_pages(v_pool), "KV pools need dense page rows"
     assert k_new.stride(2) == 1 and v_new.stride(2) == 1, "rows need a dense last dim"
     assert slots.is_contiguous(), "slots must be contiguous"
     assert page_table is None or page_table.is_contiguous(), "page_table must be contiguous"
@@ -145,7 +146,7 @@ def kv_write_triton(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_si
     launchable(_kv_write)[(n_rows, n_heads)](
         k_pool, v_pool, k_new, v_new, slots, slots if page_table is None else page_table,
         k_new.stride(0), k_new.stride(1),
-        v_new.stride(0), v_new.stride(1), kg.page_bytes, vg.page_bytes,
+        v_new.stride(0), v_new.stride(1), k_pool.stride(0), v_pool.stride(0),
         kg.code_bytes, vg.code_bytes, P=page_size, D=head_dim, K_TYPE=kg.kv_type,
         V_TYPE=vg.kv_type, HAS_TABLE=page_table is not None, EXACT_MUL=not interpreting(),
         num_warps=1, **pdl_launch(k_new.device))

@@ -57,11 +57,13 @@ _VIEW = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16, 8: torch.int8, 
 
 
 def pool_args(pool: torch.Tensor, g: PageGeometry, raw_codes: bool = False):
-    """(typed view, fp16 view, page elems, page halves, code halves) for load_tile;
+    """(typed view, fp16 view, page stride in elements, page stride in halves, code
+    halves) for load_tile: page p starts p * pool.stride(0) bytes in (kv_format);
     raw_codes: quantized pools stay uint8 (quant_blocks reads code bytes)."""
     vals = pool if raw_codes and g.quantized else pool.view(_VIEW[g.kv_type])
-    return (vals, pool.view(torch.float16), g.page_bytes // vals.element_size(),
-            g.page_bytes // 2, g.code_bytes // 2)
+    stride = pool.stride(0)
+    return (vals, pool.view(torch.float16), stride // vals.element_size(), stride // 2,
+            g.code_bytes // 2)
 
 
 def check_launch(q, k_pool, v_pool, page_table, q_pos, page_size):
@@ -69,8 +71,8 @@ def check_launch(q, k_pool, v_pool, page_table, q_pos, page_size):
     problems = []
     if q.dim() != 3 or q.stride(2) != 1:
         problems.append("q must be [T, Hq, D] with a dense last dim")
-    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
-        problems.append("k_pool and v_pool must be contiguous")
+    if not (F.dense_pages(k_pool) and F.dense_pages(v_pool)):
+        problems.append("k_pool and v_pool must be rows of pages with a dense last dim")
     if k_pool.dtype != torch.uint8 or v_pool.dtype != torch.uint8:
         problems.append("k_pool and v_pool must be uint8")
     if page_table.dtype != torch.int32 or not page_table.is_contiguous():
