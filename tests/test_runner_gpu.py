@@ -41,15 +41,18 @@ def models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen35"])
-@pytest.mark.parametrize("ctx,kv,times", [(4096, "f32", 1.1), (16384, "f16", 1.1),
-                                          (65536, "q8_0", 1.1), (16384, "f16", 1.7)],
-                         ids=["4K-f32", "16K-f16", "64K-q8_0", "16K-f16-split-fills"])
-def test_captured_streamed_decode_equals_eager_resident(models, arch, ctx, kv, times,
+@pytest.mark.parametrize("ctx,kv,times,depth", [
+    (4096, "f32", 1.1, "off"), (16384, "f16", 1.1, None), (65536, "q8_0", 1.1, None),
+    (16384, "f16", 1.7, "1.5")], ids=["4K-f32-whole-fills", "16K-f16", "64K-q8_0",
+                                      "16K-f16-split-fills"])
+def test_captured_streamed_decode_equals_eager_resident(models, arch, ctx, kv, times, depth,
                                                        monkeypatch):
     """times: the arena over the smallest one; at 1.7 decode takes a ring of 1.5 layers
-    (its own split, refilled before the first captured step) whose fills split in two."""
-    if times > 1.5:
-        monkeypatch.setenv("KVCOMPILE_DECODE_DEPTH", "1.5")     # (opt-in on CUDA)
+    (its own split, refilled before the first captured step) whose fills split in two.
+    depth: KVCOMPILE_DECODE_DEPTH (None: the default, 1.25 layers; "off": prefill's ring,
+    whole-layer fills)."""
+    if depth is not None:
+        monkeypatch.setenv("KVCOMPILE_DECODE_DEPTH", depth)
     model = models[arch]
     c = model.config
     n_prompt = ctx - DECODE - 1 - SEED % 200

@@ -36,19 +36,21 @@ from kvcompile.runtime.telemetry import StepStats, summarize
 
 def decode_depth(default: float | None) -> float | None:
     """The decode steps' ring depth in layers (None: prefill's, whole-layer fills):
-    KVCOMPILE_DECODE_DEPTH, else the backend's `default`. Its margin over one layer must
-    land while a layer computes: a GPU whose layers compute longer against their copy
-    wants more."""
+    KVCOMPILE_DECODE_DEPTH ("off": None), else the backend's `default`. Its margin over one
+    layer must land while a layer computes: a GPU whose layers compute longer against their
+    copy wants more."""
     raw = os.environ.get("KVCOMPILE_DECODE_DEPTH")
     if raw is None:
         return default
+    if raw.strip().lower() == "off":
+        return None
     try:
         depth = float(raw)
     except ValueError:
         depth = 0.0
     if not 1.0 <= depth <= 8.0:
         raise ArenaError(f"KVCOMPILE_DECODE_DEPTH={raw!r}: give a ring depth in layers "
-                         f"from 1 to 8, e.g. 1.5")
+                         f"from 1 to 8, e.g. 1.25, or off")
     return depth
 
 

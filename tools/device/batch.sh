@@ -5,6 +5,7 @@
 # usage (device, repo root): KVCOMPILE_COMMIT=<commit> tools/device/batch.sh [-p] name [name ...]
 set -uo pipefail
 export R=$(pwd) PYTHONPATH=/tmp/site PYTHONSAFEPATH=1
+export PYTHONUNBUFFERED=1   # piped logs show how far a run that a time limit cut got
 par=0; [ "${1:-}" = "-p" ] && { par=1; shift; }
 # the device's copy has no .git: result rows take their commit from here
 [ -n "${KVCOMPILE_COMMIT:-}" ] || { echo "set KVCOMPILE_COMMIT (git rev-parse --short HEAD) in the call"; exit 2; }

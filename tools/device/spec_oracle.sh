@@ -6,7 +6,9 @@
 # decoding on a 32K prompt of the same Engine. SPEC_ARGS overrides options; SPEC_OUT
 # (a repo path, e.g. benchmarks/results/speculative.json) gets the row appended. Writes
 # $OUT/spec_oracle/{speculative.json,log.txt}. Making the model (~90 s) comes before
-# SPEC_LIMIT starts counting: a call's own limit must cover both (SPEC_LIMIT=420 in a 600 s call).
+# SPEC_LIMIT starts counting: a call's own limit must cover both. SPEC_LIMIT=420 was cut
+# before the oracle decode (two 256K prefills of ~3 min each after the model): in one 600 s
+# call take SPEC_LIMIT=490 SPEC_ARGS="--widths 1,6 --mtp-context 0", the rest in another.
 set -uo pipefail
 R=${R:-$(pwd)}
 O="$OUT/spec_oracle"; mkdir -p "$O"
