@@ -34,6 +34,13 @@ ROW_KERNELS = {"rms_norm": _row_kernel("rms_norm", "rms_norm_triton"),
                "qlinear_dense": _row_kernel("qlinear", "qlinear_dense")}
 
 
+def _clone_rows(pool: torch.Tensor) -> torch.Tensor:
+    """A copy of a pool with its strides (clone() would make spaced pages contiguous)."""
+    out = torch.empty_strided(pool.shape, pool.stride(), dtype=pool.dtype)
+    out.copy_(pool)
+    return out
+
+
 def run(job: dict) -> dict:
     from kvcompile.ops.kv_write.triton_kernel import kv_write_triton
     from kvcompile.ops import kv_format as F
@@ -57,7 +64,7 @@ def run(job: dict) -> dict:
                         a["page_size"], a.get("page_table"))
         return {"kv_pool": kv}
     if job["kind"] == "kv_write":
-        kp, vp = a["k_pool"].clone(), a["v_pool"].clone()
+        kp, vp = _clone_rows(a["k_pool"]), _clone_rows(a["v_pool"])
         kv_write_triton(kp, vp, a["k_new"], a["v_new"], a["slots"], a["k_type"], a["v_type"],
                         a["page_size"], a.get("page_table"))
         return {"k_pool": kp, "v_pool": vp}

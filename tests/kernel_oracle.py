@@ -55,6 +55,20 @@ def paired_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, gen: torch.Generato
     return kv, k, v
 
 
+def spaced_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, gen: torch.Generator,
+                 gaps=(16, 48)):
+    """The same pages with K and V pages further apart than their size by different gaps
+    (random bytes between): a kernel that steps V's pages by K's stride, or either by its
+    page size, reads the wrong bytes."""
+    def spaced(pool, gap):
+        buf = torch.randint(0, 256, (pool.shape[0], pool.shape[1] + gap), dtype=torch.uint8,
+                            generator=gen).to(pool.device)
+        view = buf[:, :pool.shape[1]]
+        view.copy_(pool)
+        return view
+    return spaced(k_pool, gaps[0]), spaced(v_pool, gaps[1])
+
+
 def placements(n_pages: int, page_size: int) -> dict[str, SpanPlan]:
     """Three plans for logical pages 0..n-1 in one pool of 3n + 3 pages: all resident,
     resident then ring, all in the ring with a wrap (when n > 1)."""

@@ -14,6 +14,7 @@ from kvcompile.errors import ArenaError, KvcompileError
 from kvcompile.runtime import StreamingKvCache, min_arena_bytes
 from kvcompile.runtime.arena import ALIGN, MIB, Arena
 from kvcompile.runtime.fences import EventFence
+from kvcompile.runtime.kv_pages import PagePair, page_bytes
 
 SEED = int.from_bytes(os.urandom(4), "little")
 
@@ -143,6 +144,26 @@ def test_streaming_cache_too_small_names_the_minimum_in_mib(types):
     with pytest.raises(ArenaError):
         StreamingKvCache(CFG, tokens, arena_mib=named - 1 if named > 1 else 0.01,
                          k_type=types[0], v_type=types[1])
+
+
+@pytest.mark.parametrize("types", [("q8_0", "q8_0"), ("q8_0", "q4_0"), ("f16", "f32")])
+def test_every_arena_from_the_minimum_up_serves_its_context(types):
+    """Arenas of any byte count (not multiples of the arena's alignment), small pages (one
+    16-position page pair is not a multiple of 256 bytes): the minimum and every size past
+    it build, with at least the context's pages."""
+    cfg = ModelConfig(arch="llama", n_layers=2, hidden=64, ffn=128, n_heads=1, n_kv_heads=1,
+                      head_dim=64, vocab_size=64, context_length=2048)
+    rng = random.Random(SEED)
+    tokens = rng.randrange(500, 1500)
+    need = min_arena_bytes(cfg, tokens, *types, page_size=16)
+    stride = PagePair(*page_bytes(cfg, *types, 16)).stride
+    # just past a whole number of page pairs: their region, aligned, may not fit
+    extras = [0] + [k * stride + rng.randrange(ALIGN // 2) for k in (1, 2, 3)]
+    for extra in extras + [rng.randrange(1, 16 * ALIGN) for _ in range(4)]:
+        cache = StreamingKvCache(cfg, tokens, arena_mib=(need + extra) / MIB, k_type=types[0],
+                                 v_type=types[1], page_size=16)
+        assert cache.pool.P >= cache.num_pages, (SEED, extra)
+        cache.close()
 
 
 def test_closing_a_streaming_cache_releases_its_regions():

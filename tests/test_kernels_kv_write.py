@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import kvcompile.ops  # noqa: F401
-from kernel_oracle import PAIRS, fresh_seed, garbage_pool, paired_pools, run_interpreted
+from kernel_oracle import (PAIRS, fresh_seed, garbage_pool, paired_pools, run_interpreted,
+                           spaced_pools)
 from kvcompile.errors import KvLayoutError
 from kvcompile.ops import kv_format as F
 from kvcompile.ops.kv_write.naive import kv_write_naive
@@ -102,6 +103,22 @@ def test_interpreted_kv_write_into_page_pairs():
         want_k.copy_(got_k)
         want_v.copy_(got_v)
         assert torch.equal(r["kv_pool"], want)       # no byte outside the two views moved
+
+
+def test_interpreted_kv_write_into_spaced_pages():
+    """K and V pages spaced by different strides, neither their page size: the same bytes
+    as the reference writes into contiguous pools."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    cases = []
+    for k_name, v_name in SOME:
+        a = make_case(64, k_name, v_name, n_rows=6, n_kv=2, page_size=16, n_pages=4, gen=gen)
+        kp, vp = spaced_pools(a["k_pool"], a["v_pool"], gen)
+        assert kp.stride(0) != vp.stride(0) and kp.stride(0) != kp.shape[1]
+        cases.append((a, dict(a, k_pool=kp, v_pool=vp)))
+    results = run_interpreted([{"kind": "kv_write", "args": b} for _, b in cases])
+    for (a, _), r in zip(cases, results):
+        assert r["k_pool"].stride() == (a["k_pool"].shape[1] + 16, 1)
+        check_case(a, r["k_pool"], r["v_pool"])
 
 
 def with_page_table(a, gen):

@@ -15,7 +15,7 @@ import torch
 
 import kvcompile.ops  # noqa: F401
 from kernel_oracle import (PAIRS, args_of, build, dense_reference, fresh_seed,
-                           paired_pools, rel_err, run_interpreted)
+                           paired_pools, rel_err, run_interpreted, spaced_pools)
 from kvcompile.errors import KvLayoutError
 from kvcompile.kv_rotation import V_BLOCK, diagonal_blocks, v_rotation
 from kvcompile.ops import kv_format as F
@@ -127,7 +127,8 @@ STRIDED_Q = {"decode-Kq8_0-Vq4_0-rows8-ctx70", "decode-Kq8_0-Vq4_0-rows8-ctx70-b
              "prefill-Kq8_0-Vq4_0-rows8-ctx70", "decode-Kbf16-Vbf16-D128-ctx40-blocks"}
 assert STRIDED_Q <= set(INTERP_IDS)
 # cases also run on pools that are views of one page-pair buffer (the streaming cache's
-# layout, pages further apart than their size): placement "paired" equals "resident" bitwise
+# layout, pages further apart than their size), and on K and V pages spaced by different
+# strides: placements "paired" and "spaced" equal "resident" bitwise
 PAIRED = {"decode-Kq8_0-Vq4_0-rows8-ctx70", "decode-Kq8_0-Vq4_0-rows8-ctx70-blocks",
           "decode-Kq8_0-Vq4_0-rows2-ctx70-transposed",
           "decode-Kq8_0-Vq4_0-rows2-ctx70-transposed-tma",
@@ -166,6 +167,10 @@ def _interp_runs(cases):
             jobs.append({"kind": kernel, "opts": opts,
                          "args": args_of(kn, vn, q, q_pos, table, pk, pv, p)})
             keys.append((cid, "paired"))
+            sk, sv = spaced_pools(kp, vp, gen)
+            jobs.append({"kind": kernel, "opts": opts,
+                         "args": args_of(kn, vn, q, q_pos, table, sk, sv, p)})
+            keys.append((cid, "spaced"))
     outs = {}
     for key, res in zip(keys, run_interpreted(jobs)):
         outs.setdefault(key[0], {})[key[1]] = res["out"]

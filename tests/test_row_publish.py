@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_oracle import PAIRS, fresh_seed, garbage_pool, paired_pools, run_interpreted
+from kernel_oracle import (PAIRS, fresh_seed, garbage_pool, paired_pools, run_interpreted,
+                           spaced_pools)
 from kvcompile.ops import kv_format as F
 from kvcompile.ops.kv_write.naive import kv_write_naive
 from kvcompile.runtime.row_publish import RowMap, publish_rows_cuda, publish_rows_reference
@@ -77,6 +78,8 @@ def test_kernel_interpreted_equals_the_oracle():
     c = cases[-1]
     c["pools"] = list(paired_pools(*c["pools"], gen)[1:])
     assert c["pools"][0].stride(0) != c["hosts"][0].stride(0)
+    # the one before on K and V pages spaced by different strides
+    cases[-2]["pools"] = list(spaced_pools(*cases[-2]["pools"], gen))
     jobs = [dict(kind="publish_rows", opts=dict(block=64), args=dict(
         pools=c["pools"], hosts=c["hosts"], maps=[(m.base, m.stride) for m in c["maps"]],
         table=c["table"], positions=c["positions"], page_size=P)) for c in cases]

@@ -107,6 +107,25 @@ def test_streamed_output_is_bitwise_the_all_resident_output(model, types, pages)
         assert st["streamed_fraction"] == 0 and st["h2d_bytes"] == 0, st
 
 
+def test_pages_padded_to_16_bytes_stream_bitwise(model):
+    """Pages of 3 positions: a q8_0 K page is 408 bytes and a q4_0 V page 216, so each is
+    padded to a multiple of 16 in the arena's and the host's page pairs (kv_pages.PagePair);
+    the streamed tokens and logits still equal the all-resident cache's."""
+    ps, n = 3, 120
+    prompt = _prompt(SEED, 100)
+    ref = PagedKvCache(CFG, n, k_type="q8_0", v_type="q4_0", page_size=ps)
+    ids_ref, logits_ref = generate(model, ref, prompt, 8)
+    need = min_arena_bytes(CFG, n, "q8_0", "q4_0", ps)
+    cache = StreamingKvCache(CFG, n, arena_mib=need * 1.6 / MIB, k_type="q8_0",
+                             v_type="q4_0", page_size=ps)
+    k_pool = cache.pool.k_pool
+    assert (k_pool.shape[1], cache.pool.v_pool.shape[1], k_pool.stride(0)) == (408, 216, 640)
+    ids, got = generate(model, cache, prompt, 8)
+    assert ids == ids_ref and torch.equal(got, logits_ref), SEED
+    assert sum(s.streamed_reads for s in cache.telemetry[-8:]) > 0
+    cache.close()
+
+
 def test_copies_are_grouped_runs_of_contiguous_pages(model):
     prompt = _prompt(SEED, 200)
     cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(30), page_size=PS)

@@ -211,9 +211,9 @@ class CudaBackend:
     # opt-in (KVCOMPILE_FILL_AHEAD=1) until device runs compare it with the default
     # (bench_runner.py --fill-ahead both).
     fill_ahead = os.environ.get("KVCOMPILE_FILL_AHEAD", "0") == "1"
-    # Decode's own ring of 1.25 layers with split fills (policy.py; docs/benchmarks.md:
-    # the fastest of 1.25, 1.5 and 2 layers at 64K and 128K); KVCOMPILE_DECODE_DEPTH
-    # overrides it ("off": prefill's ring and whole-layer fills).
+    # Decode's own ring of 1.25 layers with split fills (policy.py; faster than prefill's
+    # ring at 64K and 128K, docs/benchmarks.md); KVCOMPILE_DECODE_DEPTH overrides it
+    # ("off": prefill's ring and whole-layer fills).
     decode_depth = 1.25
 
     def __init__(self, device="cuda", instrument: Instrument | None = None,

@@ -14,7 +14,7 @@ import torch
 
 from kvcompile.kv_cache import PagedKvCache
 from kvcompile.ops import kv_format as F
-from kvcompile.runtime.arena import align
+from kvcompile.runtime.arena import ALIGN, align
 
 
 def min_arena_bytes(config, max_tokens: int, k_type="f32", v_type="f32", page_size=256,
@@ -55,8 +55,8 @@ class PagePair:
         return self.v_offset + align16(self.vb)
 
     def fit(self, nbytes: int) -> int:
-        """Physical pages that fit nbytes."""
-        return max(nbytes, 0) // self.stride
+        """Physical pages whose region, rounded up to the arena's alignment, fits nbytes."""
+        return max(nbytes, 0) // ALIGN * ALIGN // self.stride
 
     def views(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 [N, stride] -> (K pool [N, kb], V pool [N, vb]), views of `pages`."""

@@ -2,8 +2,9 @@
 
 q:          [T, n_q_heads, head_dim] new query rows (1 for decode, a few for verify, many
             for prefill), causal among themselves through q_pos.
-k_pool/v_pool: uint8 [num_pages, page_bytes] page pools (kv_format); resident pages and
-            ring slots are just different physical page indices.
+k_pool/v_pool: uint8 [num_pages, page_bytes] page pools (kv_format), page p at
+            p * stride(0) (pages may lie further apart than their size); resident pages
+            and ring slots are just different physical page indices.
 page_table: int32 [max_logical_pages], physical page of each logical page (built from an
             ordered span plan, see kvcompile.span_plan). Work is split by logical position
             only, so the result does not depend on where a page lives.

@@ -6,9 +6,10 @@ copy moves a whole tile (a K block column, all V rows) into shared memory withou
 load/store unit or per-thread addresses; at 8 x 128 and 128K the decode went from 0.71 to
 0.81 of HBM (benchmarks/results/investigation_log.md, "TMA for the code tiles").
 
-A pool is [pages, page_bytes] uint8 with the codes first (kv_format). The descriptors see
-only the codes: K as [pages, heads * P, row bytes] (a position's codes one row), V, which is
-position-major, as [pages, heads * W, P] (a value row across the page's positions).
+A pool is [pages, page_bytes] uint8, pages stride(0) apart, with the codes first
+(kv_format). The descriptors see only the codes: K as [pages, heads * P, row bytes] (a
+position's codes one row), V, which is position-major, as [pages, heads * W, P] (a value
+row across the page's positions).
 
 TMA needs a Hopper-or-later GPU, 16-byte aligned pools and pages, and an untraced launch
 (torch's wrap_triton cannot trace host-side descriptors outside dynamo): inside the op when
