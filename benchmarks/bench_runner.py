@@ -50,6 +50,12 @@ def build_model(g, ctx: int, weights: str, device, dtype, seed: int):
     return model
 
 
+def launch_ms(stats: dict) -> float | None:
+    """Mean host time of a decode graph's launch (`replay()`), part of host_step_ms."""
+    n = stats.get("replays")
+    return 1e3 * stats["launch_s"] / n if n and "launch_s" in stats else None
+
+
 def launches_per_step(stats: dict) -> int | None:
     """Graph launches a decode step makes: one (a decode graph or a phase program), or None
     (eager: every kernel its own launch)."""
@@ -98,6 +104,7 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
     row.update(prompt_tokens=r.prompt_tokens, ttft_s=r.prefill_s, prefill_tok_s=r.prefill_tok_s,
                decode_tok_s=r.decode_tok_s, step_ms=stats["step_ms"],
                mean_over_median_step=mean / median, host_step_ms=stats["host_step_ms"],
+               launch_ms=launch_ms(r.phases),
                warmup=dict(captures=warm.phases.get("captures"), ttft_s=warm.prefill_s,
                            warmup_s=warm.phases.get("warmup_s"),
                            decode_s=warm.decode_s),
@@ -119,7 +126,8 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
         f"{S.fmt(row.get('decode_vs_bound'), '.3f')}, x roofline "
         f"{S.fmt(row.get('decode_vs_hbm_roofline'), '.3f')}), step p50 "
         f"{stats['step_ms']['p50']:.2f} ms, mean/median {mean / median:.3f}, host "
-        f"{stats['host_step_ms']:.2f} ms, launches/step {row['launches_per_step']}, "
+        f"{stats['host_step_ms']:.2f} ms (launch {S.fmt(row['launch_ms'], '.2f')}), "
+        f"launches/step {row['launches_per_step']}, "
         f"captures {r.phases.get('captures')}, TTFT {r.prefill_s:.2f} s, "
         f"{r.kv.get('repartitions', '-')} repartitions, publish {row['publish']}")
     if hasattr(e.cache, "close"):         # the streaming cache's copy stream and leases

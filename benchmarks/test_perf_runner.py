@@ -47,6 +47,7 @@ def test_runner_tiny_cpu(benchmark, tmp_path, graphs):
             assert r["runner_mode"] == "decode graphs" and r["launches_per_step"] == 1
             assert r["programs"]["replays"] > 0 and "fallback" not in r["programs"]
             assert r["programs"]["compiled"]       # the traced forward, ring ops lowered
+            assert r["launch_ms"] > 0              # the graphs' launch time is recorded
         # every program the second request needs was made by the first
         assert all(r["second_request"]["captures"] == 0 for r in rows), rows
 

@@ -24,6 +24,7 @@ again, in the same fixed layout, so CI runs the same bookkeeping and the same de
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 
 import torch
@@ -100,6 +101,9 @@ class DecodeGraph:
         self._start = 0                   # the step's first position
         self.trace_error: str | None = None   # why the eager model replaced the traced one
         self.captures = self.replays = self.eager_steps = self.retraces = 0
+        # host seconds in replay() over all replays: a graph's launch on CUDA, the whole
+        # rerun step on the CPU
+        self.launch_s = 0.0
         self.warmup_s = 0.0               # host seconds spent tracing and capturing
         self._trace_made = False          # the traced forward has run (is traced)
 
@@ -202,6 +206,7 @@ class DecodeGraph:
     def stats(self) -> dict:
         return {"decode_graphs": len(self.programs), "captures": self.captures,
                 "replays": self.replays, "eager_steps": self.eager_steps,
+                "launch_s": self.launch_s,
                 "compiled": self._compiled is not None, "retraces": self.retraces,
                 "warmup_s": self.warmup_s,
                 **({"trace_error": self.trace_error} if self.trace_error else {}),
@@ -284,10 +289,14 @@ class DecodeGraph:
                 state.begin(start, self.rows)
             if self.streamed:
                 self.cache.join_copies()      # the graph's fills assume an idle copy side
+            t = time.perf_counter()
             program.graph.replay()
+            self.launch_s += time.perf_counter() - t
             out = program.out
         else:
+            t = time.perf_counter()
             program.graph.replay()            # reruns the step's code, bookkeeping included
+            self.launch_s += time.perf_counter() - t
             out = program.graph.out
         if self.streamed:
             fence = self.cache.backend.compute_fence() if self.cuda else None
