@@ -289,15 +289,10 @@ class DecodeGraph:
                 state.begin(start, self.rows)
             if self.streamed:
                 self.cache.join_copies()      # the graph's fills assume an idle copy side
-            t = time.perf_counter()
-            program.graph.replay()
-            self.launch_s += time.perf_counter() - t
-            out = program.out
-        else:
-            t = time.perf_counter()
-            program.graph.replay()            # reruns the step's code, bookkeeping included
-            self.launch_s += time.perf_counter() - t
-            out = program.graph.out
+        t = time.perf_counter()
+        program.graph.replay()                # on the CPU: reruns the step's code,
+        self.launch_s += time.perf_counter() - t      # bookkeeping included
+        out = program.out if self.cuda else program.graph.out
         if self.streamed:
             fence = self.cache.backend.compute_fence() if self.cuda else None
             self.cache.end_replayed(program.moved, fence, program.filled)

@@ -18,10 +18,10 @@ class HostHistory:
         self.layers = tuple(layers)
         self.page_size = page_size
         self.max_pages = max_pages
-        self.kv = {i: alloc((max_pages, pair.stride)) for i in self.layers}
-        views = {i: pair.views(self.kv[i]) for i in self.layers}
-        self.k = {i: kv[0] for i, kv in views.items()}
-        self.v = {i: kv[1] for i, kv in views.items()}
+        self.kv, self.k, self.v = {}, {}, {}
+        for i in self.layers:
+            self.kv[i] = alloc((max_pages, pair.stride))
+            self.k[i], self.v[i] = pair.views(self.kv[i])
         self.rows = {i: 0 for i in self.layers}
 
     def has_rows(self, layer: int, logical_page: int) -> bool:

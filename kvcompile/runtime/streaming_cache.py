@@ -94,12 +94,11 @@ class StreamingKvCache:
             tx.reserve("workspace", workspace_bytes).reserve("kv", n_phys * pair.stride)
         self._leases = [self.arena.lease("kv")]
         kv_pool = self._leases[0].view().view(n_phys, pair.stride)
-        k_pool, v_pool = pair.views(kv_pool)
         self.host = HostHistory(self.layers, self.num_pages, pair, page_size,
                                 alloc=self.backend.host_buffer)
         self.engine = self.backend.copy_engine()
         maps = tuple(RowMap.of(t, config.n_kv_heads, page_size, config.head_dim, role,
-                               k_pool.device) for t, role in ((self.k_type, "k"),
+                               kv_pool.device) for t, role in ((self.k_type, "k"),
                                                               (self.v_type, "v")))
         self.pool = StreamingPool(kv_pool, pair, self.host, self.layers, self.engine,
                                   self.backend, self.num_pages, unsafe, row_maps=maps)
@@ -117,6 +116,7 @@ class StreamingKvCache:
                                self.layers[0]).items()}
         # decode kernels' scratch (CUDA; None on the CPU), one for all layers like PagedKvCache
         extras["workspace"] = decode_workspace(self.device, config)
+        k_pool, v_pool = self.pool.k_pool, self.pool.v_pool      # views of the page pairs
         self._kv = {i: LayerKv(k_pool, v_pool, self.pool.page_tables[i], self.k_type.ggml_id,
                                self.v_type.ggml_id, page_size, **extras) for i in self.layers}
         self.telemetry: list[StepStats] = []

@@ -14,8 +14,8 @@ from kvcompile.ops import kv_format as F
 class PageGeometry:
     kv_type: int      # ggml id
     n_heads: int
-    page_bytes: int
-    code_bytes: int   # bytes of values / codes before the scales (whole page)
+    code_bytes: int   # bytes of values / codes before the scales (whole page); pages are
+                      # addressed by the pool's stride(0), not by their size
 
     @property
     def quantized(self) -> bool:
@@ -32,7 +32,7 @@ def page_geometry(pool: torch.Tensor, kv_type: int, page_size: int,
         code = n_heads * page_size * head_dim // 2
     else:
         code = pool.shape[1]
-    return PageGeometry(t.ggml_id, n_heads, pool.shape[1], code)
+    return PageGeometry(t.ggml_id, n_heads, code)
 
 
 def dot_mode(q_dtype: torch.dtype, k_type: int) -> int:
