@@ -50,10 +50,12 @@ def build_model(g, ctx: int, weights: str, device, dtype, seed: int):
     return model
 
 
-def launch_ms(stats: dict) -> float | None:
-    """Mean host time of a decode graph's launch (`replay()`), part of host_step_ms."""
-    n = stats.get("replays")
-    return 1e3 * stats["launch_s"] / n if n and "launch_s" in stats else None
+def replay_ms(stats: dict, part: str = "launch") -> float | None:
+    """Mean host time of a replayed decode step's part: "prepare" (input, placement,
+    layout), "launch" (the graph's `replay()`) or "close" (bookkeeping after it); together
+    about host_step_ms."""
+    n, key = stats.get("replays"), f"{part}_s"
+    return 1e3 * stats[key] / n if n and key in stats else None
 
 
 def launches_per_step(stats: dict) -> int | None:
@@ -104,7 +106,9 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
     row.update(prompt_tokens=r.prompt_tokens, ttft_s=r.prefill_s, prefill_tok_s=r.prefill_tok_s,
                decode_tok_s=r.decode_tok_s, step_ms=stats["step_ms"],
                mean_over_median_step=mean / median, host_step_ms=stats["host_step_ms"],
-               launch_ms=launch_ms(r.phases),
+               launch_ms=replay_ms(r.phases),
+               host_split_ms={p: replay_ms(r.phases, p) for p in ("prepare", "launch", "close")},
+               host_steps_ms=[round(1e3 * t, 3) for t in r.host_s[-len(r.step_s):]],
                warmup=dict(captures=warm.phases.get("captures"), ttft_s=warm.prefill_s,
                            warmup_s=warm.phases.get("warmup_s"),
                            decode_s=warm.decode_s),
@@ -126,7 +130,8 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
         f"{S.fmt(row.get('decode_vs_bound'), '.3f')}, x roofline "
         f"{S.fmt(row.get('decode_vs_hbm_roofline'), '.3f')}), step p50 "
         f"{stats['step_ms']['p50']:.2f} ms, mean/median {mean / median:.3f}, host "
-        f"{stats['host_step_ms']:.2f} ms (launch {S.fmt(row['launch_ms'], '.2f')}), "
+        f"{stats['host_step_ms']:.2f} ms (prepare / launch / close "
+        f"{'/'.join(S.fmt(v, '.2f') for v in row['host_split_ms'].values())}), "
         f"launches/step {row['launches_per_step']}, "
         f"captures {r.phases.get('captures')}, TTFT {r.prefill_s:.2f} s, "
         f"{r.kv.get('repartitions', '-')} repartitions, publish {row['publish']}")

@@ -48,6 +48,9 @@ def test_runner_tiny_cpu(benchmark, tmp_path, graphs):
             assert r["programs"]["replays"] > 0 and "fallback" not in r["programs"]
             assert r["programs"]["compiled"]       # the traced forward, ring ops lowered
             assert r["launch_ms"] > 0              # the graphs' launch time is recorded
+            split = r["host_split_ms"]             # and the parts of a step's host time
+            assert all(split[p] > 0 for p in ("prepare", "launch", "close")), split
+            assert 0 < len(r["host_steps_ms"]) <= r["decode_steps"]
         # every program the second request needs was made by the first
         assert all(r["second_request"]["captures"] == 0 for r in rows), rows
 

@@ -29,7 +29,7 @@ from kvcompile.runtime.bracket import forward_bracket
 
 # counters of the program stats that count events (reported per request as differences)
 EVENT_COUNTERS = ("captures", "transitions", "invalidated", "revived", "replays", "eager_steps",
-                  "retraces", "warmup_s", "launch_s")
+                  "retraces", "warmup_s", "prepare_s", "launch_s", "close_s")
 
 
 class StepRunner:

@@ -101,9 +101,11 @@ class DecodeGraph:
         self._start = 0                   # the step's first position
         self.trace_error: str | None = None   # why the eager model replaced the traced one
         self.captures = self.replays = self.eager_steps = self.retraces = 0
-        # host seconds in replay() over all replays: a graph's launch on CUDA, the whole
-        # rerun step on the CPU
-        self.launch_s = 0.0
+        # host seconds of the replayed steps, in three parts: from the step's start to its
+        # launch (input, the cache's placement and layout), replay() (a graph's launch on
+        # CUDA, the whole rerun step on the CPU) and the bookkeeping after it
+        self.prepare_s = self.launch_s = self.close_s = 0.0
+        self._t_begin = 0.0
         self.warmup_s = 0.0               # host seconds spent tracing and capturing
         self._trace_made = False          # the traced forward has run (is traced)
 
@@ -145,6 +147,7 @@ class DecodeGraph:
             return self._run_step(tokens, start)
 
     def _run_step(self, tokens, start: int):
+        self._t_begin = time.perf_counter()
         self._input.load(tokens, range(start, start + self.rows))
         self._start = start
         may_capture = self.warm and start > 0 and self.fallback is None
@@ -206,7 +209,8 @@ class DecodeGraph:
     def stats(self) -> dict:
         return {"decode_graphs": len(self.programs), "captures": self.captures,
                 "replays": self.replays, "eager_steps": self.eager_steps,
-                "launch_s": self.launch_s,
+                "prepare_s": self.prepare_s, "launch_s": self.launch_s,
+                "close_s": self.close_s,
                 "compiled": self._compiled is not None, "retraces": self.retraces,
                 "warmup_s": self.warmup_s,
                 **({"trace_error": self.trace_error} if self.trace_error else {}),
@@ -290,11 +294,14 @@ class DecodeGraph:
             if self.streamed:
                 self.cache.join_copies()      # the graph's fills assume an idle copy side
         t = time.perf_counter()
+        self.prepare_s += t - self._t_begin
         program.graph.replay()                # on the CPU: reruns the step's code,
-        self.launch_s += time.perf_counter() - t      # bookkeeping included
+        t2 = time.perf_counter()              # bookkeeping included
+        self.launch_s += t2 - t
         out = program.out if self.cuda else program.graph.out
         if self.streamed:
             fence = self.cache.backend.compute_fence() if self.cuda else None
             self.cache.end_replayed(program.moved, fence, program.filled)
         self.replays += 1
+        self.close_s += time.perf_counter() - t2
         return out
