@@ -23,6 +23,7 @@ still-leased page to another role is never accepted; the caller drains and asks 
 """
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 from dataclasses import dataclass, field, replace
@@ -88,6 +89,7 @@ def serves(cfg: PolicyConfig, r: int, context_pages: int) -> bool:
     return r >= 0 and ring_slots(cfg, r) >= max(context_pages - r, 0)
 
 
+@functools.lru_cache(maxsize=256)   # asked at every step; Fraction arithmetic is slow
 def target_split(cfg: PolicyConfig, context_pages: int, depth: float) -> int:
     """Largest r whose ring holds `depth` (maybe a fraction) layers of streamed pages, with
     headroom; fewer layers (whole ones) where that cannot be."""
