@@ -49,11 +49,13 @@ class StepRunner:
                 # lowered to the page movement)
                 self.decode_graph = DecodeGraph(model, cache, layers=self.trunk_layers,
                                                 strict=False, compile=True)
+                self.verify_graphs: dict = {}     # padded verify width -> DecodeGraph
             else:
                 from kvcompile.phase import PhaseManager
                 self.phases = PhaseManager(model, cache, ubatch=min(ubatch, cache.capacity))
         self.host_s: list[float] = []       # host seconds of each step of this request
         self._base: dict = {}
+        self._planned: int | None = None    # tokens the request will reach
 
     @property
     def mode(self) -> str:
@@ -71,16 +73,46 @@ class StepRunner:
         or a tensor on the device (a token picked there: no host round trip)."""
         n = len(ids)
         with self._host_time():
+            graph = self._graph_for(n, start, all_rows) if self.phases is None else None
             if self.phases is not None and (not all_rows or n <= self.phases.buckets[-1]):
                 logits = self.phases.forward(ids, start)      # a decode program: every row
-            elif self.decode_graph is not None and n == self.decode_graph.rows:
-                logits = self.decode_graph.step(ids, start)
+            elif graph is not None and graph.rows == n:
+                logits = graph.step(ids, start)
+            elif graph is not None:                           # a verify width, padded
+                logits = graph.step(list(ids) + [ids[-1]] * (graph.rows - n), start)[:n]
+                self.cache.truncate(start + n)    # the padding rows are not history
             else:
                 logits = self._eager(ids, start, all_rows)
         logits = logits if all_rows else logits[-1]
         if self.trace and getattr(self.cache, "telemetry", None):
             print(f"[kv step] {self.cache.telemetry[-1].as_dict()}", file=sys.stderr)
         return logits
+
+    def _graph_for(self, n: int, start: int, all_rows: bool):
+        """The decode graph that runs n rows at start, or None (eager): one row, the decode
+        graph; a verify step of 2-8 rows over a streaming cache, the program of the
+        smallest bucket that holds it (phase/layouts.py; the padding rows' KV is written
+        past the kept rows, where the next step writes before anything reads it), while
+        the padded step stays inside the request's planned context (else its last page
+        would force a new split). A hybrid model's verify steps record recurrent
+        checkpoints and run eagerly (`verify`)."""
+        graph = self.decode_graph
+        if graph is None or n == 1:
+            return graph
+        if not all_rows or not self.cache.streams or self.plan.recurrent:
+            return None
+        from kvcompile.phase.layouts import BUCKETS, bucket_for
+        if n > BUCKETS[-1]:
+            return None
+        width = bucket_for(n)
+        if start + width > min(self.cache.capacity, self._planned or self.cache.capacity):
+            return None
+        if width not in self.verify_graphs:
+            from kvcompile.phase.decode_graph import DecodeGraph
+            self.verify_graphs[width] = DecodeGraph(self.model, self.cache, rows=width,
+                                                    layers=self.trunk_layers, strict=False,
+                                                    like=graph)
+        return self.verify_graphs[width]
 
     @contextmanager
     def _host_time(self):
@@ -160,6 +192,7 @@ class StepRunner:
         forgets the old one (a streaming cache plans its split for n_tokens); counters
         restart."""
         self.cache.reset()
+        self._planned = n_tokens
         if n_tokens is not None and self.cache.streams:
             self.cache.plan(n_tokens)
         self.host_s = []
@@ -169,7 +202,8 @@ class StepRunner:
         if self.phases is not None:
             return self.phases.stats()
         if self.decode_graph is not None:
-            return self.decode_graph.stats()
+            return _summed([self.decode_graph.stats()] +
+                           [g.stats() for g in self.verify_graphs.values()])
         return {}
 
     def request_stats(self) -> dict:
@@ -182,3 +216,14 @@ class StepRunner:
                 out[k] = now[k] - self._base.get(k, 0)
                 out[f"total_{k}"] = now[k]
         return out
+
+
+def _summed(stats: list[dict]) -> dict:
+    """The decode graph's stats with the verify graphs' programs and events added in (the
+    first's flags and reasons stand for all: they share the traced forward)."""
+    out = dict(stats[0])
+    for other in stats[1:]:
+        for k, v in other.items():
+            if k in out and isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] += v
+    return out

@@ -172,10 +172,55 @@ def test_a_second_request_of_the_same_length_captures_nothing(models):
     assert "of it warm-up" in first.stats_line() and "warm-up" not in b.stats_line()
 
 
-@pytest.mark.parametrize("spec", ["ngram-simple", "ngram-simple,draft-mtp"])
-def test_speculative_rounds_interleave_with_replays(models, spec):
-    """Verify steps (several rows, eager, with rollbacks) between one-row replays."""
-    model = models["qwen35"]
+@torch.inference_mode()
+def test_verify_steps_replay_padded_programs(models):
+    """A streamed llama's verify steps of 2-8 rows run the decode graph of the smallest
+    bucket (2, 4, 8) that holds them, padding rows included: every row's logits equal the
+    eager all-resident verify's (to fp32 rounding: a product of more rows may sum in
+    another order), the same argmax, and rollbacks between them keep both caches equal."""
+    import random
+    model = models["llama"]
+    prompt = prompt_of(model, 490 - SEED % 12, 7)         # the rounds cross the page at 512
+    rng = random.Random(SEED)
+    rounds = [rng.randint(1, 8) for _ in range(24)]
+    planned = len(prompt) + sum(rounds) + 8
+    ref = StepRunner(model, make_sequence_cache(model, model.config, CTX, "f32", "f32", 0,
+                                                CPU), device=CPU, ubatch=128)
+    cache = make_sequence_cache(model, model.config, CTX, "f32", "f32", tiny_arena(model), CPU)
+    runner = StepRunner(model, cache, device=CPU, ubatch=128, cuda_graphs=True)
+    for r in (ref, runner):
+        r.begin_request(planned)
+        for s in range(0, len(prompt), 128):
+            r.step(prompt[s:s + 128], s)
+    pos = len(prompt)
+    for width in rounds:
+        ids = [rng.randrange(model.config.vocab_size) for _ in range(width)]
+        want, _ = ref.verify(ids, pos)
+        got, _ = runner.verify(ids, pos)
+        assert got.shape == want.shape == (width, model.config.vocab_size)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), SEED
+        keep = rng.randint(1, width)
+        for r in (ref, runner):
+            r.rollback(keep, width, pos)
+        pos += keep
+        assert cache.host.rows[cache.layers[0]] == pos        # no padding row is history
+    widths = {w: g.stats() for w, g in runner.verify_graphs.items()}
+    print(rounds, {w: (s["captures"], s["replays"], s["eager_steps"]) for w, s in widths.items()})
+    assert set(widths) <= {2, 4, 8} and widths, rounds
+    assert sum(s["replays"] for s in widths.values()) > 0, widths
+    stats = runner.request_stats()                        # the verify graphs' events count
+    assert stats["replays"] == runner.decode_graph.replays + sum(
+        s["replays"] for s in widths.values())
+
+
+@pytest.mark.parametrize("arch,spec", [("qwen35", "ngram-simple"),
+                                       ("qwen35", "ngram-simple,draft-mtp"),
+                                       ("llama", "ngram-simple")])
+def test_speculative_rounds_interleave_with_replays(models, arch, spec):
+    """Verify steps (several rows with rollbacks: eager on the hybrid, padded programs on
+    llama) between one-row replays."""
+    model = models[arch]
     unit = prompt_of(model, 19, 4)
     prompt = unit * 8 + unit[:4]
     opts = dict(ctx_size=CTX, ubatch=64, progress=False, kv_stream_arena_mib=tiny_arena(model))
@@ -185,6 +230,8 @@ def test_speculative_rounds_interleave_with_replays(models, spec):
     r = e.generate(prompt, max_tokens=48, temperature=0)
     assert r.token_ids == plain.token_ids, (SEED, spec)
     assert r.speculative["drafted"] > 0
+    verify = e.runner.verify_graphs
+    assert bool(verify) == (arch == "llama") and all(g.warm for g in verify.values())
 
 
 @torch.inference_mode()

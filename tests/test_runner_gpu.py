@@ -80,3 +80,45 @@ def test_captured_streamed_decode_equals_eager_resident(models, arch, ctx, kv, t
     if times > 1.5 and len(cache.layers) > 2:   # (two layers: a ring of at most one)
         assert any(s.split_layers for s in cache.telemetry if s.tokens == 1), SEED
     cache.close()
+
+
+@torch.inference_mode()
+def test_captured_streamed_verify_steps_equal_eager_resident(models):
+    """Verify steps of 1-8 rows over a streamed llama (16K, q8_0) replay the padded
+    programs of their bucket (2, 4, 8 rows) with rollbacks between them: every row's logits
+    equal the eager all-resident verify's to rounding (a GEMV of more rows may round
+    otherwise), the same argmax."""
+    import random
+    model, kv, ctx = models["llama"], "q8_0", 16384
+    c = model.config
+    rng = random.Random(SEED)
+    rounds = [rng.randint(1, 8) for _ in range(40)]
+    n_prompt = ctx - sum(rounds) - 16 - SEED % 200
+    prompt = torch.randint(0, c.vocab_size, (n_prompt,),
+                           generator=torch.Generator().manual_seed(SEED)).tolist()
+    resident = StepRunner(model, make_sequence_cache(model, c, ctx, kv, kv, 0, DEV),
+                          device=DEV, ubatch=2048, cuda_graphs=False)
+    cache = make_sequence_cache(model, c, ctx, kv, kv, tiny_arena(model, kv, kv, ctx), DEV)
+    streamed = StepRunner(model, cache, device=DEV, ubatch=2048, cuda_graphs=True)
+    for r in (resident, streamed):
+        r.begin_request(ctx)
+        for s in range(0, n_prompt, 2048):
+            r.step(prompt[s:s + 2048], s)
+    pos, worst = n_prompt, 0.0
+    for width in rounds:
+        ids = [rng.randrange(c.vocab_size) for _ in range(width)]
+        want = resident.verify(ids, pos)[0].float()
+        got = streamed.verify(ids, pos)[0].float()
+        worst = max(worst, (got - want).abs().max().item())
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), (SEED, width, pos)
+        keep = rng.randint(1, width)
+        for r in (resident, streamed):
+            r.rollback(keep, width, pos)
+        pos += keep
+    stats = {w: g.stats() for w, g in streamed.verify_graphs.items()}
+    print(f"verify: seed {SEED}, max |dlogit| {worst:.3g}, programs "
+          f"{ {w: (s['captures'], s['replays']) for w, s in stats.items()} }")
+    assert stats and all("fallback" not in s for s in stats.values()), stats
+    assert sum(s["replays"] for s in stats.values()) >= len(rounds) // 2, stats
+    cache.close()

@@ -69,12 +69,15 @@ MAX_PROGRAMS = 8
 
 class DecodeGraph:
     def __init__(self, model, cache, rows: int = 1, layers=None, strict: bool = True,
-                 compile: bool = False):
+                 compile: bool = False, like: "DecodeGraph | None" = None):
         """strict=False: a capture that fails warns and every later step runs eagerly
         (the engine keeps serving); strict (tests, benchmarks): the error propagates.
         compile: the steps run the model traced once by torch.compile; over a streaming
         cache through passes.streamed_pipeline, its ring ops lowered to the cache's page
-        movement instead of the eager model's per-layer hook."""
+        movement instead of the eager model's per-layer hook. like: another program of
+        this model and cache (another number of rows) whose stream, graph memory pool and
+        traced forward this one shares (tracing again would drop that one's graphs). A
+        step of one row returns its logits; of more rows (a verify step), every row's."""
         if rows < 1:
             raise PhaseError(f"a decode program runs at least one row, got {rows}")
         self.model, self.cache, self.rows, self.layers = model, cache, rows, layers
@@ -83,16 +86,21 @@ class DecodeGraph:
         self.device = torch.device(getattr(cache, "device", "cpu"))
         self.cuda = self.device.type == "cuda"
         self.streamed = is_streamed(cache)
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        # One memory pool for every layout's graph (a budget has little room): programs run
-        # one at a time on one stream, each output stays allocated while its program lives
-        # and is read before another program runs, so a graph may reuse the blocks another
-        # one only used inside itself.
-        self._pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        # One memory pool for every layout's graph (a budget has little room), shared with
+        # `like`: programs run one at a time on one stream, each output stays allocated
+        # while its program lives and is read before another program runs, so a graph may
+        # reuse the blocks another one only used inside itself.
+        if like is not None:
+            self.stream, self._pool = like.stream, like._pool
+        else:
+            self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+            self._pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self._input = StaticInput(rows, self.device)
         self._resident = None if self.streamed else _FixedRange(cache)
         self._view = self._compiled = None
-        if compile:
+        if like is not None:
+            self._view, self._compiled = like._view, like._compiled
+        elif compile:
             self._view, self._compiled = _traced(model, cache, self.streamed)
         self.fallback: str | None = None  # why steps run eagerly after a failed capture
         self.programs: dict = {}          # layout -> Program, least recently used first
@@ -197,13 +205,14 @@ class DecodeGraph:
     def _forward(self, cache) -> torch.Tensor:
         """The model over the step's static input: traced (its ring ops lowered) or eager."""
         tokens, positions = self._input.tokens, self._input.positions
+        last_only = self.rows == 1
         if self._compiled is None:
-            return self.model(tokens, positions, cache, last_only=True)
+            return self.model(tokens, positions, cache, last_only=last_only)
         state = self._state()
         if state is None:
-            return self._compiled(tokens, positions, self._view, last_only=True)
+            return self._compiled(tokens, positions, self._view, last_only=last_only)
         state.begin(self._start, self.rows)   # host bookkeeping the trace cannot hold
-        return self._compiled(tokens, positions, self._view, last_only=True,
+        return self._compiled(tokens, positions, self._view, last_only=last_only,
                               state_begun=True)
 
     def stats(self) -> dict:
