@@ -8,7 +8,7 @@ runs it is decided once, when the runner is built, from the cache and `cuda_grap
 | --- | --- | --- |
 | any | off | eagerly: `runtime.forward` (the streaming bracket when the cache streams) |
 | all resident, attention-only | on | phase programs (`phase/manager.py`): prefill and decode layouts of one arena, programs kept across requests |
-| streamed, or hybrid | on | each decode step one CUDA graph per layout, ring copies and fences included (`phase/decode_graph.py`; on the CPU the same fixed-layout steps, rerun), prefill eagerly |
+| streamed, or hybrid | on | each decode step one CUDA graph per layout, ring copies and fences included (`phase/decode_graph.py`; on the CPU the same fixed-layout steps, rerun); a streamed attention-only model's verify steps too (padded to 2, 4 or 8 rows); prefill eagerly |
 
 The runner counts what each step cost on the host (`host_s`: from the call until the step's
 work is queued, before anything waits for the device) and the program events of the current
