@@ -219,11 +219,14 @@ class StepRunner:
 
 
 def _summed(stats: list[dict]) -> dict:
-    """The decode graph's stats with the verify graphs' programs and events added in (the
-    first's flags and reasons stand for all: they share the traced forward)."""
+    """The decode graph's stats with the verify graphs' programs and events added in; a
+    verify graph's own failure (`fallback`, `trace_error`) is reported when the decode
+    graph has none."""
     out = dict(stats[0])
     for other in stats[1:]:
         for k, v in other.items():
-            if k in out and isinstance(v, (int, float)) and not isinstance(v, bool):
+            if k not in out:
+                out[k] = v
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
                 out[k] += v
     return out
