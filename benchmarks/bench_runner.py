@@ -52,8 +52,8 @@ def build_model(g, ctx: int, weights: str, device, dtype, seed: int):
 
 def replay_ms(stats: dict, part: str = "launch") -> float | None:
     """Mean host time of a replayed decode step's part: "prepare" (input, placement,
-    layout), "launch" (the graph's `replay()`) or "close" (bookkeeping after it); together
-    about host_step_ms."""
+    layout; a capture on the way is warm-up), "launch" (the graph's `replay()`) or "close"
+    (bookkeeping after it)."""
     n, key = stats.get("replays"), f"{part}_s"
     return 1e3 * stats[key] / n if n and key in stats else None
 
@@ -108,7 +108,7 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
                mean_over_median_step=mean / median, host_step_ms=stats["host_step_ms"],
                launch_ms=replay_ms(r.phases),
                host_split_ms={p: replay_ms(r.phases, p) for p in ("prepare", "launch", "close")},
-               host_steps_ms=[round(1e3 * t, 3) for t in r.host_s[-len(r.step_s):]],
+               host_steps_ms=[round(1e3 * t, 3) for t in r.host_s[len(r.host_s) - len(r.step_s):]],
                warmup=dict(captures=warm.phases.get("captures"), ttft_s=warm.prefill_s,
                            warmup_s=warm.phases.get("warmup_s"),
                            decode_s=warm.decode_s),

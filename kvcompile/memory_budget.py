@@ -87,7 +87,19 @@ def workspace_bytes(config, ubatch: int, device: torch.device, verify_rows: int 
     gdn_dim = (2 * c.ssm_k_heads + 2 * c.ssm_v_heads) * c.ssm_head_dim if n_gdn else 0
     row = 6 * c.hidden + 3 * c.ffn + 2 * (q_dim + kv_dim) + 3 * gdn_dim
     acts = ubatch * row * 4 + 2 * c.vocab_size * 4
-    return rope + state + decode + acts + FIXED_RESERVE
+    return rope + state + decode + acts + verify_outputs(c, verify_rows) + FIXED_RESERVE
+
+
+def verify_outputs(config, verify_rows: int) -> int:
+    """Bytes of the logits the captured verify programs keep (runner.py: widths 2, 4, 8
+    up to the verify step's, VERIFY_PROGRAMS each; fp32 as an upper bound)."""
+    if verify_rows < 2:
+        return 0
+    from kvcompile.phase.layouts import BUCKETS, bucket_for
+    from kvcompile.runner import VERIFY_PROGRAMS
+    top = bucket_for(min(verify_rows, BUCKETS[-1]))
+    rows = sum(b for b in BUCKETS if 2 <= b <= top)
+    return VERIFY_PROGRAMS * rows * config.vocab_size * 4
 
 
 def plan_budget(*, budget: int, weights: int, workspace: int, kv_all: int, min_arena: int,

@@ -23,10 +23,15 @@ from contextlib import contextmanager
 
 import torch
 
+from kvcompile.errors import KvcompileError
+from kvcompile.phase.programs import check_step_positions
 from kvcompile.runtime import forward as run_forward
 from kvcompile.runtime.make import make_sequence_cache  # noqa: F401  (the Engine's slot)
 from kvcompile.runtime.bracket import forward_bracket
 
+# programs a verify width keeps (its layout's two, and the last layout's while a verify
+# step's padding reaches into the next page)
+VERIFY_PROGRAMS = 4
 # counters of the program stats that count events (reported per request as differences)
 EVENT_COUNTERS = ("captures", "transitions", "invalidated", "revived", "replays", "eager_steps",
                   "retraces", "warmup_s", "prepare_s", "launch_s", "close_s")
@@ -99,20 +104,26 @@ class StepRunner:
         graph = self.decode_graph
         if graph is None or n == 1:
             return graph
-        if not all_rows or not self.cache.streams or self.plan.recurrent:
+        if (not all_rows or not self.cache.streams or self.plan.recurrent
+                or graph.fallback is not None):
             return None
         from kvcompile.phase.layouts import BUCKETS, bucket_for
         if n > BUCKETS[-1]:
             return None
         width = bucket_for(n)
-        if start + width > min(self.cache.capacity, self._planned or self.cache.capacity):
+        if self._planned is not None and start + width > self._planned:
             return None
-        if width not in self.verify_graphs:
+        try:                              # the cache's capacity, the model's rope table
+            check_step_positions(self.model, self.cache, start, width)
+        except KvcompileError:
+            return None
+        verify = self.verify_graphs.get(width)
+        if verify is None:
             from kvcompile.phase.decode_graph import DecodeGraph
-            self.verify_graphs[width] = DecodeGraph(self.model, self.cache, rows=width,
-                                                    layers=self.trunk_layers, strict=False,
-                                                    like=graph)
-        return self.verify_graphs[width]
+            verify = self.verify_graphs[width] = DecodeGraph(
+                self.model, self.cache, rows=width, layers=self.trunk_layers, strict=False,
+                like=graph, max_programs=VERIFY_PROGRAMS)
+        return None if verify.fallback is not None else verify
 
     @contextmanager
     def _host_time(self):

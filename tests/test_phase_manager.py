@@ -322,9 +322,14 @@ def test_bad_input_is_a_clear_error(model_and_ids):
     with pytest.raises(UnsupportedModelError, match="all-resident"):
         PhaseManager(model, make_kv_cache(CFG, 256, 1, page_size=16), ubatch=16)
     # past dynamo's recompile limit the compiled step would fall back to eager: an error
+    # (a compiled forward raises dynamo's limit to its own, RECOMPILE_LIMIT, at least)
+    from unittest import mock
+
+    from kvcompile.phase import compiled_forward
     torch._dynamo.reset()
     cm = PhaseManager(model, cache(), ubatch=16, compile=True)
-    with torch._dynamo.config.patch(recompile_limit=1):
+    with torch._dynamo.config.patch(recompile_limit=1), \
+            mock.patch.object(compiled_forward, "RECOMPILE_LIMIT", 1):
         cm.forward(ids[:1], 0)
         with pytest.raises(PhaseError, match="recompile limit"):
             cm.forward(ids[1:3], 1)

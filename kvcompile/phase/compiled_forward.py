@@ -14,12 +14,24 @@ def _recompile_limit_error():
     return getattr(exc, "FailOnRecompileLimitHit", None) or getattr(exc, "FailOnCacheLimitHit", ())
 
 
+# traces a forward may hold: one per row count of the programs that share it (decode and
+# the verify widths, runner.py) for a few Engines of one model class (dynamo's default, 8,
+# is two such Engines)
+RECOMPILE_LIMIT = 32
+
+
 def _fail_on_recompile_limit():
     import torch._dynamo.config as cfg
+    patch = {}
     for name in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"):
         if hasattr(cfg, name):
-            return cfg.patch(**{name: True})
-    return contextlib.nullcontext()
+            patch[name] = True
+            break
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            patch[name] = max(getattr(cfg, name), RECOMPILE_LIMIT)
+            break
+    return cfg.patch(**patch) if patch else contextlib.nullcontext()
 
 
 def compile_forward(model, pipeline, lower: str = "graph"):

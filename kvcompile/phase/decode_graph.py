@@ -69,7 +69,8 @@ MAX_PROGRAMS = 8
 
 class DecodeGraph:
     def __init__(self, model, cache, rows: int = 1, layers=None, strict: bool = True,
-                 compile: bool = False, like: "DecodeGraph | None" = None):
+                 compile: bool = False, like: "DecodeGraph | None" = None,
+                 max_programs: int = MAX_PROGRAMS):
         """strict=False: a capture that fails warns and every later step runs eagerly
         (the engine keeps serving); strict (tests, benchmarks): the error propagates.
         compile: the steps run the model traced once by torch.compile; over a streaming
@@ -77,7 +78,8 @@ class DecodeGraph:
         movement instead of the eager model's per-layer hook. like: another program of
         this model and cache (another number of rows) whose stream, graph memory pool and
         traced forward this one shares (tracing again would drop that one's graphs). A
-        step of one row returns its logits; of more rows (a verify step), every row's."""
+        step of one row returns its logits; of more rows (a verify step), every row's.
+        max_programs: captured programs kept, least recently used dropped first."""
         if rows < 1:
             raise PhaseError(f"a decode program runs at least one row, got {rows}")
         self.model, self.cache, self.rows, self.layers = model, cache, rows, layers
@@ -104,13 +106,15 @@ class DecodeGraph:
             self._view, self._compiled = _traced(model, cache, self.streamed)
         self.fallback: str | None = None  # why steps run eagerly after a failed capture
         self.programs: dict = {}          # layout -> Program, least recently used first
+        self.max_programs = max_programs
         self._layout = None               # the layout being captured
         self.warm = False
         self._start = 0                   # the step's first position
         self.trace_error: str | None = None   # why the eager model replaced the traced one
         self.captures = self.replays = self.eager_steps = self.retraces = 0
         # host seconds of the replayed steps, in three parts: from the step's start to its
-        # launch (input, the cache's placement and layout), replay() (a graph's launch on
+        # launch (input, the cache's placement and layout; a capture on the way is counted
+        # in warmup_s instead), replay() (a graph's launch on
         # CUDA, the whole rerun step on the CPU) and the bookkeeping after it
         self.prepare_s = self.launch_s = self.close_s = 0.0
         self._t_begin = 0.0
@@ -164,6 +168,7 @@ class DecodeGraph:
             layout = "resident" if may_capture else None
             if layout is not None and layout not in self.programs:
                 self._try_capture(layout)
+                self._t_begin = time.perf_counter()   # (a capture is warm-up, not prepare)
             program = self.programs.get(layout)
             if program is None:
                 return self._eager(self._resident), False
@@ -174,6 +179,7 @@ class DecodeGraph:
             layout = cache.step_layout() if may_capture else None
             if layout is not None and layout not in self.programs:
                 self._try_capture(layout)
+                self._t_begin = time.perf_counter()
             program = self.programs.get(layout)
             if program is None:
                 cache.issue_forward()
@@ -248,7 +254,7 @@ class DecodeGraph:
                           f"eagerly from now on", RuntimeWarning, stacklevel=4)
 
     def _capture(self, layout) -> None:
-        while len(self.programs) >= MAX_PROGRAMS:     # the least recently used goes
+        while len(self.programs) >= self.max_programs:    # the least recently used goes
             self.programs.pop(next(iter(self.programs)))
         self._layout = None if layout == "resident" else layout
         if not self.cuda:
