@@ -87,7 +87,7 @@ def test_captured_streamed_verify_steps_equal_eager_resident(models):
     """Verify steps of 1-8 rows over a streamed llama (16K, q8_0) replay the padded
     programs of their bucket (2, 4, 8 rows) with rollbacks between them: every row's logits
     equal the eager all-resident verify's to rounding (a product of more rows may round
-    otherwise: 2.8e-4 and 3.4e-4 at most in two runs)."""
+    otherwise: at most 3.4e-4 in three runs)."""
     import random
     model, kv, ctx = models["llama"], "q8_0", 16384
     c = model.config
