@@ -51,9 +51,14 @@ class GenerationResult:
                    host_step_ms=self.host_step_ms())
         return out
 
+    @property
+    def decode_host_s(self) -> list:
+        """The decode steps' host seconds (host_s without the prefill chunks')."""
+        return self.host_s[len(self.host_s) - len(self.step_s):] if self.step_s else []
+
     def host_step_ms(self) -> float | None:
         """Median host time of the decode steps, in milliseconds (None: no step)."""
-        steps = self.host_s[len(self.host_s) - len(self.step_s):] if self.step_s else []
+        steps = self.decode_host_s
         return _ms_at(sorted(steps), 0.5) if steps else None
 
     def stats_line(self) -> str:

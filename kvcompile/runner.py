@@ -78,7 +78,7 @@ class StepRunner:
         or a tensor on the device (a token picked there: no host round trip)."""
         n = len(ids)
         with self._host_time():
-            graph = self._graph_for(n, start, all_rows) if self.phases is None else None
+            graph = self._graph_for(n, start, all_rows)
             if self.phases is not None and (not all_rows or n <= self.phases.buckets[-1]):
                 logits = self.phases.forward(ids, start)      # a decode program: every row
             elif graph is not None and graph.rows == n:

@@ -168,7 +168,6 @@ class DecodeGraph:
             layout = "resident" if may_capture else None
             if layout is not None and layout not in self.programs:
                 self._try_capture(layout)
-                self._t_begin = time.perf_counter()   # (a capture is warm-up, not prepare)
             program = self.programs.get(layout)
             if program is None:
                 return self._eager(self._resident), False
@@ -179,7 +178,6 @@ class DecodeGraph:
             layout = cache.step_layout() if may_capture else None
             if layout is not None and layout not in self.programs:
                 self._try_capture(layout)
-                self._t_begin = time.perf_counter()
             program = self.programs.get(layout)
             if program is None:
                 cache.issue_forward()
@@ -236,6 +234,7 @@ class DecodeGraph:
 
     # ---- capture and replay -------------------------------------------------------------
     def _try_capture(self, layout) -> None:
+        """Capture layout's program (warm-up: the step's prepare time restarts after it)."""
         try:
             with warming(self):
                 self._capture(layout)
@@ -252,6 +251,8 @@ class DecodeGraph:
             self.fallback = f"{type(e).__name__}: {e}"
             warnings.warn(f"decode CUDA graph capture failed ({self.fallback}); decoding "
                           f"eagerly from now on", RuntimeWarning, stacklevel=4)
+        finally:
+            self._t_begin = time.perf_counter()
 
     def _capture(self, layout) -> None:
         while len(self.programs) >= self.max_programs:    # the least recently used goes
