@@ -10,7 +10,7 @@ rows merged into benchmarks/results/streaming.json (meta under "compiled").
 
 Llama-3-8B geometry, random bf16 weights made on the device (bench_streaming's builder);
 `--weights` lists weight types to run every row with: bf16, or a GGUF block type (the same
-random matrices quantized on the device by kvcompile.gguf.quantize, kept quantized: the
+random matrices quantized on the device by kvcompile.io.gguf.quantize, kept quantized: the
 qlinear kernels and the quantized embedding), one model after the other in this process.
 
   ours-compiled   all resident, run by the PhaseManager: the forward compiled through the
@@ -47,7 +47,7 @@ import bench_streaming as S  # noqa: E402
 from bench_util import (add_run_options, free_memory, hbm_bandwidth, log, param_bytes,  # noqa: E402
                         timed_prefill_decode)
 
-from kvcompile.kv_cache import PagedKvCache  # noqa: E402
+from kvcompile.kv.store import KvStore  # noqa: E402
 
 SYSTEMS = ("ours-compiled", "ours-captured", "ours-captured-nopdl", "ours-resident",
            "ours-graphs", "ours")
@@ -73,9 +73,9 @@ def quantize_model(model, type_name: str) -> None:
     blocks, quantized on its device. A fused projection is quantized whole and the Linears
     of its parts (views of its rows, as the builder made them) take views of its rows:
     the bytes are held once, as the loader holds them."""
-    from kvcompile.gguf.quantize import quantize
+    from kvcompile.io.gguf.quantize import quantize
     from kvcompile.models.layers import Embedding, Linear
-    from kvcompile.quant_weight import QuantWeight
+    from kvcompile.models.quant_weight import QuantWeight
     name = type_name.upper()
     mats = [m for m in model.modules() if isinstance(m, (Linear, Embedding)) and not m.qtype]
     # a part: a Linear whose weight lies inside a larger one's storage (the fused matrix)
@@ -117,7 +117,7 @@ def timed_compiled(model, ctx: int, kv: str, args, device, ids: torch.Tensor,
     k_type, v_type = kv.split("/")
     tokens = ids.tolist()
     torch._dynamo.reset()                       # the other lowering's compiled forward
-    m = PhaseManager(model, PagedKvCache(model.config, ctx + args.decode_steps + 4, k_type,
+    m = PhaseManager(model, KvStore(model.config, ctx + args.decode_steps + 4, k_type,
                                          v_type, device=device),
                      ubatch=args.ubatch, lower=lower, compile=True)
     with torch.inference_mode():                # warm: the timed prefill rewrites this KV

@@ -22,14 +22,14 @@ TEXT = ("The lighthouse keeper counted the ships that passed each night, writing
 
 
 def bench_kvcompile(prompt_ids: list[int], n_decode: int, threads: int) -> dict:
-    from kvcompile.engine import Engine
+    from kvcompile.engine.engine import Engine
 
     torch.set_num_threads(threads)
     engine = Engine(None, ctx_size=len(prompt_ids) + n_decode + 8, progress=False)
     with torch.inference_mode():
-        engine.cache.reset()
+        engine.store.reset()
         engine.forward(prompt_ids[:8], 0)                       # warm-up
-        engine.cache.reset()
+        engine.store.reset()
         t = time.perf_counter()
         logits = engine._prefill(prompt_ids)
         prefill = time.perf_counter() - t
@@ -69,8 +69,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     args = ap.parse_args()
 
-    from kvcompile.default_model import default_model_path
-    from kvcompile.tokenizer import load_tokenizer
+    from kvcompile.io.default_model import default_model_path
+    from kvcompile.io.tokenizer import load_tokenizer
 
     path = default_model_path()
     tok = load_tokenizer(path)

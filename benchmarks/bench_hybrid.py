@@ -17,7 +17,7 @@ fp32, as a `--type bf16` file stores them) and handed to Qwen35Model.from_weight
 Systems (`ours*` run once per --kv entry):
   ours            attention KV history on the host, streamed through an arena of --arena-mib
   ours-graphs     ours, each decode step one CUDA graph (kvcompile/phase/decode_graph.py)
-  ours-resident   the whole KV on the device (arena 0, PagedKvCache)
+  ours-resident   the whole KV on the device (arena 0, KvStore)
 
 The KV cache holds pages for the 16 main attention layers only: the GDN state
 (RecurrentState, fp32) stays on the device and is never streamed, and the MTP layer gets
@@ -49,11 +49,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
 import bench_streaming as S  # noqa: E402
 from bench_util import add_run_options, param_bytes  # noqa: E402
-from kvcompile.gguf.arch_config import config_from_metadata  # noqa: E402
-from kvcompile.gguf.synthetic_presets import add_model_metadata, preset_config  # noqa: E402
+from kvcompile.kv.store import KvStore
+from kvcompile.io.gguf.arch_config import config_from_metadata  # noqa: E402
+from kvcompile.io.gguf.synthetic_presets import add_model_metadata, preset_config  # noqa: E402
 from kvcompile.models.qwen35 import Qwen35Model  # noqa: E402
-from kvcompile.runtime import forward as run_forward  # noqa: E402
-from kvcompile.runtime import min_arena_bytes  # noqa: E402
+from kvcompile.kv import forward as run_forward  # noqa: E402
+from kvcompile.kv import min_arena_bytes  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "hybrid.json")
 SYSTEMS = ("ours", "ours-graphs", "ours-resident")
@@ -81,7 +82,7 @@ def synthetic(tiny: bool, context_length: int):
     tiny preset). The ModelConfig is read back from the GGUF metadata the preset writes,
     exactly as loading a `make-model` file would build it."""
     try:
-        from kvcompile.gguf.synthetic import tensor_plan
+        from kvcompile.io.gguf.synthetic import tensor_plan
     except ImportError as e:     # the plan module needs the gguf package for its types
         raise SystemExit(f"{e}: install the gguf package (e.g. pip install .whl/gguf-*.whl)")
     syn = preset_config("qwen35", "tiny" if tiny else "seed-27b", context_length=context_length)
@@ -161,7 +162,7 @@ def sanity(model, args, device) -> dict:
         need = min_arena_bytes(model.config, n + steps + 1, k_type, v_type)
         got = {}
         for name, arena in (("resident", 0), ("stream", (need + 256) / 2**20)):
-            cache = S.make_cache(model, n + steps + 1, arena, kv, device)
+            cache = KvStore.for_model(S, model, n + steps + 1, arena, kv, device)
             try:
                 with torch.inference_mode():
                     logits = run_forward(model, cache, ids, pos).float()
@@ -308,7 +309,7 @@ def main(argv=None) -> list[dict]:
     # warm-up outside the timed rows: attention kernels of each KV type, GDN prefill/decode
     for kv in args.kv:
         S.log(f"warm-up: {kv}")
-        c = S.make_cache(model, args.ubatch + 8, 0, kv, device)
+        c = KvStore.for_model(S, model, args.ubatch + 8, 0, kv, device)
         with torch.inference_mode():
             last = S.ours_prefill(model, c, S.random_ids(args.ubatch, config.vocab_size, 7,
                                                          device), args.ubatch, device, "")

@@ -4,7 +4,7 @@ host RSS of the loading process, device bytes of the weights beside the file's t
     python benchmarks/bench_load.py FILE [FILE ...] [--out PATH]
 
 Each load runs in a fresh child process (its peak RSS: resource.getrusage of the children,
-the one before it being `cat`) through kvcompile.loader.load_model(device="cuda"), timed
+the one before it being `cat`) through kvcompile.io.loader.load_model(device="cuda"), timed
 to GPU completion. The process's start-up (importing torch and kvcompile's ops, creating the
 CUDA context: paid once a process, whatever the file) is timed apart as startup_s. Targets
 (issue 25): weights <= 1.05 x the file's tensor bytes, peak RSS <= 3 GiB + the largest
@@ -29,7 +29,7 @@ import cProfile, io, json, pstats, sys, time
 t = time.perf_counter()
 import torch
 import kvcompile.ops  # the custom ops' registration imports torch._dynamo
-from kvcompile.loader import load_model
+from kvcompile.io.loader import load_model
 dev, profile = sys.argv[2], sys.argv[3] == "1"
 if dev == "cuda":
     torch.empty(1, device=dev)          # the CUDA context
@@ -55,7 +55,7 @@ print(json.dumps(dict(load_s=load_s, startup_s=startup_s, parts_s=m.seconds, dev
 
 
 def measure(path: str, device: str, profile: bool = False) -> dict:
-    from kvcompile.gguf.reader import open_gguf
+    from kvcompile.io.gguf.reader import open_gguf
     infos = open_gguf(path).tensors.values()
     tensor_bytes = sum(i.n_bytes for i in infos)
     largest = max(i.n_bytes for i in infos)

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_util import events_ms, hbm_bandwidth, log, run_meta  # noqa: E402
 
-from kvcompile.gguf.quantize import quantize  # noqa: E402
+from kvcompile.io.gguf.quantize import quantize  # noqa: E402
 from kvcompile.ops.qlinear.formats import FORMATS, to_planar, weight_format  # noqa: E402
 from kvcompile.ops.qlinear.naive import dequantize_planar  # noqa: E402
 

@@ -71,7 +71,7 @@ def launches_per_step(stats: dict) -> int | None:
 def publish_mode(e) -> str | None:
     """How captured streamed steps publish their rows to the host: "rows" (a kernel),
     "pages" (copies; the kernel could not run) or None (no streamed cache)."""
-    pool = getattr(e.cache, "pool", None)
+    pool = getattr(e.store, "pool", None)
     return None if pool is None else ("rows" if pool.row_maps is not None else "pages")
 
 
@@ -88,14 +88,14 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
                                     cache_type_v=v_type, ubatch=args.ubatch,
                                     kv_stream_arena_mib=arena, cuda_graphs=args.cuda_graphs,
                                     progress=False)
-    row["runner_mode"] = e.runner.mode
+    row["runner_mode"] = e.executor.mode
     if args.pipeline != "default":
         e.pipeline = args.pipeline == "on"
     row["pipeline"] = e.pipeline
-    if fill_ahead is not None and hasattr(e.cache, "fill_ahead"):
-        e.cache.fill_ahead = fill_ahead
-    row["fill_ahead"] = getattr(e.cache, "fill_ahead", None)
-    policy = getattr(e.cache, "policy_config", None)
+    if fill_ahead is not None and hasattr(e.store, "fill_ahead"):
+        e.store.streamer.fill_ahead = fill_ahead
+    row["fill_ahead"] = getattr(e.store, "fill_ahead", None)
+    policy = getattr(e.store, "policy_config", None)
     row["decode_depth"] = None if policy is None else policy.decode_depth
     ids = S.random_ids(ctx - args.decode_steps - 2, g.vocab, args.seed, "cpu").tolist()
     warm = e.generate(ids[:WARM_PROMPT], max_tokens=WARM_STEPS, temperature=0)
@@ -106,13 +106,13 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
     row.update(prompt_tokens=r.prompt_tokens, ttft_s=r.prefill_s, prefill_tok_s=r.prefill_tok_s,
                decode_tok_s=r.decode_tok_s, step_ms=stats["step_ms"],
                mean_over_median_step=mean / median, host_step_ms=stats["host_step_ms"],
-               launch_ms=replay_ms(r.phases),
-               host_split_ms={p: replay_ms(r.phases, p) for p in ("prepare", "launch", "close")},
+               launch_ms=replay_ms(r.programs),
+               host_split_ms={p: replay_ms(r.programs, p) for p in ("prepare", "launch", "close")},
                host_steps_ms=[round(1e3 * t, 3) for t in r.decode_host_s],
-               warmup=dict(captures=warm.phases.get("captures"), ttft_s=warm.prefill_s,
-                           warmup_s=warm.phases.get("warmup_s"),
+               warmup=dict(captures=warm.programs.get("captures"), ttft_s=warm.prefill_s,
+                           warmup_s=warm.programs.get("warmup_s"),
                            decode_s=warm.decode_s),
-               programs=r.phases, launches_per_step=launches_per_step(r.phases),
+               programs=r.programs, launches_per_step=launches_per_step(r.programs),
                kv=r.kv, tokens=r.token_ids[:16], publish=publish_mode(e))
     if args.second_request:
         row["second_request"] = second_request(e, ids, r, args)
@@ -133,10 +133,10 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
         f"{stats['host_step_ms']:.2f} ms (prepare / launch / close "
         f"{'/'.join(S.fmt(v, '.2f') for v in row['host_split_ms'].values())}), "
         f"launches/step {row['launches_per_step']}, "
-        f"captures {r.phases.get('captures')}, TTFT {r.prefill_s:.2f} s, "
+        f"captures {r.programs.get('captures')}, TTFT {r.prefill_s:.2f} s, "
         f"{r.kv.get('repartitions', '-')} repartitions, publish {row['publish']}")
-    if hasattr(e.cache, "close"):         # the streaming cache's copy stream and leases
-        e.cache.close()
+    if hasattr(e.store, "close"):         # the streaming cache's copy stream and leases
+        e.store.close()
     del e
     free_memory(device)
     return row
@@ -148,7 +148,7 @@ def second_request(e, ids: list[int], first, args) -> dict:
     prefill time + one decode step, and equal tokens."""
     r = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
     p50 = first.stats()["step_ms"]["p50"] / 1e3
-    out = dict(captures=r.phases.get("captures"), warmup_s=r.phases.get("warmup_s"),
+    out = dict(captures=r.programs.get("captures"), warmup_s=r.programs.get("warmup_s"),
                ttft_s=r.prefill_s,
                first_ttft_s=first.prefill_s, first_step_p50_s=p50,
                ttft_within=r.prefill_s <= first.prefill_s + p50,
@@ -161,7 +161,7 @@ def second_request(e, ids: list[int], first, args) -> dict:
 
 def ngram_check(e, ids: list[int], plain, args) -> dict:
     """The same request with ngram-simple speculation (n 2, m 8): equal tokens?"""
-    from kvcompile.speculative.options import SpecOptions
+    from kvcompile.engine.speculative.options import SpecOptions
     spec = e.spec
     try:
         e.spec = SpecOptions.checked("ngram-simple", ngram_n=2, ngram_m=8)
@@ -188,7 +188,7 @@ def parse_args(argv=None):
                     help="default: the Engine's (on for CUDA)")
     ap.add_argument("--fill-ahead", choices=("default", "on", "off", "both"),
                     default="default", help="streamed cases: each captured step fills the "
-                    "next one's first layers (StreamingKvCache.fill_ahead), or not, or both "
+                    "next one's first layers (KvStore.fill_ahead), or not, or both "
                     "in turn")
     ap.add_argument("--pipeline", choices=("default", "on", "off"), default="default",
                     help="greedy steps queued before the host reads the token before them "

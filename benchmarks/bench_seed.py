@@ -54,7 +54,7 @@ def run(path, ids, args, **options) -> tuple[dict, list[int]]:
     r = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
     out = dict(prefill_tok_s=r.prefill_tok_s, decode_tok_s=r.decode_tok_s,
                warmup=dict(prompt_tokens=WARM_PROMPT, decode_steps=WARM_STEPS - 1,
-                           captures=w.phases.get("captures"),
+                           captures=w.programs.get("captures"),
                            step_ms_max=w.step_ms()["max"]),
                decode_steps=r.completion_tokens - 1,
                max_memory_reserved=torch.cuda.max_memory_reserved(),
@@ -62,8 +62,8 @@ def run(path, ids, args, **options) -> tuple[dict, list[int]]:
                arena_bytes=e.memory.arena if e.memory else int(
                    options.get("kv_stream_arena_mib", 0) * 2**20),
                kv_bytes=e.memory.kv_all if e.memory else None, kv=r.kv,
-               programs=r.phases, step_ms=r.step_ms(), host_step_ms=r.host_step_ms(),
-               runner_mode=e.runner.mode)
+               programs=r.programs, step_ms=r.step_ms(), host_step_ms=r.host_step_ms(),
+               runner_mode=e.executor.mode)
     del e
     gc.collect()
     torch.cuda.empty_cache()
@@ -97,7 +97,7 @@ def main() -> None:
     args = ap.parse_args()
     meta = run_meta()
     pcie = measure_h2d_gbps(torch.device("cuda"), 256 << 20)["pcie_gbps_measured"]
-    from kvcompile.loader import open_model
+    from kvcompile.io.loader import open_model
     vocab = open_model(args.file).config.vocab_size
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, vocab, (args.context - args.decode_steps - 2,),
@@ -107,7 +107,7 @@ def main() -> None:
                 kv_type=args.kv, commit=meta["commit"])
     rows = load_rows(args.out)
     if args.part in ("both", "budget"):
-        from kvcompile.memory_budget import BudgetError
+        from kvcompile.engine.memory_budget import BudgetError
         for ubatch in map(int, args.ubatch.split(",")):
             args.ubatch = ubatch
             try:
@@ -120,8 +120,8 @@ def main() -> None:
         else:
             raise SystemExit("no ubatch fits the budget")
         if budget["kv_bytes"] is None:       # no budget plan: the context's KV, as it counts
-            from kvcompile.loader import open_model as _open
-            from kvcompile.memory_budget import kv_bytes, kv_layer_count
+            from kvcompile.io.loader import open_model as _open
+            from kvcompile.engine.memory_budget import kv_bytes, kv_layer_count
             cfg = _open(args.file).config
             k, v = args.kv.split("/")
             budget["kv_bytes"] = kv_bytes(cfg, kv_layer_count(cfg), args.context, k, v)

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPAT
 from bench_runner import save  # noqa: E402
 from bench_util import log, run_meta  # noqa: E402
 
-from kvcompile.speculative.decode import Drafter  # noqa: E402
+from kvcompile.engine.speculative.decode import Drafter  # noqa: E402
 
 PARAGRAPH = (
     "The keeper climbed the tower at dusk, trimmed the wick and lit the lamp. He wrote in "
@@ -77,7 +77,7 @@ def oracle_run(args, meta) -> dict:
     import torch
 
     import kvcompile
-    from kvcompile.loader import open_model
+    from kvcompile.io.loader import open_model
     k, v = args.kv.split("/")
     widths = [int(w) for w in args.widths.split(",")]
     e = kvcompile.Engine(args.oracle, device=args.device, ctx_size=args.context,
@@ -99,7 +99,7 @@ def oracle_run(args, meta) -> dict:
     log(f"oracle depth {args.depth}: {spec_r.decode_tok_s:.2f} tok/s")
     e.spec = spec
     # verify steps of each width at the end of the same context (state rolled back after)
-    runner, pos = e.runner, len(ids) + len(plain.token_ids) - 1
+    runner, pos = e.executor, len(ids) + len(plain.token_ids) - 1
     state = runner.recurrent
     cost = {}
     with torch.inference_mode():
@@ -127,7 +127,7 @@ def oracle_run(args, meta) -> dict:
 
 def mtp_exactness(e, ids: list[int], args) -> dict:
     """Plain greedy decoding, then draft-mtp on the same Engine and prompt: equal tokens."""
-    from kvcompile.speculative.options import SpecOptions
+    from kvcompile.engine.speculative.options import SpecOptions
     spec = e.spec
     try:
         e.spec = SpecOptions.checked("none")

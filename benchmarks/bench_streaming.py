@@ -12,7 +12,7 @@ compares the two implementations on the same weights. Systems:
   ours            KV history on the host, streamed through an arena of --arena-mib MiB
   ours-graphs     ours, each decode step one CUDA graph, ring copies included
                   (kvcompile/phase/decode_graph.py; prefill eager)
-  ours-resident   the whole KV on the device (arena 0, PagedKvCache)
+  ours-resident   the whole KV on the device (arena 0, KvStore)
   hf-offload      transformers DynamicCache(offloading=True), bf16 KV
   hf-dynamic      transformers DynamicCache(), bf16 KV
 
@@ -43,13 +43,14 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from kvcompile.config import ModelConfig
+from kvcompile.kv.store import KvStore
+from kvcompile.models.config import ModelConfig
 from kvcompile.errors import KvcompileError
-from kvcompile.hf_checkpoint import gguf_name
+from kvcompile.io.hf_checkpoint import gguf_name
 from kvcompile.models.llama import LlamaModel
 from kvcompile.ops import kv_format as F
-from kvcompile.runtime import forward as run_forward
-from kvcompile.runtime import make_kv_cache, min_arena_bytes
+from kvcompile.kv import forward as run_forward
+from kvcompile.kv import make_kv_cache, min_arena_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
 from bench_util import add_run_options, free_memory, log, sync, timed_prefill_decode  # noqa: E402
@@ -183,7 +184,7 @@ def pcie_bound(gbps: float, kv_bytes: int, arena_bytes: int) -> float | None:
 def device_and_dtype(name: str, cpu_hint: str) -> tuple[torch.device, torch.dtype]:
     """The run's device (a missing CUDA device is an exit with `cpu_hint`) and the weights'
     dtype: the engine's default for it (bf16 on CUDA, fp32 on the CPU)."""
-    from kvcompile.dtypes import resolve_dtype
+    from kvcompile.engine.dtypes import resolve_dtype
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"no CUDA device; {cpu_hint}")
@@ -276,7 +277,7 @@ def timed_generation(model, cache, ids: torch.Tensor, ctx: int, args, device,
     if program is not None:
         row.update(graphs=program.captures, graph_replays=program.replays)
     if tel is not None:
-        from kvcompile.runtime.telemetry import summarize
+        from kvcompile.kv.telemetry import summarize
         dec = tel[n_before:]
         row["h2d_bytes_per_token"] = sum(s.h2d_bytes for s in dec) / max(len(dec), 1)
         row["h2d_source"] = "telemetry"

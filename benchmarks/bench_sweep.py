@@ -52,8 +52,8 @@ SHORT = {"torch.bfloat16": "bf16", "torch.float16": "f16", "torch.float32": "f32
 def auto_arena_mib(model, ctx: int, k: str, v: str, ubatch: int, device) -> float:
     """The Engine's `auto` (from_model refuses it: it plans from a file's header)."""
     import torch
-    from kvcompile import memory_budget as M
-    from kvcompile.runtime.kv_pages import min_arena_bytes
+    from kvcompile.engine import memory_budget as M
+    from kvcompile.kv.kv_pages import min_arena_bytes
     if device.type != "cuda":
         return 0.0                                  # the Engine's rule: no budget on the CPU
     c = model.config
@@ -147,22 +147,22 @@ def sweep_arena(model, g, arena, args, device, meta, guard) -> list[dict]:
     e.generate(prompt(g, contexts[0], args)[:WARM_PROMPT], max_tokens=WARM_STEPS,
                temperature=0)
     guard.record("setup", 0, time.perf_counter() - t)
-    log(f"{name}: {e.runner.mode}, {used:g} MiB (0: all resident), set up in "
+    log(f"{name}: {e.executor.mode}, {used:g} MiB (0: all resident), set up in "
         f"{time.perf_counter() - t:.1f} s")
 
     def measure(ctx):
         r = e.generate(prompt(g, ctx, args), max_tokens=args.decode_steps + 1, temperature=0)
         b = bound(meta, ctx * S.kv_bytes_per_token(g, k, v), int(used * 2**20), not used)
         return [row_of("kvcompile", arena, used, ctx, args.kv, r.prefill_tok_s, r.decode_tok_s,
-                       r.stats()["step_ms"]["p50"], b, args, meta, runner_mode=e.runner.mode,
-                       captures=r.phases.get("captures"), kv=r.kv, engine_ctx=top,
-                       launches_per_step=launches_per_step(r.phases),
+                       r.stats()["step_ms"]["p50"], b, args, meta, runner_mode=e.executor.mode,
+                       captures=r.programs.get("captures"), kv=r.kv, engine_ctx=top,
+                       launches_per_step=launches_per_step(r.programs),
                        prompt_tokens=r.prompt_tokens, tokens=r.token_ids[:8])]
     try:
         return cases(guard, "kvcompile", name, contexts, measure, args.out)
     finally:
-        if hasattr(e.cache, "close"):         # the streaming cache's copy stream and leases
-            e.cache.close()
+        if hasattr(e.store, "close"):         # the streaming cache's copy stream and leases
+            e.store.close()
 
 
 def sweep_peers(hf, hf_cfg, g, args, device, dtype, meta, guard) -> list[dict]:

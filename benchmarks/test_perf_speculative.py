@@ -37,7 +37,7 @@ def test_ngram_edit_task_smollm2_device(benchmark, tmp_path):
 @pytest.mark.cpu
 def test_oracle_drafts_tiny_hybrid_cpu(benchmark, tmp_path):
     """The oracle task at tiny size: every draft kept, tokens equal, a cost per width."""
-    from kvcompile.make_model import make_model
+    from kvcompile.io.make_model import make_model
     path = tmp_path / "qwen35-tiny.gguf"
     make_model("qwen35", "tiny", path, weight_type="f32", seed=7)
     row = benchmark.pedantic(bench_speculative.main, rounds=1, iterations=1, args=([

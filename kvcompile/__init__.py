@@ -10,13 +10,16 @@ def __getattr__(name):
         from kvcompile import api
         return getattr(api, name)
     if name in ("Engine", "GenerationResult", "TokenStream"):
-        from kvcompile import engine
+        from kvcompile.engine import engine
         return getattr(engine, name)
     if name == "SamplingParams":
-        from kvcompile.sampling import SamplingParams
+        from kvcompile.engine.sampling import SamplingParams
         return SamplingParams
+    if name == "EngineConfig":
+        from kvcompile.engine.config import EngineConfig
+        return EngineConfig
     raise AttributeError(f"module 'kvcompile' has no attribute {name!r}")
 
 
-__all__ = ["generate", "stream", "Engine", "GenerationResult", "TokenStream",
+__all__ = ["generate", "stream", "Engine", "EngineConfig", "GenerationResult", "TokenStream",
            "SamplingParams", "KvcompileError"]

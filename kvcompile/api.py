@@ -5,12 +5,11 @@ options do not reload the weights. Use Engine directly for explicit control.
 """
 from __future__ import annotations
 
-import inspect
+from kvcompile.engine.config import EngineConfig
+from kvcompile.engine.engine import Engine, GenerationResult, TokenStream
 
-from kvcompile.engine import Engine, GenerationResult, TokenStream
-
-# Engine's keyword options (everything else is a sampling option of the request)
-_ENGINE_KEYS = tuple(inspect.signature(Engine.__init__).parameters)[2:]
+# Engine's options (everything else is a sampling option of the request)
+_ENGINE_KEYS = EngineConfig.names()
 _cached: tuple[tuple, Engine] | None = None
 
 
@@ -33,10 +32,9 @@ def _split(kwargs: dict) -> tuple[dict, dict]:
 def generate(prompt: str | None = None, model=None, *, messages: list[dict] | None = None,
              **kwargs) -> GenerationResult:
     """Generate a completion. kwargs: sampling (max_tokens, temperature, top_k, top_p, min_p,
-    repeat_penalty, repeat_last_n, seed, stop) and engine options (ctx_size, cache_type_k,
-    cache_type_v, device, dtype, ubatch, progress, kv_stream_arena_mib, trace, cuda_graphs,
-    gpu_memory_gib, spec_type, spec_ngram_size_n, spec_ngram_size_m, spec_draft_n_max,
-    spec_draft_p_min).
+    repeat_penalty, repeat_last_n, seed, stop) and engine options (EngineConfig's fields:
+    ctx_size, cache_type_k, cache_type_v, device, dtype, ubatch, kv_stream_arena_mib,
+    gpu_memory_gib, cuda_graphs, cache_prompt, spec_type, ...).
     Returns text plus token counts and tok/s. An unknown option raises SamplingError."""
     engine_opts, sampling = _split(dict(kwargs))
     return _engine(model, engine_opts).generate(prompt, messages=messages, **sampling)

@@ -61,12 +61,17 @@ def _add_generate(sub) -> None:
                         "the arena gets what it leaves")
     p.add_argument("--trace", action="store_true", help="print per-step KV telemetry to stderr")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="run steps as phase programs: CUDA graphs per decode width and prefill "
-                        "ubatch, in prefill / decode layouts of one arena, kept across "
-                        "requests; with --kv-stream-arena-mib or a hybrid model, each decode "
-                        "step is one CUDA graph, ring copies included. Default: on "
-                        "with a cuda device, off on the CPU (where --cuda-graphs runs the "
-                        "same programs eagerly); --no-cuda-graphs debugs eagerly")
+                   help="run decode and verify steps (and, all resident, full prefill chunks) "
+                        "as CUDA graphs captured once per layout of the KV arena, ring copies "
+                        "included, kept across requests. Default: on with a cuda device, off "
+                        "on the CPU (where --cuda-graphs reruns the same fixed steps); "
+                        "--no-cuda-graphs runs the traced steps uncaptured")
+    p.add_argument("--cache-prompt", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of the longest common prefix with what the engine holds "
+                        "(on by default; one request per process has nothing to reuse)")
+    p.add_argument("--ctx-checkpoints", type=int, default=8,
+                   help="hybrid models: copies of the recurrent state kept in host memory "
+                        "for prefix reuse (8)")
     p.add_argument("--spec-type", default="none",
                    choices=("none", "ngram-simple", "draft-mtp", "ngram-simple,draft-mtp"),
                    help="speculative decoding (the output is the same, in fewer forwards): "
@@ -121,8 +126,8 @@ def _prompt_text(args) -> str:
 
 
 def _run_generate(args) -> int:
-    from kvcompile.engine import Engine
-    from kvcompile.sampling import SamplingParams
+    from kvcompile.engine.engine import Engine
+    from kvcompile.engine.sampling import SamplingParams
 
     # Check what needs no model first: a typo should not cost a model load.
     request = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -144,7 +149,8 @@ def _run_generate(args) -> int:
                     cache_type_v=args.cache_type_v, device=args.device, ubatch=args.ubatch_size,
                     progress=not args.no_progress, kv_stream_arena_mib=args.kv_stream_arena_mib,
                     trace=args.trace, cuda_graphs=args.cuda_graphs, dtype=args.dtype,
-                    gpu_memory_gib=args.gpu_memory_gib, spec_type=args.spec_type,
+                    gpu_memory_gib=args.gpu_memory_gib, cache_prompt=args.cache_prompt,
+                    ctx_checkpoints=args.ctx_checkpoints, spec_type=args.spec_type,
                     spec_ngram_size_n=args.spec_ngram_size_n,
                     spec_ngram_size_m=args.spec_ngram_size_m,
                     spec_draft_n_max=args.spec_draft_n_max,
@@ -162,30 +168,26 @@ def _run_generate(args) -> int:
     r = stream.result
     if not args.no_stats:
         print(r.stats_line(), file=sys.stderr)
-        if r.kv:
+        if engine.store.streams and r.kv:
             print(f"[kv streaming: {r.kv['streamed_fraction']:.0%} of page reads from the ring, "
                   f"{r.kv['h2d_bytes'] / 2**20:.1f} MiB host->device, "
                   f"{r.kv['readiness_misses']} readiness misses]", file=sys.stderr)
-        if r.phases:
-            print(_graphs_line(r.phases), file=sys.stderr)
+        if engine.executor.capture:
+            print(_graphs_line(r.programs), file=sys.stderr)
     return 0
 
 
-def _graphs_line(phases: dict) -> str:
-    """The --cuda-graphs statistics: phase programs, or decode graphs."""
-    if "decode_graphs" in phases:
-        line = (f"[cuda graphs: {phases['replays']} decode steps replayed, "
-                f"{phases['captures']} captured, {phases['eager_steps']} eager")
-        if phases.get("compiled"):
-            line += ", traced forward"
-        if phases.get("trace_error"):
-            line += f"; trace failed, eager model in the graphs: {phases['trace_error']}"
-        if phases.get("fallback"):
-            line += f"; capture failed, decoded eagerly: {phases['fallback']}"
-        return line + "]"
-    return (f"[cuda graphs: {phases['captures']} program captures, "
-            f"{phases.get('revived', 0)} kept from earlier requests, "
-            f"{phases['transitions']} phase transitions]")
+def _graphs_line(programs: dict) -> str:
+    """The --cuda-graphs statistics of a request: replayed, captured and uncaptured steps."""
+    line = (f"[cuda graphs: {programs['replays']} steps replayed, {programs['captures']} "
+            f"captured, {programs['eager_steps']} uncaptured")
+    if programs.get("compiled"):
+        line += ", traced forward"
+    if programs.get("trace_error"):
+        line += f"; trace failed, eager model in the graphs: {programs['trace_error']}"
+    if programs.get("fallback"):
+        line += f"; capture failed, uncaptured from then on: {programs['fallback']}"
+    return line + "]"
 
 
 def _add_info(sub) -> None:
@@ -196,7 +198,7 @@ def _add_info(sub) -> None:
 
 def _run_info(args) -> int:
     from kvcompile.errors import UnsupportedModelError
-    from kvcompile.model_info import format_gguf_metadata, format_model_info, model_info
+    from kvcompile.io.model_info import format_gguf_metadata, format_model_info, model_info
 
     try:
         print(format_model_info(model_info(args.model)))
@@ -211,7 +213,7 @@ def _run_info(args) -> int:
 
 def _add_make_model(sub) -> None:
     try:
-        from kvcompile.make_model import add_make_model_args, run_make_model
+        from kvcompile.io.make_model import add_make_model_args, run_make_model
     except ImportError:
         return
     p = sub.add_parser("make-model", help="write a synthetic GGUF (random weights) from a preset")
@@ -227,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_info(sub)
     _add_make_model(sub)
-    from kvcompile.evaluate import add_command as _add_eval
+    from kvcompile.engine.evaluate import add_command as _add_eval
     _add_eval(sub, _read_text)
     return parser
 

@@ -29,9 +29,9 @@ class ArenaError(KvcompileError):
     """The GPU arena cannot hold the requested layout."""
 
 
-class PhaseError(KvcompileError):
-    """A phase program cannot run: captured against a layout that has since changed, or
-    asked for a shape it was not built for."""
+class ProgramError(KvcompileError):
+    """A step's program cannot run: the traced forward hit a limit, or a step was asked of
+    a shape no program runs."""
 
 
 class DeviceError(KvcompileError):

@@ -7,7 +7,7 @@ So they are checked where they already are on the host (CPU tensors: always) and
 only in eager calls with KVCOMPILE_CHECK_INDICES=1 (read at import; `ENABLED` may be set by
 tests). The engine needs neither: the caches check positions on the host once a forward
 (kv_cache.check_positions) and page tables come from span plans, which refuse gaps and
-overlaps (kvcompile.span_plan). These checks are for direct callers of the ops, where a bad
+overlaps (kvcompile.kv.span_plan). These checks are for direct callers of the ops, where a bad
 page id would otherwise read or write outside the pools.
 """
 from __future__ import annotations
@@ -96,7 +96,7 @@ def check_distinct_pages(pages: torch.Tensor, n_pages: int, what: str) -> None:
     i = int((seen[1:] == seen[:-1]).nonzero()[0, 0])
     raise KvLayoutError(
         f"{what} {int(first[i])} and {int(first[i + 1])} both name physical page "
-        f"{int(seen[i])}: a span plan must not overlap (kvcompile.span_plan)")
+        f"{int(seen[i])}: a span plan must not overlap (kvcompile.kv.span_plan)")
 
 
 def check_write_targets(slots: torch.Tensor, page_table: torch.Tensor | None, n_pages: int,

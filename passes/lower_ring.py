@@ -1,7 +1,8 @@
 """lower_ring_ops: a streamed forward's ring ops become the runtime's page movement."""
 from __future__ import annotations
 
-from typing import Sequence
+import weakref
+from typing import Protocol, Sequence
 
 import torch
 from torch import fx
@@ -13,11 +14,21 @@ from kvcompile.passes.pipeline import PassError
 
 class _Runtime(torch.nn.Module):
     """The object whose `acquire_pages(layer)` / `release_pages(layer)` move a streamed
-    layer's pages (runtime/compiled_view.py), held by the graph as an attribute."""
+    layer's pages (the KV store), held by the graph as an attribute, weakly: torch.compile
+    keeps every backend it has seen (and so this graph) for the life of the process, which
+    must not keep a dropped Engine's arena and pinned history alive."""
 
     def __init__(self, runtime):
         super().__init__()
-        self.runtime = runtime
+        self._runtime = weakref.ref(runtime)
+
+    @property
+    def runtime(self):
+        runtime = self._runtime()
+        if runtime is None:
+            raise PassError("the KV store of this traced forward is gone (its Engine was "
+                            "closed)")
+        return runtime
 
 
 def acquire_pages(holder: _Runtime, token, table, layer: int):
@@ -31,6 +42,12 @@ def release_pages(holder: _Runtime, token, attn_out, layer: int):
     """A lowered ring_release: the layer's ring slots consumed, its written rows published."""
     holder.runtime.release_pages(layer)
     return token
+
+
+class PageRuntime(Protocol):
+    """What the lowered ring ops call: the streamed KV store."""
+    def acquire_pages(self, layer: int) -> torch.Tensor: ...
+    def release_pages(self, layer: int) -> None: ...
 
 
 has_side_effect(acquire_pages)
@@ -51,12 +68,8 @@ class LowerRingOps:
 
     name = "lower_ring_ops"
 
-    def __init__(self, runtime):
-        for method in ("acquire_pages", "release_pages"):
-            if not callable(getattr(runtime, method, None)):
-                raise PassError(f"lower_ring_ops needs a runtime with {method}(layer); got "
-                                f"{type(runtime).__name__}")
-        self.runtime = runtime
+    def __init__(self, runtime: PageRuntime):
+        self._runtime = weakref.ref(runtime)      # (held weakly: see _Runtime)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphModule:
         acquires, releases = nodes_of(gm, "ring_acquire"), nodes_of(gm, "ring_release")
@@ -64,7 +77,10 @@ class LowerRingOps:
             raise PassError("lower_ring_ops found no ring ops: a streamed forward needs "
                             "place_ring_ops before it (is it disabled?)")
         g = gm.graph
-        gm.add_submodule("kv_ring", _Runtime(self.runtime))
+        runtime = self._runtime()
+        if runtime is None:
+            raise PassError("lower_ring_ops: the KV store this pipeline was made for is gone")
+        gm.add_submodule("kv_ring", _Runtime(runtime))
         first_compute = next(n for n in g.nodes if n.op != "placeholder")
         with g.inserting_before(first_compute):
             holder = g.get_attr("kv_ring")

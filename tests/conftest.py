@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcompile.gguf.f32_export import export_f32
-from kvcompile.default_model import default_model_path
+from kvcompile.io.gguf.f32_export import export_f32
+from kvcompile.io.default_model import default_model_path
 from llama_oracle import plain_cpu_buffers
 
 plain_cpu_buffers()     # before any test builds a llama.cpp model (llama_oracle says why)

@@ -51,13 +51,13 @@ def run(job: dict) -> dict:
     if job["kind"] in ROW_KERNELS:
         return {"out": ROW_KERNELS[job["kind"]]()(**a)}
     if job["kind"] == "publish_rows":
-        from kvcompile.runtime.row_publish_kernel import launch
+        from kvcompile.kv.row_publish_kernel import launch
         hosts = [h.clone() for h in a["hosts"]]
         launch(a["pools"], hosts, a["maps"], a["table"], a["positions"], a["page_size"],
                opts["block"])
         return {"hosts": hosts}
     if job["kind"] == "kv_write" and "kv_pool" in a:      # pools as views of page pairs
-        from kvcompile.runtime.kv_pages import PagePair
+        from kvcompile.kv.kv_pages import PagePair
         kv = a["kv_pool"].clone()
         kp, vp = PagePair(a["k_pool"].shape[1], a["v_pool"].shape[1]).views(kv)
         kv_write_triton(kp, vp, a["k_new"], a["v_new"], a["slots"], a["k_type"], a["v_type"],

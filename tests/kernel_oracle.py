@@ -20,7 +20,7 @@ import torch
 
 from kvcompile.ops import kv_format as F
 from kvcompile.ops.kv_write.naive import kv_write_naive
-from kvcompile.span_plan import Ring, Span, SpanPlan
+from kvcompile.kv.span_plan import Ring, Span, SpanPlan
 
 TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0"]
 PAIRS = [(k, v) for k in TYPES for v in TYPES]
@@ -45,7 +45,7 @@ def paired_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, gen: torch.Generato
     """The same pages as the streaming cache lays them out (runtime/kv_pages.PagePair):
     (buffer [N, stride], K view, V view), each physical page a K page then a V page, any
     padding random bytes; a kernel that steps pages by page_bytes reads the wrong ones."""
-    from kvcompile.runtime.kv_pages import PagePair
+    from kvcompile.kv.kv_pages import PagePair
     pair = PagePair(k_pool.shape[1], v_pool.shape[1])
     kv = torch.randint(0, 256, (k_pool.shape[0], pair.stride), dtype=torch.uint8,
                        generator=gen).to(k_pool.device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvcompile.kv_cache import PagedKvCache
+from kvcompile.kv.store import KvStore
 
 
 def plain_cpu_buffers() -> None:
@@ -63,7 +63,7 @@ def llama_cpp_greedy(llm, prompt: list[int], n: int) -> tuple[list[int], list[fl
 
 
 @torch.inference_mode()
-def our_greedy(model, cache: PagedKvCache, prompt: list[int], n: int) -> list[int]:
+def our_greedy(model, cache: KvStore, prompt: list[int], n: int) -> list[int]:
     """Prefill the prompt in one forward, then one forward per generated token."""
     cache.reset()
     logits = model(torch.tensor(prompt), torch.arange(len(prompt)), cache, last_only=True)

@@ -7,9 +7,9 @@ import zlib
 
 import torch
 
-from kvcompile.gguf.quantize import quantize
-from kvcompile.gguf.synthetic import preset_config, tensor_plan
-from kvcompile.quant_weight import QuantWeight
+from kvcompile.io.gguf.quantize import quantize
+from kvcompile.io.gguf.synthetic import preset_config, tensor_plan
+from kvcompile.models.quant_weight import QuantWeight
 
 
 def _values(t, device, seed: int) -> torch.Tensor:
@@ -29,7 +29,7 @@ def quantized_pair(arch: str, preset: str, weight_type: str, device, dtype=torch
                    seed: int = 0, **overrides):
     """(config, quantized tensors, dense tensors): GGUF-named weights, the matrices as
     QuantWeights of `weight_type` in one dict and dequantized to `dtype` in the other."""
-    from kvcompile.gguf.arch_config import config_from_metadata  # noqa: F401 (same names)
+    from kvcompile.io.gguf.arch_config import config_from_metadata  # noqa: F401 (same names)
     cfg = preset_config(arch, preset, **overrides)
     quant, dense = {}, {}
     for t in tensor_plan(cfg, weight_type):
@@ -48,7 +48,7 @@ def quantized_pair(arch: str, preset: str, weight_type: str, device, dtype=torch
 
 def model_config(cfg):
     """The ModelConfig a GGUF of this synthetic config would give."""
-    from kvcompile.config import ModelConfig
+    from kvcompile.models.config import ModelConfig
     return ModelConfig(arch=cfg.arch, n_layers=cfg.n_layers, hidden=cfg.hidden, ffn=cfg.ffn,
                        n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                        vocab_size=cfg.vocab_size, context_length=cfg.context_length,

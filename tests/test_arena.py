@@ -9,12 +9,12 @@ import time
 import pytest
 import torch
 
-from kvcompile.config import ModelConfig
+from kvcompile.models.config import ModelConfig
 from kvcompile.errors import ArenaError, KvcompileError
-from kvcompile.runtime import StreamingKvCache, min_arena_bytes
-from kvcompile.runtime.arena import ALIGN, MIB, Arena
-from kvcompile.runtime.fences import EventFence
-from kvcompile.runtime.kv_pages import PagePair, page_bytes
+from kvcompile.kv.store import KvStore, min_arena_bytes
+from kvcompile.kv.arena import ALIGN, MIB, Arena
+from kvcompile.kv.fences import EventFence
+from kvcompile.kv.kv_pages import PagePair, page_bytes
 
 SEED = int.from_bytes(os.urandom(4), "little")
 
@@ -136,13 +136,13 @@ def test_streaming_cache_too_small_names_the_minimum_in_mib(types):
     need = min_arena_bytes(CFG, tokens, *types, page_size=256)
     too_small = (need - 1) / MIB
     with pytest.raises(ArenaError, match=r"--kv-stream-arena-mib (\d+)") as e:
-        StreamingKvCache(CFG, tokens, arena_mib=too_small, k_type=types[0], v_type=types[1])
+        KvStore(CFG, tokens, arena_mib=too_small, k_type=types[0], v_type=types[1])
     assert isinstance(e.value, KvcompileError)
     named = int(str(e.value).split("--kv-stream-arena-mib ")[1].split()[0])
-    cache = StreamingKvCache(CFG, tokens, arena_mib=named, k_type=types[0], v_type=types[1])
-    assert cache.pool.P >= cache.num_pages
+    cache = KvStore(CFG, tokens, arena_mib=named, k_type=types[0], v_type=types[1])
+    assert cache.streamer.pool.P >= cache.num_pages
     with pytest.raises(ArenaError):
-        StreamingKvCache(CFG, tokens, arena_mib=named - 1 if named > 1 else 0.01,
+        KvStore(CFG, tokens, arena_mib=named - 1 if named > 1 else 0.01,
                          k_type=types[0], v_type=types[1])
 
 
@@ -160,14 +160,14 @@ def test_every_arena_from_the_minimum_up_serves_its_context(types):
     # just past a whole number of page pairs: their region, aligned, may not fit
     extras = [0] + [k * stride + rng.randrange(ALIGN // 2) for k in (1, 2, 3)]
     for extra in extras + [rng.randrange(1, 16 * ALIGN) for _ in range(4)]:
-        cache = StreamingKvCache(cfg, tokens, arena_mib=(need + extra) / MIB, k_type=types[0],
+        cache = KvStore(cfg, tokens, arena_mib=(need + extra) / MIB, k_type=types[0],
                                  v_type=types[1], page_size=16)
-        assert cache.pool.P >= cache.num_pages, (SEED, extra)
+        assert cache.streamer.pool.P >= cache.num_pages, (SEED, extra)
         cache.close()
 
 
 def test_closing_a_streaming_cache_releases_its_regions():
-    cache = StreamingKvCache(CFG, 512, arena_mib=2, page_size=256)
+    cache = KvStore(CFG, 512, arena_mib=2, page_size=256)
     a = cache.arena
     assert a.leased("kv")
     with pytest.raises(ArenaError, match="still leased"):
@@ -179,10 +179,10 @@ def test_closing_a_streaming_cache_releases_its_regions():
 
 
 def test_allocation_failures_are_clear_errors_and_leave_the_process_usable():
-    from kvcompile.runtime import CpuBackend
+    from kvcompile.kv.backend import CpuBackend
     with pytest.raises(ArenaError, match="cannot allocate an arena"):
-        StreamingKvCache(CFG, 512, arena_mib=2 ** 31, page_size=256)   # 2 PiB
+        KvStore(CFG, 512, arena_mib=2 ** 31, page_size=256)   # 2 PiB
     with pytest.raises(ArenaError, match="host KV history"):
         CpuBackend().host_buffer((2 ** 40, 2 ** 20))
-    cache = StreamingKvCache(CFG, 512, arena_mib=2, page_size=256)
-    assert cache.pool.P >= cache.num_pages
+    cache = KvStore(CFG, 512, arena_mib=2, page_size=256)
+    assert cache.streamer.pool.P >= cache.num_pages

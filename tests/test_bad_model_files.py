@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from kvcompile.errors import ModelFileError, UnsupportedModelError
-from kvcompile.gguf.reader import open_gguf
-from kvcompile.model_info import model_info
-from kvcompile.weights import load_weights
+from kvcompile.io.gguf.reader import open_gguf
+from kvcompile.io.model_info import model_info
+from kvcompile.io.weights import load_weights
 
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 128, 4, 2, 1, 96
 

@@ -46,7 +46,7 @@ def test_tiny_run_appends_rows_and_keeps_the_file(tmp_path):
 
 def test_weight_read_bytes_counts_one_embedding_row():
     torch = pytest.importorskip("torch")
-    from kvcompile.config import ModelConfig
+    from kvcompile.models.config import ModelConfig
     from kvcompile.models.llama import LlamaModel
     cfg = ModelConfig(arch="llama", n_layers=1, hidden=64, ffn=128, n_heads=2, n_kv_heads=1,
                       head_dim=32, vocab_size=1000, context_length=64)
@@ -64,8 +64,8 @@ def test_quantized_model_holds_fused_bytes_once_and_runs():
     """--weights: a fused projection quantized whole, its parts views of its rows; the bytes
     a step reads are the planar rows of every matrix once (the embedding one row)."""
     torch = pytest.importorskip("torch")
-    from kvcompile.config import ModelConfig
-    from kvcompile.kv_cache import PagedKvCache
+    from kvcompile.models.config import ModelConfig
+    from kvcompile.kv.store import KvStore
     from kvcompile.models.llama import LlamaModel
     from kvcompile.ops.qlinear.formats import weight_format
     cfg = ModelConfig(arch="llama", n_layers=1, hidden=64, ffn=128, n_heads=2, n_kv_heads=1,
@@ -84,6 +84,6 @@ def test_quantized_model_holds_fused_bytes_once_and_runs():
     vectors = sum(p.nbytes for p in m.parameters())          # norms stay dense
     assert B.weight_read_bytes(m) == mats + 1000 * row(64) + row(64) + vectors
     with torch.inference_mode():
-        logits = m(torch.tensor([1, 5, 7]), torch.arange(3), PagedKvCache(cfg, 16))
+        logits = m(torch.tensor([1, 5, 7]), torch.arange(3), KvStore(cfg, 16))
     assert torch.isfinite(logits).all()
     del torch

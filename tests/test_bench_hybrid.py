@@ -15,8 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_hybrid as H  # noqa: E402
-from kvcompile.gguf.synthetic import preset_config, write_synthetic_gguf  # noqa: E402
-from kvcompile.weights import load_weights  # noqa: E402
+from kvcompile.io.gguf.synthetic import preset_config, write_synthetic_gguf  # noqa: E402
+from kvcompile.io.weights import load_weights  # noqa: E402
 
 SEED = int.from_bytes(os.urandom(4), "little")
 

@@ -9,7 +9,7 @@ import pytest
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from kvcompile.errors import KvcompileError
-from kvcompile.tokenizer import ChatTemplateError, Tokenizer
+from kvcompile.io.tokenizer import ChatTemplateError, Tokenizer
 from tokenizer_oracle import gguf_metadata, LlamaVocab, fresh_rng
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"

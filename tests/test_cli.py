@@ -57,26 +57,26 @@ def test_info_reports_geometry_and_kv_bytes(smollm2_path):
 
 
 def test_cuda_graphs_flag_reports_its_programs():
-    # on the CPU the phase programs run eagerly: the same text, plus the programs' line
+    # on the CPU the programs rerun in their fixed layouts: the same text, plus their line
     plain = cli("generate", "Once upon a time", "-n", "6", "--temperature", "0", "--no-progress")
     r = cli("generate", "Once upon a time", "-n", "6", "--temperature", "0", "--no-progress",
             "--cuda-graphs")
     print(r.stderr)
     assert r.returncode == 0 and r.stdout == plain.stdout
-    assert "[cuda graphs:" in r.stderr and "phase transitions" in r.stderr
+    assert "[cuda graphs:" in r.stderr and "steps replayed" in r.stderr
 
 
 def test_graphs_line_names_decode_replays_and_a_fallback():
     from kvcompile.cli import _graphs_line
-    ok = _graphs_line({"decode_graphs": 2, "captures": 2, "replays": 31, "eager_steps": 1})
-    assert ok == "[cuda graphs: 31 decode steps replayed, 2 captured, 1 eager]"
-    bad = _graphs_line({"decode_graphs": 0, "captures": 0, "replays": 0, "eager_steps": 9,
+    ok = _graphs_line({"programs": 2, "captures": 2, "replays": 31, "eager_steps": 1})
+    assert ok == "[cuda graphs: 31 steps replayed, 2 captured, 1 uncaptured]"
+    bad = _graphs_line({"programs": 0, "captures": 0, "replays": 0, "eager_steps": 9,
                         "fallback": "RuntimeError: x"})
-    assert "capture failed, decoded eagerly: RuntimeError: x" in bad
-    traced = _graphs_line({"decode_graphs": 1, "captures": 1, "replays": 7, "eager_steps": 1,
+    assert "capture failed, uncaptured from then on: RuntimeError: x" in bad
+    traced = _graphs_line({"programs": 1, "captures": 1, "replays": 7, "eager_steps": 1,
                            "compiled": True, "retraces": 0})
-    assert traced == "[cuda graphs: 7 decode steps replayed, 1 captured, 1 eager, traced forward]"
-    eager = _graphs_line({"decode_graphs": 1, "captures": 1, "replays": 7, "eager_steps": 1,
+    assert traced == "[cuda graphs: 7 steps replayed, 1 captured, 1 uncaptured, traced forward]"
+    eager = _graphs_line({"programs": 1, "captures": 1, "replays": 7, "eager_steps": 1,
                           "compiled": False, "trace_error": "PassError: y"})
     assert eager.endswith("; trace failed, eager model in the graphs: PassError: y]")
 

@@ -8,10 +8,10 @@ import time
 import torch
 from torch._inductor.compile_fx import compile_fx
 
-from kvcompile.kv_cache import PagedKvCache
+from kvcompile.kv.store import KvStore
 from kvcompile.models.llama import LlamaModel
-from kvcompile.tokenizer import load_tokenizer
-from kvcompile.weights import load_weights
+from kvcompile.io.tokenizer import load_tokenizer
+from kvcompile.io.weights import load_weights
 
 N_DECODE = 20
 PROMPT = "The lighthouse keeper wrote in his notebook that the storm had"
@@ -54,11 +54,11 @@ def test_compiled_forward_matches_eager(smollm2_path):
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend=recording_inductor(graphs))
 
-    eager_tokens, eager_logits, eager_s = greedy(model, PagedKvCache(w.config, 512), prompt, N_DECODE)
-    ours_tokens, ours_logits, compiled_s = greedy(compiled, PagedKvCache(w.config, 512), prompt,
+    eager_tokens, eager_logits, eager_s = greedy(model, KvStore(w.config, 512), prompt, N_DECODE)
+    ours_tokens, ours_logits, compiled_s = greedy(compiled, KvStore(w.config, 512), prompt,
                                                   N_DECODE)
     # a second run reuses the compiled graphs: time it, and it must not recompile
-    _, _, rerun_s = greedy(compiled, PagedKvCache(w.config, 512), prompt, N_DECODE)
+    _, _, rerun_s = greedy(compiled, KvStore(w.config, 512), prompt, N_DECODE)
 
     n_layers = w.config.n_layers
     op_counts = [(g.count("kvcompile.kv_write"), g.count("kvcompile.span_attention")) for g in graphs]
@@ -92,7 +92,7 @@ def test_compiled_quantized_kv_with_dynamic_shapes():
     prompt = torch.randint(0, TINY.vocab_size, (20 + N_DECODE,), generator=g).tolist()
     runs = []
     for fn in (model, compiled, compiled):
-        cache = PagedKvCache(TINY, 128, k_type="q8_0", v_type="q4_0", page_size=32)
+        cache = KvStore(TINY, 128, k_type="q8_0", v_type="q4_0", page_size=32)
         with torch.inference_mode():
             rows = [fn(torch.tensor(prompt[:20]), torch.arange(20), cache)]      # chunk of 20
             rows += [fn(torch.tensor([t]), torch.tensor([20 + i]), cache)

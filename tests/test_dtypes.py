@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcompile.dtypes import DtypeError, resolve_dtype
+from kvcompile.engine.dtypes import DtypeError, resolve_dtype
 from kvcompile.errors import KvcompileError
 
 
@@ -31,7 +31,7 @@ def test_other_dtypes_are_refused_with_the_choices(spec):
 
 def test_a_cpu_engine_runs_in_bf16_when_asked():
     """The CPU reference path takes a bf16 model too (the ops' references compute in fp32)."""
-    from kvcompile.engine import Engine
+    from kvcompile.engine.engine import Engine
     eng = Engine(None, ctx_size=256, dtype="bf16", progress=False)
     assert eng.dtype == torch.bfloat16 and eng.model.lm_head.weight.dtype == torch.bfloat16
     r = eng.generate("The capital of France is", max_tokens=6, temperature=0)

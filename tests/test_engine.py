@@ -4,7 +4,7 @@ the engine serving."""
 import numpy as np
 import pytest
 
-from kvcompile.engine import Engine
+from kvcompile.engine.engine import Engine
 from kvcompile.errors import ContextLengthError, KvcompileError, SamplingError
 
 PROMPT = "The old bridge over the river was built of"
@@ -103,7 +103,7 @@ def test_prompt_of_token_ids_equals_the_same_text(engine):
 
 def test_ctx_size_beyond_model_limit_is_refused(monkeypatch):
     """From the model file's header, before its weights load."""
-    import kvcompile.engine as engine_module
+    import kvcompile.engine.engine as engine_module
 
     def no_load(*a, **k):
         raise AssertionError("the weights were loaded before ctx_size was checked")
@@ -113,8 +113,8 @@ def test_ctx_size_beyond_model_limit_is_refused(monkeypatch):
 
 
 def test_streamed_kv_through_tiny_arena_equals_all_resident(engine):
-    from kvcompile.runtime import min_arena_bytes
-    need = min_arena_bytes(engine.config, 512) / 2**20
+    from kvcompile.kv.kv_pages import min_arena_bytes
+    need = min_arena_bytes(engine.model.config, 512) / 2**20
     streamed = Engine(None, ctx_size=512, kv_stream_arena_mib=need * 1.05, progress=False)
     prompt = "A short story about a lighthouse keeper: " * 6
     want = engine.generate(prompt, max_tokens=16, temperature=0)
@@ -163,7 +163,7 @@ def test_newer_request_interrupts_an_unfinished_stream(engine):
     (dict(kv_stream_arena_mib=-1), "ArenaError", "--kv-stream-arena-mib"),
 ], ids=["device-name", "device-index", "ctx-0", "ubatch-0", "cache-type", "arena"])
 def test_engine_options_refused_before_loading(options, error, words, monkeypatch):
-    import kvcompile.engine as engine_module
+    import kvcompile.engine.engine as engine_module
     from kvcompile import errors
 
     def no_load(*a, **k):
@@ -181,9 +181,10 @@ def test_request_edge_values(engine, monkeypatch, capsys):
     with pytest.raises(SamplingError, match="seed"):
         engine.stream(PROMPT, seed=2 ** 64)
     # a prefill progress bar from PREFILL_BAR_TOKENS prompt tokens on, with progress on
-    import kvcompile.engine as engine_module
+    import kvcompile.engine.engine as engine_module
     monkeypatch.setattr(engine_module, "PREFILL_BAR_TOKENS", 4)
     monkeypatch.setattr(engine, "progress", True)
+    engine.store.reset()                     # cold: the whole prompt prefills again
     again = engine.generate(PROMPT, max_tokens=4, temperature=0)
     assert "prefill" in capsys.readouterr().err and again.token_ids == plain.token_ids
 
@@ -225,7 +226,7 @@ def test_stats_time_steps_to_the_tokens_read(engine, monkeypatch):
     fast)."""
     import time
 
-    import kvcompile.engine as E
+    import kvcompile.engine.engine as E
     seen = []
 
     class SlowSampler(E.Sampler):

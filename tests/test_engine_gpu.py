@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from kvcompile.engine import Engine
-from kvcompile.make_model import make_model
+from kvcompile.engine.engine import Engine
+from kvcompile.io.make_model import make_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -18,7 +18,7 @@ def tiny_llama(tmp_path_factory):
 
 def logits_of(engine, ids):
     """Prefill all but the last 16 ids, then one forward per id: every row's logits."""
-    engine.cache.reset()
+    engine.store.reset()
     cut = len(ids) - 16
     # each row copied out at once: a captured program's logits are valid until its next step
     rows = [engine._prefill(ids[:cut]).float().cpu()]

@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-from kvcompile.engine import Engine
+from kvcompile.engine.engine import Engine
 from kvcompile.errors import KvcompileError
-from kvcompile.evaluate import evaluate, reference_options, summary
-from kvcompile.kv_cache import PagedKvCache
-from kvcompile.make_model import make_model
+from kvcompile.engine.evaluate import evaluate, reference_options, summary
+from kvcompile.kv.store import KvStore
+from kvcompile.io.make_model import make_model
 
 SEED = int.from_bytes(os.urandom(4), "little")
 
@@ -28,7 +28,7 @@ def tiny(tmp_path_factory):
 
 def ids_for(engine, n, seed):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, engine.config.vocab_size, (n,), generator=gen).tolist()
+    return torch.randint(0, engine.model.config.vocab_size, (n,), generator=gen).tolist()
 
 
 def test_perplexity_matches_one_forward_and_kl_is_zero_against_itself(tiny):
@@ -38,7 +38,7 @@ def test_perplexity_matches_one_forward_and_kl_is_zero_against_itself(tiny):
     stats = evaluate(e, ids, 64, reference=same)
     assert [s.start for s in stats] == list(range(0, 300, 64)) and stats[-1].end == 300
     with torch.inference_mode():        # the oracle: one forward over the whole text
-        logits = e.model(torch.tensor(ids), torch.arange(300), PagedKvCache(e.config, 300))
+        logits = e.model(torch.tensor(ids), torch.arange(300), KvStore(e.model.config, 300))
     nll = torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:]),
                                             reduction="sum").item()
     tot = summary(stats)
@@ -53,7 +53,7 @@ def test_streamed_kv_costs_nothing_and_quantized_kv_costs_little(tiny):
     ids = ids_for(resident, 900, SEED + 1)
     tot = summary(evaluate(streamed, ids, 128, reference=resident))
     assert tot["kl"] < 1e-9 and tot["top1"] == 1.0, (SEED, tot)
-    assert streamed.cache.stats()["h2d_bytes"] > 0
+    assert streamed.store.stats()["h2d_bytes"] > 0
     q = Engine(str(tiny), cache_type_k="q8_0", cache_type_v="q4_0", **base)
     tq = summary(evaluate(q, ids, 128, reference=resident))
     assert 0 < tq["kl"] < 0.05 and tq["top1"] > 0.8, (SEED, tq)

@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from kvcompile.config import ModelConfig
+from kvcompile.models.config import ModelConfig
 from kvcompile.errors import ArenaError
-from kvcompile.runtime import make_kv_cache
-from kvcompile.runtime.fences import DONE, AllOf, EventFence, Fence, device_wait_all
+from kvcompile.kv.store import KvStore
+from kvcompile.kv.fences import DONE, AllOf, EventFence, Fence, device_wait_all
 
 
 def test_device_wait_of_a_host_fence_blocks_until_it_is_set():
@@ -47,14 +47,14 @@ def test_host_history_larger_than_memory_fails_before_allocating():
     huge = ModelConfig(arch="llama", n_layers=4096, hidden=64, ffn=64, n_heads=8,
                        n_kv_heads=8, head_dim=128, vocab_size=256, context_length=131072)
     with pytest.raises(ArenaError, match="GiB of host memory.*--ctx-size"):
-        make_kv_cache(huge, 131072, 1100)             # 4 TiB of f32 history
+        KvStore(huge, 131072, 1100)             # 4 TiB of f32 history
 
 
 def test_devices_without_a_streaming_backend_fail_clearly():
     cfg = ModelConfig(arch="llama", n_layers=2, hidden=64, ffn=64, n_heads=2, n_kv_heads=1,
                       head_dim=32, vocab_size=64, context_length=256)
-    with pytest.raises(ArenaError, match="CPU and CUDA backends.*arena-mib 0"):
-        make_kv_cache(cfg, 256, 4, device="meta")
+    with pytest.raises(ArenaError, match="CPU and CUDA backends.*--device cpu"):
+        KvStore(cfg, 256, 4, device="meta")
     if not torch.cuda.is_available():
         with pytest.raises(ArenaError, match="needs CUDA"):
-            make_kv_cache(cfg, 256, 4, device="cuda")
+            KvStore(cfg, 256, 4, device="cuda")

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from kvcompile.kv.store import KvStore
 from kvcompile.models import gdn_fla
 from kvcompile.models.gated_deltanet import gdn_chunked, gdn_recurrent
 from llama_oracle import top2_gap
@@ -105,8 +106,8 @@ def test_dispatch_updates_runtime_state_in_place():
 
 @pytest.fixture(scope="module")
 def qwen35_weights(tmp_path_factory):
-    from kvcompile.gguf.synthetic import preset_config, write_synthetic_gguf
-    from kvcompile.weights import load_weights
+    from kvcompile.io.gguf.synthetic import preset_config, write_synthetic_gguf
+    from kvcompile.io.weights import load_weights
     path = tmp_path_factory.mktemp("gdn_gpu") / "qwen35.f32.gguf"
     # the tiny preset with qwen35's GDN head geometry (Dk = Dv = 128, 3 value heads per key)
     cfg = preset_config("qwen35", "tiny", gdn_k_heads=2, gdn_v_heads=6, gdn_head_dim=128)
@@ -119,7 +120,7 @@ def run_model(model, prompt, n, forced=None):
     GDN) feeding the argmax, or forced[i] when given. Returns the n tokens fed and the
     logits of every row [len(prompt) + n, vocab] on the CPU."""
     device = model.rope_cos.device
-    cache = model.make_cache(len(prompt) + n + 1)
+    cache = KvStore.for_model(model, len(prompt) + n + 1)
     fed, rows = [], []
     with torch.no_grad():
         logits = model(torch.tensor(prompt, device=device),

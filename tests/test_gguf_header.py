@@ -16,7 +16,7 @@ import time
 import pytest
 
 from kvcompile.errors import ModelFileError, UnsupportedModelError
-from kvcompile.gguf.header import read_header
+from kvcompile.io.gguf.header import read_header
 
 U8, U32, F32_V, STR, ARR, U64 = 0, 4, 6, 8, 9, 10   # GGUF value types
 F32, Q4_0 = 0, 2                                      # ggml types
@@ -224,7 +224,7 @@ def test_raw_and_tensor_match_gguf_reader(tmp_path):
     import gguf
     import numpy as np
 
-    from kvcompile.gguf.reader import open_gguf
+    from kvcompile.io.gguf.reader import open_gguf
 
     rng = np.random.default_rng(0)
     qt = gguf.GGMLQuantizationType
@@ -282,10 +282,10 @@ def _refusal_seconds(fn, path) -> float:
 def test_unsupported_arch_refused_before_vocabulary(tmp_path, monkeypatch):
     """Was 12-13 s for each of these entry points (the whole vocabulary parsed first); now
     no string array is decoded before the refusal."""
-    from kvcompile.gguf import header
-    from kvcompile.loader import read_config
-    from kvcompile.model_info import model_info
-    from kvcompile.weights import load_weights
+    from kvcompile.io.gguf import header
+    from kvcompile.io.loader import read_config
+    from kvcompile.io.model_info import model_info
+    from kvcompile.io.weights import load_weights
 
     decoded = []
     string_array = header._Parser.string_array

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvcompile.gguf.arch_config import config_from_metadata
-from kvcompile.gguf.reader import open_gguf
-from kvcompile.model_info import format_model_info, model_info
+from kvcompile.io.gguf.arch_config import config_from_metadata
+from kvcompile.io.gguf.reader import open_gguf
+from kvcompile.io.model_info import format_model_info, model_info
 from kvcompile.ops.kv_format import KV_TYPES
-from kvcompile.weights import load_weights
+from kvcompile.io.weights import load_weights
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import save_file
 
 from kvcompile.errors import ModelFileError, UnsupportedModelError
-from kvcompile.hf_checkpoint import _LAYER_NAMES, _TOP_NAMES
-from kvcompile.kv_cache import PagedKvCache
-from kvcompile.model_info import format_model_info, model_info
+from kvcompile.io.hf_checkpoint import _LAYER_NAMES, _TOP_NAMES
+from kvcompile.kv.store import KvStore
+from kvcompile.io.model_info import format_model_info, model_info
 from kvcompile.models.llama import LlamaModel
-from kvcompile.weights import load_weights
+from kvcompile.io.weights import load_weights
 from llama_oracle import agreement, llama_cpp, llama_cpp_logits
 
 N_LAYERS = 4
@@ -138,7 +138,7 @@ def test_hf_logits_match_llama_cpp(small_model, smollm2_path):
     for label, path in (("hf", hf_dir), ("gguf", gguf_path)):
         w = load_weights(path, progress=False)
         model = LlamaModel.from_weights(w.config, w.tensors, dtype=torch.float32, device="cpu")
-        cache = PagedKvCache(w.config, max_tokens=len(tokens))
+        cache = KvStore(w.config, max_tokens=len(tokens))
         with torch.no_grad():
             logits[label] = model(torch.tensor(tokens), torch.arange(len(tokens)), cache)
     ref = llama_cpp_logits(llama_cpp(gguf_path, n_ctx=2 * N_TOKENS), tokens)

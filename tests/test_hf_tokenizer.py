@@ -5,11 +5,11 @@ import random
 
 import pytest
 
-from kvcompile.engine import Engine
+from kvcompile.engine.engine import Engine
 from kvcompile.errors import UnsupportedModelError
-from kvcompile.gguf.reader import open_gguf
-from kvcompile.tokenizer import Tokenizer
-from kvcompile.tokenizer.hf_json import _LLAMA3_SPLIT, hf_tokenizer_metadata
+from kvcompile.io.gguf.reader import open_gguf
+from kvcompile.io.tokenizer import Tokenizer
+from kvcompile.io.tokenizer.hf_json import _LLAMA3_SPLIT, hf_tokenizer_metadata
 from test_hf_checkpoint import small_model  # noqa: F401  (fixture: 4-layer SmolLM2, GGUF + HF)
 
 tokenizers = pytest.importorskip("tokenizers")

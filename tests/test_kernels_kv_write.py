@@ -87,7 +87,7 @@ def test_interpreted_kv_write_matches_reference_and_gguf(interp_runs, case):
 def test_interpreted_kv_write_into_page_pairs():
     """Pools that are views of one buffer of page pairs (the streaming cache's layout):
     the kernel writes the reference's bytes into the views and nothing else of the buffer."""
-    from kvcompile.runtime.kv_pages import PagePair
+    from kvcompile.kv.kv_pages import PagePair
     gen = torch.Generator().manual_seed(fresh_seed())
     cases, jobs = [], []
     for k_name, v_name in SOME:

@@ -13,7 +13,7 @@ import torch
 import kvcompile.ops  # noqa: F401
 from kernel_oracle import fresh_seed, rel_err, run_interpreted
 from kvcompile.errors import KvcompileError, OpInputError
-from kvcompile.kv_rotation import k_rotation, v_rotation
+from kvcompile.kv.rotation import k_rotation, v_rotation
 from kvcompile.models.layers import rope_rows, rope_tables
 from kvcompile.ops import kv_format as F
 from kvcompile.ops.rms_norm.naive import rms_norm_naive

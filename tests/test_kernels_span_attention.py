@@ -17,7 +17,7 @@ import kvcompile.ops  # noqa: F401
 from kernel_oracle import (PAIRS, args_of, build, dense_reference, fresh_seed,
                            paired_pools, rel_err, run_interpreted, spaced_pools)
 from kvcompile.errors import KvLayoutError
-from kvcompile.kv_rotation import V_BLOCK, diagonal_blocks, v_rotation
+from kvcompile.kv.rotation import V_BLOCK, diagonal_blocks, v_rotation
 from kvcompile.ops import kv_format as F
 from kvcompile.ops.span_attention.decode_transposed import transposed_takes
 

@@ -1,4 +1,4 @@
-"""PagedKvCache and LlamaModel.from_weights: geometry, layer subsets, and the errors a user
+"""KvStore and LlamaModel.from_weights: geometry, layer subsets, and the errors a user
 can cause (each a KvcompileError subclass that says what to change). Tiny random models."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvcompile.config import ModelConfig
+from kvcompile.models.config import ModelConfig
 from kvcompile.errors import ContextLengthError, KvLayoutError, ModelFileError, UnsupportedModelError
-from kvcompile.kv_cache import PagedKvCache
+from kvcompile.kv.store import KvStore
 from kvcompile.models.llama import LlamaModel
 from kvcompile.ops import kv_format as F
 
@@ -46,42 +46,41 @@ def gen():
 
 @pytest.mark.parametrize("k_type,v_type", [("f32", "f32"), ("q8_0", "q4_0"), ("bf16", "f16")])
 def test_cache_geometry(k_type, v_type):
-    cache = PagedKvCache(TINY, 300, k_type=k_type, v_type=v_type, page_size=256)
+    cache = KvStore(TINY, 300, k_type=k_type, v_type=v_type, page_size=256)
     per_token = sum(F.bytes_per_token(F.kv_type(t), TINY.n_kv_heads, TINY.head_dim)
                     for t in (k_type, v_type))
     print(f"{k_type}/{v_type}: capacity {cache.capacity}, {cache.nbytes} bytes")
     assert cache.capacity == 512 and cache.num_pages == 2
     assert cache.nbytes == per_token * cache.capacity * TINY.n_layers
-    assert cache.layer(1).page_table.tolist() == [0, 1]
+    # all resident: logical page lp of layer index li is physical page lp * L + li, for good
+    assert cache.layer(1).page_table.tolist() == [1, 3]
+    assert cache.layer(0).page_table.tolist() == [0, 2]
 
 
 def test_layer_subset_and_hybrid_default():
-    assert PagedKvCache(TINY, 10, layers=[1]).layers == (1,)
+    assert KvStore(TINY, 10, layers=[1]).layers == (1,)
     hybrid = replace(TINY, n_layers=8, full_attention_interval=4)
-    cache = PagedKvCache(hybrid, 10)
+    cache = KvStore(hybrid, 10)
     print("hybrid KV layers", cache.layers)
     assert cache.layers == (3, 7) and not cache.has_layer(0)
     with pytest.raises(KvLayoutError, match="outside"):
-        PagedKvCache(TINY, 10, layers=[2])
+        KvStore(TINY, 10, layers=[2])
 
 
-def test_bad_page_table_and_sizes_are_rejected():
-    cache = PagedKvCache(TINY, 600, page_size=256)
-    with pytest.raises(KvLayoutError, match="permutation"):
-        cache.set_page_table(torch.tensor([0, 0, 1]))
+def test_bad_sizes_are_rejected():
     with pytest.raises(ContextLengthError):
-        PagedKvCache(TINY, 0)
+        KvStore(TINY, 0)
     with pytest.raises(KvLayoutError, match="cache type"):
-        PagedKvCache(TINY, 10, k_type="q5_9")
+        KvStore(TINY, 10, k_type="q5_9")
 
 
 def test_positions_outside_the_cache_or_model_raise(gen):
     model = LlamaModel.from_weights(TINY, tiny_weights(TINY, gen))
-    cache = PagedKvCache(TINY, 20, page_size=16)            # capacity 32
+    cache = KvStore(TINY, 20, page_size=16)            # capacity 32
     with pytest.raises(ContextLengthError, match="ctx-size") as e:
         model(torch.tensor([1, 2]), torch.tensor([31, 32]), cache)
     print(e.value)
-    big = PagedKvCache(TINY, 700, page_size=256)             # capacity 768 > model's 600
+    big = KvStore(TINY, 700, page_size=256)             # capacity 768 > model's 600
     with pytest.raises(ContextLengthError, match="context length") as e:
         model(torch.tensor([1]), torch.tensor([650]), big)
     print(e.value)
@@ -106,7 +105,7 @@ def test_bf16_model_tracks_fp32(gen):
     for dtype in (torch.float32, torch.bfloat16):
         model = LlamaModel.from_weights(TINY, w, dtype=dtype)
         with torch.inference_mode():
-            out[dtype] = model(tokens, torch.arange(40), PagedKvCache(TINY, 40, k_type="bf16",
+            out[dtype] = model(tokens, torch.arange(40), KvStore(TINY, 40, k_type="bf16",
                                                                       v_type="bf16"))
     ref, got = out[torch.float32], out[torch.bfloat16]
     lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
@@ -124,7 +123,7 @@ def test_rotation_only_for_quantized_pages_and_can_be_turned_off(gen):
     logits = {}
     for name, kwargs in (("f32", {}), ("q8_0 rotated", dict(k_type="q8_0", v_type="q8_0")),
                          ("q8_0 plain", dict(k_type="q8_0", v_type="q8_0", rotate=False))):
-        cache = PagedKvCache(TINY, 50, **kwargs)
+        cache = KvStore(TINY, 50, **kwargs)
         rotated = cache.layer(0).k_rot is not None
         assert rotated == (name == "q8_0 rotated") and (cache.layer(0).v_rot is not None) == rotated
         with torch.inference_mode():

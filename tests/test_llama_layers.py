@@ -94,7 +94,7 @@ def test_rms_norm_matches_formula():
 
 @pytest.mark.parametrize("head_dim", [64, 128, 192])
 def test_kv_rotations_are_orthonormal_involutions(head_dim):
-    from kvcompile.kv_rotation import k_rotation, v_rotation
+    from kvcompile.kv.rotation import k_rotation, v_rotation
     from kvcompile.ops.kv_format import kv_type
     for name, make in (("K", k_rotation), ("V", v_rotation)):
         r = make(kv_type("q8_0"), head_dim).double()
@@ -103,7 +103,7 @@ def test_kv_rotations_are_orthonormal_involutions(head_dim):
         assert torch.equal(r, r.T) and err < 1e-6
         assert make(kv_type("f16"), head_dim) is None      # float pages are stored as is
     # span_attention takes the V rotation as its diagonal blocks: nothing off them
-    from kvcompile.kv_rotation import V_BLOCK, diagonal_blocks
+    from kvcompile.kv.rotation import V_BLOCK, diagonal_blocks
     r = v_rotation(kv_type("q4_0"), head_dim)
     blocks = diagonal_blocks(r, V_BLOCK)
     assert blocks.shape == (head_dim // V_BLOCK, V_BLOCK, V_BLOCK)
@@ -119,7 +119,7 @@ def test_llama_forward_adds_each_residual_once(n_layers):
     from dataclasses import replace
 
     from test_kv_cache import TINY, tiny_weights
-    from kvcompile.kv_cache import PagedKvCache
+    from kvcompile.kv.store import KvStore
     from kvcompile.models.layers import rope_rows
     from kvcompile.models.llama import LlamaModel
 
@@ -128,9 +128,9 @@ def test_llama_forward_adds_each_residual_once(n_layers):
     tokens = torch.randint(0, c.vocab_size, (9,), generator=torch.Generator().manual_seed(12))
     positions = torch.arange(9)
     with torch.inference_mode():
-        got = model(tokens, positions, PagedKvCache(c, 64, page_size=16))
-        last = model(tokens, positions, PagedKvCache(c, 64, page_size=16), last_only=True)
-        cache = PagedKvCache(c, 64, page_size=16)
+        got = model(tokens, positions, KvStore(c, 64, page_size=16))
+        last = model(tokens, positions, KvStore(c, 64, page_size=16), last_only=True)
+        cache = KvStore(c, 64, page_size=16)
         x = model.embed(tokens)
         cos, sin = rope_rows(model.rope_cos[positions], model.rope_sin[positions], c.rope_neox)
         for i, b in enumerate(model.blocks):

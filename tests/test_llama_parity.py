@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcompile.kv_cache import PagedKvCache
+from kvcompile.kv.store import KvStore
 from kvcompile.models.llama import LlamaModel
-from kvcompile.weights import load_weights
+from kvcompile.io.weights import load_weights
 from llama_oracle import agreement, llama_cpp, llama_cpp_greedy, llama_cpp_logits, our_greedy
 
 TEXT = Path(__file__).parent / "data" / "parity_text.txt"
@@ -66,7 +66,7 @@ def our_text_logits(smollm2, text_tokens):
     """Teacher-forced logits of the whole text, fed the way a session is: a prefill chunk
     that crosses a page boundary, single decode rows, then more chunks."""
     config, model = smollm2
-    cache = PagedKvCache(config, len(text_tokens))
+    cache = KvStore(config, len(text_tokens))
     cuts = [0, 300, 301, 302, 700, len(text_tokens)]
     rows = []
     with torch.inference_mode():
@@ -111,7 +111,7 @@ def test_greedy_continuation_matches_llama_cpp_f32(smollm2, llm_f32, kind, promp
     text = chatml(prompt) if kind == "chat" else prompt
     tokens = llm_f32.tokenize(text.encode(), add_bos=False, special=True)
     ref, gaps = llama_cpp_greedy(llm_f32, tokens, N_GREEDY)
-    ours = our_greedy(model, PagedKvCache(config, len(tokens) + N_GREEDY), tokens, N_GREEDY)
+    ours = our_greedy(model, KvStore(config, len(tokens) + N_GREEDY), tokens, N_GREEDY)
     print(f"{kind} prompt {prompt[:40]!r}: {len(tokens)} prompt tokens; llama.cpp says "
           f"{llm_f32.detokenize(ref).decode(errors='replace')[:80]!r}; "
           f"smallest top-2 gap {min(gaps):.4f}")
@@ -140,7 +140,7 @@ def test_quantized_kv_cache_degrades_like_llama_cpp(smollm2, smollm2_f32_path, t
         theirs = llama_cpp_logits(llm, tokens)
     finally:
         llm.close()
-    cache = PagedKvCache(config, len(tokens), k_type=k_type, v_type=v_type)
+    cache = KvStore(config, len(tokens), k_type=k_type, v_type=v_type)
     with torch.inference_mode():
         ours = torch.cat([model(torch.tensor(tokens[a:b]), torch.arange(a, b), cache)
                           for a, b in ((0, 300), (300, 301), (301, len(tokens)))])
@@ -161,10 +161,11 @@ def test_permuted_page_tables_give_identical_logits(smollm2, text_tokens):
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     results = []
     for permute in (False, True):
-        cache = PagedKvCache(config, 1024)           # four pages, one never used
+        cache = KvStore(config, 1024)           # four pages, one never used
         if permute:
-            for layer in cache.layers:
-                cache.set_page_table(torch.randperm(cache.num_pages, generator=g), layer)
+            for layer in cache.layers:       # each layer's pages, in another order
+                table = cache.layer(layer).page_table
+                table.copy_(table[torch.randperm(cache.num_pages, generator=g)])
             print("layer 0 table", cache.layer(0).page_table.tolist(),
                   "layer 1 table", cache.layer(1).page_table.tolist())
         with torch.inference_mode():

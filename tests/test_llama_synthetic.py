@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvcompile.config import ModelConfig
-from kvcompile.kv_cache import PagedKvCache
+from kvcompile.models.config import ModelConfig
+from kvcompile.kv.store import KvStore
 from kvcompile.models.llama import LlamaModel
 from llama_oracle import agreement, llama_cpp, llama_cpp_logits
 
@@ -113,7 +113,7 @@ def test_tiny_random_model_matches_llama_cpp(case, tmp_path, smollm2_path):
         llm.close()
 
     model = LlamaModel.from_weights(config, {k: torch.from_numpy(v) for k, v in weights.items()})
-    cache = PagedKvCache(config, N_TOKENS)
+    cache = KvStore(config, N_TOKENS)
     with torch.inference_mode():
         ours = torch.cat([model(torch.tensor(tokens[a:b]), torch.arange(a, b), cache)
                           for a, b in ((0, 200), (200, 201), (201, N_TOKENS))])

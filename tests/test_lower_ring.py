@@ -91,8 +91,12 @@ def test_lowering_errors():
     gm = PlaceRingOps(1)(gm, inputs)
     with pytest.raises(PassError, match=r"distance=0"):
         LowerRingOps(runtime)(gm, inputs)
-    with pytest.raises(PassError, match="acquire_pages"):
-        LowerRingOps(object())
+    gone = RecordingRuntime({})
+    lower = LowerRingOps(gone)
+    del gone                                           # held weakly: a dropped store
+    gm, inputs = attention_chain(2, with_writes=True, write_table=True)
+    with pytest.raises(PassError, match="is gone"):
+        lower(PlaceRingOps(0)(gm, inputs), inputs)
 
 
 def test_streamed_pipeline_refuses_to_drop_its_ring_passes(monkeypatch):
@@ -116,13 +120,11 @@ def test_streamed_pipeline_refuses_to_drop_its_ring_passes(monkeypatch):
 @torch.inference_mode()
 def test_compiled_streamed_forward_moves_pages_and_equals_resident(monkeypatch, device):
     """On CUDA the lowered acquires issue the copies on the copy stream with event fences
-    (runtime/cuda_backend.py): the ring ops are lowered there too, not a no-op."""
+    (kv/cuda_backend.py): the ring ops are lowered there too, not a no-op."""
+    from kvcompile.kv.store import KvStore
     from kvcompile.models.llama import LlamaModel
-    from kvcompile.runner import make_sequence_cache
-    from kvcompile.runtime import forward
-    from kvcompile.runtime.bracket import forward_bracket
-    from kvcompile.runtime.compiled_view import CompiledKvView
-    from test_decode_graph import tiny_arena
+    from kv_steps import forward
+    from test_executor import tiny_arena
     from test_kv_cache import TINY, tiny_weights
 
     monkeypatch.delenv(P.DISABLE_ENV, raising=False)
@@ -132,11 +134,10 @@ def test_compiled_streamed_forward_moves_pages_and_equals_resident(monkeypatch, 
                                     device=device)
     g = torch.Generator().manual_seed(SEED + 1)
     prompt = torch.randint(0, cfg.vocab_size, (300 + SEED % 40,), generator=g).to(dev)
-    resident = make_sequence_cache(model, cfg, ctx, "q8_0", "q4_0", 0, dev)
-    cache = make_sequence_cache(model, cfg, ctx, "q8_0", "q4_0",
-                                tiny_arena(model, "q8_0", ctx=ctx), dev)
-    view = CompiledKvView(cache)
-    graphs, pipeline = [], streamed_pipeline(view)
+    resident = KvStore.for_model(model, ctx, "q8_0", "q4_0", 0, device=dev)
+    cache = KvStore.for_model(model, ctx, "q8_0", "q4_0", tiny_arena(model, "q8_0", ctx=ctx),
+                              device=dev)
+    graphs, pipeline = [], streamed_pipeline(cache)
 
     def backend(gm, example_inputs):
         gm = pipeline.run(gm, example_inputs)
@@ -151,10 +152,11 @@ def test_compiled_streamed_forward_moves_pages_and_equals_resident(monkeypatch, 
     for pos in range(len(prompt), len(prompt) + 6):
         positions = torch.tensor([pos], device=dev)
         want.append(forward(model, resident, tok, positions, last_only=True))
-        before = cache.engine.bytes_h2d
-        with forward_bracket(cache, positions, start=pos, ahead=False):
-            got.append(compiled(tok, positions, view, last_only=True))
-        moved.append(cache.engine.bytes_h2d - before)
+        before = cache.streamer.engine.bytes_h2d
+        cache.begin_forward(positions, start=pos)
+        got.append(compiled(tok, positions, cache, last_only=True))
+        cache.end_forward(ahead=False)
+        moved.append(cache.streamer.engine.bytes_h2d - before)
         tok = want[-1].argmax(-1)
     if device == "cuda":
         cache.synchronize()

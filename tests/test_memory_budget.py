@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvcompile.errors import ArenaError, KvcompileError
-from kvcompile.memory_budget import GIB, MIB, BudgetError, kv_bytes, plan_budget
-from kvcompile.weights import layout, weight_plan
+from kvcompile.engine.memory_budget import GIB, MIB, BudgetError, kv_bytes, plan_budget
+from kvcompile.io.weights import layout, weight_plan
 
 
 def split(arena, budget=16, weights=13.6, workspace=1.0, kv_all=6.9, min_arena=0.45):
@@ -39,7 +39,7 @@ def test_a_budget_too_small_names_each_part_and_the_smallest_that_works():
 
 
 def test_kv_bytes_counts_whole_pages_of_both_types():
-    from kvcompile.config import ModelConfig
+    from kvcompile.models.config import ModelConfig
     c = ModelConfig("llama", 2, 256, 512, 4, 2, 64, 1000, 4096)
     # q8_0 K: 34 bytes a 32-value block, q4_0 V: 18; 2 heads x 64 dims; 300 tokens = 2 pages
     assert kv_bytes(c, 2, 300, "q8_0", "q4_0") == 2 * 512 * (2 * 2 * 34 + 2 * 2 * 18)
@@ -47,8 +47,8 @@ def test_kv_bytes_counts_whole_pages_of_both_types():
 
 def test_weight_plan_keeps_kernel_types_quantized_on_cuda_and_lays_fused_parts_together(
         tmp_path):
-    from kvcompile.gguf.reader import open_gguf
-    from kvcompile.make_model import make_model
+    from kvcompile.io.gguf.reader import open_gguf
+    from kvcompile.io.make_model import make_model
     path = tmp_path / "tiny.gguf"
     make_model("llama", "tiny", path, "q4_k")
     infos = open_gguf(path).tensors.values()

@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvcompile.kv.store import KvStore
 from kvcompile.errors import UnsupportedModelError
-from kvcompile.gguf.synthetic import preset_config, write_synthetic_gguf
+from kvcompile.io.gguf.synthetic import preset_config, write_synthetic_gguf
 from kvcompile.models.qwen35 import Qwen35Model
-from kvcompile.weights import load_weights
+from kvcompile.io.weights import load_weights
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,7 @@ def mtp_reference(md, w, tokens, hidden, positions):
 def test_mtp_forward_matches_fp64_reference(mtp_file):
     loaded = load_weights(mtp_file, progress=False)
     model = Qwen35Model.from_weights(loaded.config, loaded.tensors)
-    cache = model.make_cache(256)
+    cache = KvStore.for_model(model, 256)
     gen = torch.Generator().manual_seed(5)
     n = 48
     tokens = torch.randint(300, loaded.config.vocab_size, (n + 1,), generator=gen)
@@ -102,7 +103,7 @@ def test_mtp_forward_matches_fp64_reference(mtp_file):
     assert err < 2e-4 * ref.abs().max().item() and top1 == 1.0
     # the MTP output depends on the hidden input: zeroing half of it changes the logits
     with torch.no_grad():
-        cache2 = model.make_cache(256)
+        cache2 = KvStore.for_model(model, 256)
         alt = model.mtp_forward(tokens[1:41], hidden[:40] * 0.5 + 1.0, pos[:40], cache2)
     assert (alt.double() - ref[:40]).abs().max() > 0.1
 
@@ -146,7 +147,7 @@ def llama_cpp_mtp_logits(path, tokens, hidden, positions):
 def test_mtp_forward_matches_llama_cpp_mtp_graph(mtp_file):
     loaded = load_weights(mtp_file, progress=False)
     model = Qwen35Model.from_weights(loaded.config, loaded.tensors)
-    cache = model.make_cache(256)
+    cache = KvStore.for_model(model, 256)
     n = 40
     tokens = torch.randint(300, loaded.config.vocab_size, (n + 1,),
                            generator=torch.Generator().manual_seed(6))
@@ -167,7 +168,7 @@ def test_mtp_needs_an_mtp_layer(tmp_path):
                                        n_layers=4), path, "f32", seed=1)
     loaded = load_weights(path, progress=False)
     model = Qwen35Model.from_weights(loaded.config, loaded.tensors)
-    cache = model.make_cache(16)
+    cache = KvStore.for_model(model, 16)
     with torch.no_grad():
         _, hidden = model(torch.tensor([400, 401]), torch.arange(2), cache, return_hidden=True)
         with pytest.raises(UnsupportedModelError, match="no NextN/MTP layer") as err:

@@ -382,8 +382,8 @@ def test_default_pipeline_on_a_clean_graph(monkeypatch):
 def prefill_then_decode(fn, config, prompt):
     """fn's logits over a 12-token prompt: 9 prefilled, then 3 decode steps, on a fresh
     16-position-page cache; and the cache."""
-    from kvcompile.kv_cache import PagedKvCache
-    cache = PagedKvCache(config, 64, page_size=16)
+    from kvcompile.kv.store import KvStore
+    cache = KvStore(config, 64, page_size=16)
     with torch.inference_mode():
         rows = [fn(prompt[:9], torch.arange(9), cache)]
         rows += [fn(prompt[i:i + 1], torch.tensor([i]), cache) for i in range(9, 12)]
@@ -447,7 +447,7 @@ def test_ring_ops_survive_aot_and_inductor(monkeypatch):
     (whose CPU body is the reference op), and the outputs equal eager to fp32 rounding."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from test_kv_cache import TINY, tiny_weights
-    from kvcompile.kv_cache import PagedKvCache
+    from kvcompile.kv.store import KvStore
     from kvcompile.models.llama import LlamaModel
 
     monkeypatch.delenv(P.DISABLE_ENV, raising=False)
@@ -470,9 +470,9 @@ def test_ring_ops_survive_aot_and_inductor(monkeypatch):
     tokens, positions = torch.arange(5), torch.arange(5)
     with torch.inference_mode(), inductor_config.patch(fx_graph_cache=False), \
             aot_config.patch(enable_autograd_cache=False):          # inner_compile must run
-        ours = compiled(tokens, positions, PagedKvCache(TINY, 64, page_size=16))
+        ours = compiled(tokens, positions, KvStore(TINY, 64, page_size=16))
     with torch.inference_mode():
-        eager = model(tokens, positions, PagedKvCache(TINY, 64, page_size=16))
+        eager = model(tokens, positions, KvStore(TINY, 64, page_size=16))
     print(post_grad)
     assert post_grad == [["kvcompile.ring_acquire", "kvcompile.ring_acquire",
                           "kvcompile.span_attention_reference", "kvcompile.ring_release",
@@ -501,7 +501,7 @@ def test_dynamic_shapes_and_env_disable_under_compile(monkeypatch):
     """dynamic=True: one graph serves prefill and decode, so the kernel stays by_shape;
     KVCOMPILE_DISABLE_PASSES=place_ring_ops leaves the ring ops out; outputs equal eager."""
     from test_kv_cache import TINY, tiny_weights
-    from kvcompile.kv_cache import PagedKvCache
+    from kvcompile.kv.store import KvStore
     from kvcompile.models.llama import LlamaModel
 
     monkeypatch.setenv(P.DISABLE_ENV, "place_ring_ops")
@@ -518,7 +518,7 @@ def test_dynamic_shapes_and_env_disable_under_compile(monkeypatch):
     prompt = torch.randint(0, TINY.vocab_size, (10,), generator=torch.Generator().manual_seed(4))
 
     def generate(fn):
-        cache = PagedKvCache(TINY, 64, page_size=16)
+        cache = KvStore(TINY, 64, page_size=16)
         with torch.inference_mode():
             rows = [fn(prompt[:6], torch.arange(6), cache), fn(prompt[6:9], torch.arange(6, 9), cache)]
             rows += [fn(prompt[9:], torch.tensor([9]), cache)]

@@ -1,6 +1,6 @@
-"""Pipelined decoding (speculative/decode.py): each token drawn on the device and fed to
+"""Pipelined decoding (engine/tokens.py): each token drawn on the device and fed to
 the next step before the host reads it. Greedy tokens against the recompute oracle and
-against the one-step-at-a-time loop, in every runner mode, sampled ones against the loop for
+against the one-step-at-a-time loop, in every executor mode, sampled ones against the loop for
 a seed; the device draw against the host sampler's distribution; the forward order and what
 an early stop leaves behind, on a scripted forward."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvcompile.engine import Engine
+from kvcompile.engine.engine import Engine
 from kvcompile.models.llama import LlamaModel
-from kvcompile.sampling import Sampler, SamplingParams
-from kvcompile.speculative.decode import pipelined_tokens
+from kvcompile.engine.sampling import Sampler, SamplingParams
+from kvcompile.engine.tokens import pipelined_tokens
 from kernel_oracle import fresh_seed
 from test_runner import CFG, model, recompute_greedy, seed  # noqa: F401  (fixtures)
 
@@ -60,7 +60,7 @@ def test_a_device_draw_follows_the_host_samplers_distribution(device):
     assert ((counts - want).abs() <= 5 * err + 1e-9).all(), (seed, (counts - want).abs().max())
 
 
-@pytest.mark.parametrize("mode", ["eager", "phase-programs", "streamed-graphs"])
+@pytest.mark.parametrize("mode", ["eager", "resident-graphs", "streamed-graphs"])
 @torch.inference_mode()
 def test_pipelined_tokens_equal_the_oracle_and_the_stepwise_loop(model, seed, mode):
     gen = torch.Generator().manual_seed(seed + 1)
@@ -95,12 +95,12 @@ def test_a_stop_token_ends_a_pipelined_request_and_the_next_one_is_exact(tmp_pat
     """qwen35 from a synthetic file (a tokenizer with an end-of-sequence id, a recurrent
     state): a request stopped by that id leaves one forward computed past it; the next
     request on the same Engine is still the stepwise one's."""
-    from kvcompile.make_model import make_model
+    from kvcompile.io.make_model import make_model
     path = tmp_path / "qwen35.gguf"
     make_model("qwen35", "tiny", path, weight_type="f32", seed=seed % 1000)
     e = Engine(str(path), ctx_size=512, ubatch=64, progress=False, cuda_graphs=True)
     gen = torch.Generator().manual_seed(seed + 2)
-    prompt = torch.randint(0, e.config.vocab_size, (200,), generator=gen).tolist()
+    prompt = torch.randint(0, e.model.config.vocab_size, (200,), generator=gen).tolist()
     stepwise = e.generate(prompt, max_tokens=24, temperature=0)
     eos = stepwise.token_ids[len(stepwise.token_ids) // 2] if stepwise.token_ids else None
     e.pipeline = True
@@ -110,7 +110,7 @@ def test_a_stop_token_ends_a_pipelined_request_and_the_next_one_is_exact(tmp_pat
     cut = stepwise.token_ids.index(eos) if eos is not None else len(stepwise.token_ids)
     assert piped.token_ids == stepwise.token_ids[:cut], seed
     assert piped.finish_reason == ("stop" if eos is not None else stepwise.finish_reason)
-    other = torch.randint(0, e.config.vocab_size, (150,), generator=gen).tolist()
+    other = torch.randint(0, e.model.config.vocab_size, (150,), generator=gen).tolist()
     again = e.generate(other, max_tokens=8, temperature=0)
     e.pipeline = False
     assert again.token_ids == e.generate(other, max_tokens=8, temperature=0).token_ids
@@ -122,11 +122,12 @@ def test_a_stop_token_ends_a_pipelined_request_and_the_next_one_is_exact(tmp_pat
 @torch.inference_mode()
 def test_cuda_pipelined_tokens_equal_the_stepwise_ones(kv_mode):
     """On the device, where the host really runs ahead: SmolLM2's geometry (random weights),
-    16K of q8_0 KV, all resident (phase programs) or through a tiny arena (decode graphs);
-    64 greedy tokens pipelined (the CUDA default) equal the stepwise ones; a sampled
-    request is reproducible for its seed."""
-    from test_decode_graph import tiny_arena
-    from test_runner_gpu import SMOL
+    16K of q8_0 KV, all resident or through a tiny arena, CUDA graphs; 64 greedy tokens
+    pipelined (the CUDA default) equal the stepwise ones (the second request holds the
+    prompt: it computes its last chunk again); a sampled request is reproducible for its
+    seed."""
+    from test_executor import tiny_arena
+    from test_executor_gpu import SMOL
     seed, ctx = fresh_seed(), 16384
     cfg = replace(SMOL, context_length=ctx)
     torch.manual_seed(seed)
@@ -135,7 +136,7 @@ def test_cuda_pipelined_tokens_equal_the_stepwise_ones(kv_mode):
     arena = tiny_arena(model, "q8_0", "q8_0", ctx) if kv_mode == "streamed" else 0
     e = Engine.from_model(model, ctx_size=ctx, cache_type_k="q8_0", cache_type_v="q8_0",
                           kv_stream_arena_mib=arena, ubatch=2048, progress=False)
-    assert e.pipeline and e.runner.mode == ("decode graphs" if arena else "phase programs")
+    assert e.pipeline and e.executor.mode == "cuda graphs"
     prompt = torch.randint(0, cfg.vocab_size, (ctx - 200,),
                            generator=torch.Generator().manual_seed(seed)).tolist()
     piped = e.generate(prompt, max_tokens=64, temperature=0)
@@ -146,4 +147,4 @@ def test_cuda_pipelined_tokens_equal_the_stepwise_ones(kv_mode):
     sampled = [e.generate(prompt, max_tokens=16, seed=seed).token_ids for _ in range(2)]
     assert sampled[0] == sampled[1] and len(sampled[0]) == 16, seed
     print(f"{kv_mode}: seed {seed}, decode {piped.decode_tok_s:.1f} tok/s pipelined, "
-          f"{stepwise.decode_tok_s:.1f} stepwise, programs {piped.phases}")
+          f"{stepwise.decode_tok_s:.1f} stepwise, programs {piped.programs}")

@@ -6,8 +6,8 @@ import random
 
 import torch
 
-from kvcompile.runtime.placement import Placement
-from kvcompile.span_plan import Ring
+from kvcompile.kv.placement import Placement
+from kvcompile.kv.span_plan import Ring
 
 SEED = int.from_bytes(os.urandom(4), "little")
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from kvcompile.errors import ArenaError
-from kvcompile.runtime.policy import (Observation, PolicyConfig, PolicyState,
+from kvcompile.kv.policy import (Observation, PolicyConfig, PolicyState,
                                       changed_pages, serves, step, target_split)
 
 SEED = int.from_bytes(os.urandom(4), "little")

@@ -11,7 +11,7 @@ import torch
 
 from kernel_oracle import fresh_seed
 from kvcompile.errors import UnsupportedModelError
-from kvcompile.gguf.quantize import quantizable_types, quantize
+from kvcompile.io.gguf.quantize import quantizable_types, quantize
 from kvcompile.ops.qlinear.formats import FORMATS, ROW_ALIGN, from_planar, to_planar
 from kvcompile.ops.qlinear.naive import dequantize_planar, dequantize_rows, qlinear_naive
 
@@ -183,7 +183,7 @@ def test_scales_stay_in_range_on_hard_rows(gen):
 
 
 def test_bytes_do_not_depend_on_search_batching(gen, monkeypatch):
-    import kvcompile.gguf.quantize as q
+    import kvcompile.io.gguf.quantize as q
     x = gaussian(6, 512, gen)
     together = {name: quantize(x, name) for name in TYPES}
     monkeypatch.setattr(q, "SEARCH_ELEMENTS", 1)     # one candidate at a time
@@ -218,10 +218,10 @@ def test_same_bytes_on_cpu_and_cuda(gen):
 
 def test_synthetic_q4_k_model_matches_llama_cpp(tmp_path):
     pytest.importorskip("llama_cpp")
-    from kvcompile.kv_cache import PagedKvCache
-    from kvcompile.make_model import make_model
+    from kvcompile.kv.store import KvStore
+    from kvcompile.io.make_model import make_model
     from kvcompile.models.llama import LlamaModel
-    from kvcompile.weights import load_weights
+    from kvcompile.io.weights import load_weights
     from llama_oracle import agreement, decisive_agreement, llama_cpp, llama_cpp_logits
     path = tmp_path / "tiny.q4_k.gguf"
     make_model("llama", "tiny", path, weight_type="q4_k", seed=fresh_seed() % 1000,
@@ -234,7 +234,7 @@ def test_synthetic_q4_k_model_matches_llama_cpp(tmp_path):
     w = load_weights(path, progress=False)
     model = LlamaModel.from_weights(w.config, w.tensors, dtype=torch.float32, device="cpu")
     with torch.inference_mode():
-        ours = model(tokens, torch.arange(n), PagedKvCache(w.config, max_tokens=n))
+        ours = model(tokens, torch.arange(n), KvStore(w.config, max_tokens=n))
     top1, kl, kl_max = agreement(ours, ref)
     sure, n_sure = decisive_agreement(ours, ref, 1.0)
     # llama.cpp quantizes the activations (Q8_K) inside its Q4_K matmuls; we do not

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvcompile.kv_cache import PagedKvCache
+from kvcompile.kv.store import KvStore
 from kvcompile.models.llama import LlamaModel
-from kvcompile.weights import load_weights
+from kvcompile.io.weights import load_weights
 from llama_oracle import agreement, decisive_agreement, llama_cpp, llama_cpp_logits
 
 # llama.cpp file types -> (ftype constant suffix, quantize every tensor with it ("pure")).
@@ -176,7 +176,7 @@ def _check_file_weights(path, loaded, f32_weights) -> tuple[collections.Counter,
 
 def _kvcompile_logits(w, tokens) -> torch.Tensor:
     model = LlamaModel.from_weights(w.config, w.tensors, dtype=torch.float32, device="cpu")
-    cache = PagedKvCache(w.config, max_tokens=len(tokens))
+    cache = KvStore(w.config, max_tokens=len(tokens))
     with torch.inference_mode():
         return model(torch.tensor(tokens), torch.arange(len(tokens)), cache)
 

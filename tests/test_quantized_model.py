@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kernel_oracle import fresh_seed
-from kvcompile.kv_cache import PagedKvCache
+from kvcompile.kv.store import KvStore
 from kvcompile.models.llama import LlamaModel
 from quant_models import model_config, quantized_pair
 
@@ -55,14 +55,14 @@ class Fp32Head:
 
 @torch.inference_mode()
 def teacher_forced(model, tokens, kv="f32"):
-    cache = PagedKvCache(model.config, tokens.numel() + 8, kv, kv, device=tokens.device)
+    cache = KvStore(model.config, tokens.numel() + 8, 0, kv, kv, device=tokens.device)
     return model(tokens, torch.arange(tokens.numel(), device=tokens.device), cache).float()
 
 
 @torch.inference_mode()
 def greedy(model, prompt, n, kv="f32"):
     """n greedy tokens and the top-2 logit gap at each step."""
-    cache = PagedKvCache(model.config, prompt.numel() + n + 8, kv, kv, device=prompt.device)
+    cache = KvStore(model.config, prompt.numel() + n + 8, 0, kv, kv, device=prompt.device)
     logits = model(prompt, torch.arange(prompt.numel(), device=prompt.device), cache,
                    last_only=True)[-1]
     out, gaps = [], []

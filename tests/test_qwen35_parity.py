@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 
+from kvcompile.kv.store import KvStore
 from kvcompile.errors import ModelFileError, UnsupportedModelError
-from kvcompile.gguf.synthetic import preset_config, write_synthetic_gguf
+from kvcompile.io.gguf.synthetic import preset_config, write_synthetic_gguf
 from kvcompile.models.llama import LlamaModel
 from kvcompile.models.qwen35 import Qwen35Model
-from kvcompile.weights import load_weights
+from kvcompile.io.weights import load_weights
 from llama_oracle import agreement, llama_cpp, llama_cpp_logits
 
 N_TOKENS, N_PREFILL = 256, 192
@@ -75,13 +76,12 @@ def test_synthetic_model_matches_llama_cpp(arch, qwen35_file, llama_file):
     if arch == "qwen35":
         assert w.config.nextn_layers == 1 and w.config.n_layers == 8
         model = Qwen35Model.from_weights(w.config, w.tensors)
-        cache = model.make_cache(N_TOKENS)
+        cache = KvStore.for_model(model, N_TOKENS)
         # only the 2 attention layers + the MTP layer own KV pages
-        assert model.kv_layers == (3, 7, 8) and cache.layers == (3, 7, 8)
+        assert model.layer_plan.kv_layers == (3, 7, 8) and cache.layers == (3, 7, 8)
     else:
         model = LlamaModel.from_weights(w.config, w.tensors)
-        from kvcompile.kv_cache import PagedKvCache
-        cache = PagedKvCache(w.config, N_TOKENS)
+        cache = KvStore(w.config, N_TOKENS)
     ours = _teacher_forced(model, cache, tokens)
     llm = llama_cpp(path, n_ctx=512)
     ref = llama_cpp_logits(llm, tokens.tolist())
@@ -154,7 +154,7 @@ def test_two_nextn_layers_is_a_capability_error(tmp_path):
 def test_forward_must_continue_the_recurrent_state(qwen35_file):
     from kvcompile.errors import KvLayoutError
     model = _load_model(qwen35_file)
-    cache = model.make_cache(64)
+    cache = KvStore.for_model(model, 64)
     with torch.no_grad():
         model(torch.tensor([400, 500, 600]), torch.arange(3), cache)
         with pytest.raises(KvLayoutError, match="consumed 3 tokens") as err:
@@ -166,7 +166,7 @@ def test_snapshot_restore_replays_exactly(qwen35_file):
     # speculative decoding's rollback: after restore + KV overwrite, the same tokens give
     # bitwise the same logits as the first time
     model = _load_model(qwen35_file)
-    cache = model.make_cache(128)
+    cache = KvStore.for_model(model, 128)
     state = cache.recurrent
     gen = torch.Generator().manual_seed(9)
     prompt, draft = torch.randint(300, 4096, (70,), generator=gen), torch.randint(300, 4096, (4,), generator=gen)
@@ -188,14 +188,14 @@ def test_snapshot_restore_replays_exactly(qwen35_file):
 def test_quantized_qwen35_file_is_exact_against_its_f32_export(tmp_path):
     # llama.cpp rounds activations inside quantized matmuls, so the exact oracle for a
     # Q4_0 file is llama.cpp on an F32 copy of its dequantized weights
-    from kvcompile.gguf.f32_export import export_f32
+    from kvcompile.io.gguf.f32_export import export_f32
     q4 = tmp_path / "qwen35.q4_0.gguf"
     write_synthetic_gguf(preset_config("qwen35", "tiny", vocab_size=2048), q4, "q4_0", seed=21)
     f32 = export_f32(q4, tmp_path / "qwen35.f32.gguf")
     model = _load_model(q4)
     tokens = torch.randint(300, 2048, (128,), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        ours = model(tokens, torch.arange(128), model.make_cache(128))
+        ours = model(tokens, torch.arange(128), KvStore.for_model(model, 128))
     ref = llama_cpp_logits(llama_cpp(f32, n_ctx=256), tokens.tolist())
     top1, kl_mean, _, _ = _report("q4_0 qwen35 vs llama.cpp on its F32 export", ours, ref)
     assert top1 >= 0.99 and kl_mean <= 1e-3
@@ -208,7 +208,7 @@ def test_quantized_kv_degrades_no_more_than_llama_cpp(k_type, v_type, qwen35_fil
     ids = {"q8_0": 8, "q4_0": 2}
     model = _load_model(qwen35_file)
     tokens = torch.randint(300, 4096, (N_TOKENS,), generator=torch.Generator().manual_seed(17))
-    ours = _teacher_forced(model, model.make_cache(N_TOKENS, k_type, v_type), tokens)
+    ours = _teacher_forced(model, KvStore.for_model(model, N_TOKENS, k_type, v_type), tokens)
     exact = llama_cpp_logits(llama_cpp(qwen35_file, n_ctx=512), tokens.tolist())
     llm = llama_cpp(qwen35_file, n_ctx=512, type_k=ids[k_type], type_v=ids[v_type])
     theirs = llama_cpp_logits(llm, tokens.tolist())

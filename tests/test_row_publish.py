@@ -15,7 +15,7 @@ from kernel_oracle import (PAIRS, fresh_seed, garbage_pool, paired_pools, run_in
                            spaced_pools)
 from kvcompile.ops import kv_format as F
 from kvcompile.ops.kv_write.naive import kv_write_naive
-from kvcompile.runtime.row_publish import RowMap, publish_rows_cuda, publish_rows_reference
+from kvcompile.kv.row_publish import RowMap, publish_rows_cuda, publish_rows_reference
 
 H, P, PAGES = 2, 16, 6
 IDS = [f"K{k}-V{v}" for k, v in PAIRS]
@@ -105,18 +105,18 @@ def test_cuda_kernel_writes_pinned_host_pages(k_name, v_name):
 def test_a_kernel_that_cannot_run_falls_back_to_page_publishes(monkeypatch):
     """Before a capture the cache launches the row publish once; if that fails (a Triton
     that cannot reach pinned memory, say) it warns and captured steps publish pages."""
-    from kvcompile.config import ModelConfig
-    from kvcompile.runtime.streaming_cache import StreamingKvCache
+    from kvcompile.models.config import ModelConfig
+    from kvcompile.kv.store import KvStore
     cfg = ModelConfig(arch="llama", n_layers=2, hidden=128, ffn=256, n_heads=4, n_kv_heads=2,
                       head_dim=64, vocab_size=256, context_length=256)
-    cache = StreamingKvCache(cfg, 256, arena_mib=1, page_size=16)
-    assert cache.pool.row_maps is not None
+    cache = KvStore(cfg, 256, arena_mib=1, page_size=16)
+    assert cache.streamer.pool.row_maps is not None
 
     def broken(*_):
         raise RuntimeError("pointer argument cannot be accessed from Triton")
-    monkeypatch.setattr(cache.pool, "warm_row_publish", broken)
-    cache.open_forward(torch.arange(0, 1), start=0)
+    monkeypatch.setattr(cache.streamer.pool, "warm_row_publish", broken)
+    cache.open_forward(torch.arange(0, 1), 0, 0)
     with pytest.warns(RuntimeWarning, match="publish whole pages"):
         cache.prepare_capture()
-    assert cache.pool.row_maps is None
+    assert cache.streamer.pool.row_maps is None
     cache.end_forward(ok=False)

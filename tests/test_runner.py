@@ -1,6 +1,6 @@
-"""The step runner through Engine.from_model: a model built in memory, prompts as token
-ids; greedy tokens against a recompute-everything oracle, streamed against resident, one
-split a request (no repartition storm), per-request program counters, host times."""
+"""The executor through Engine.from_model: a model built in memory, prompts as token ids;
+greedy tokens against a recompute-everything oracle, streamed against resident, one split a
+request (no repartition storm), per-request program counters, host times."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvcompile.engine import Engine
+from kvcompile.engine.engine import Engine
 from kvcompile.errors import KvcompileError
-from kvcompile.kv_cache import PagedKvCache
+from kvcompile.kv.store import KvStore
 from kvcompile.models.llama import LlamaModel
 from kernel_oracle import fresh_seed
 from test_kv_cache import TINY, tiny_weights
@@ -33,7 +33,7 @@ def recompute_greedy(model, prompt: list[int], n: int) -> list[int]:
     no incremental decode, no chunking, no streaming."""
     ids = list(prompt)
     for _ in range(n):
-        cache = PagedKvCache(CFG, len(ids))
+        cache = KvStore(CFG, len(ids))
         logits = model(torch.tensor(ids), torch.arange(len(ids)), cache, last_only=True)
         ids.append(int(logits[-1].argmax()))
     return ids[len(prompt):]
@@ -63,19 +63,25 @@ def test_from_model_engine_matches_recompute_and_streams_identically(model, seed
 
 @torch.inference_mode()
 def test_second_request_captures_nothing(model, seed):
-    """cuda_graphs on the CPU: the same phase programs, run eagerly; the counters are per
-    request, and the second request's programs come back with their layouts."""
+    """cuda_graphs on the CPU: the same programs, traced and rerun in their fixed layouts;
+    the counters are per request, and the second request, whose prompt the store holds,
+    computes the prompt's last chunk again (the same logits) and replays what the first
+    request captured."""
     gen = torch.Generator().manual_seed(seed + 2)
     prompt = torch.randint(0, CFG.vocab_size, (40,), generator=gen).tolist()
     e = Engine.from_model(model, ctx_size=256, ubatch=16, progress=False, cuda_graphs=True)
-    assert e.runner.mode == "phase programs"
+    assert e.executor.mode == "cuda graphs"
     first = e.generate(prompt, max_tokens=5, temperature=0)
     second = e.generate(prompt, max_tokens=5, temperature=0)
     assert first.token_ids == second.token_ids == recompute_greedy(model, prompt, 5)
-    # prefill/16 twice, the prompt's last 8 tokens as decode/8, then decode/1
-    assert first.phases["captures"] == 3
-    assert second.phases["captures"] == 0 and second.phases["revived"] == 3
-    assert second.phases["total_captures"] == 3 and second.phases["replays"] == 2 + 1 + 4
+    # prefill/16 (its first chunk traces, the second captures), the prompt's last 8
+    # tokens as step/8 (traced), then step/1: traced, captured, replayed
+    p = first.programs
+    assert (p["captures"], p["replays"], p["eager_steps"]) == (2, 1 + 3, 3), p
+    # the last 8 tokens again (step/8, now captured), then four replayed decode steps
+    p = second.programs
+    assert second.cached_tokens == 32 and p["eager_steps"] == 0, p
+    assert p["captures"] == 1 and p["replays"] == 1 + 4, p
 
 
 def test_without_a_tokenizer_prompts_are_token_ids_and_errors_keep_serving(model):
@@ -84,7 +90,7 @@ def test_without_a_tokenizer_prompts_are_token_ids_and_errors_keep_serving(model
         e.generate("some text", max_tokens=2)
     with pytest.raises(KvcompileError, match="list of token ids"):
         e.generate(messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    with pytest.raises(KvcompileError, match="needs a model file"):
+    with pytest.raises(KvcompileError, match="need a model file"):
         Engine.from_model(model, kv_stream_arena_mib="auto")
     r = e.generate([1, 2, 3], max_tokens=3, temperature=0)
     assert r.completion_tokens == 3
@@ -94,17 +100,17 @@ def test_without_a_tokenizer_prompts_are_token_ids_and_errors_keep_serving(model
 def test_hybrid_streamed_equals_resident_through_the_runner(tmp_path, seed):
     """qwen35 (GDN recurrent layers + gated attention) from a synthetic file: up to 64
     greedy tokens through a tiny streamed arena equal the all-resident engine's."""
-    from kvcompile.make_model import make_model
-    from kvcompile.runtime.kv_pages import min_arena_bytes
+    from kvcompile.io.make_model import make_model
+    from kvcompile.kv.kv_pages import min_arena_bytes
     path = tmp_path / "qwen35.gguf"
     make_model("qwen35", "tiny", path, weight_type="f32", seed=seed % 1000)
     resident = Engine(str(path), ctx_size=1024, ubatch=128, progress=False)
-    mib = min_arena_bytes(replace(resident.config, n_layers=resident.config.n_layers + 1),
+    mib = min_arena_bytes(replace(resident.model.config, n_layers=resident.model.config.n_layers + 1),
                           1024) * 1.1 / 2**20
     streamed = Engine(str(path), ctx_size=1024, ubatch=128, progress=False,
                       kv_stream_arena_mib=mib)
     gen = torch.Generator().manual_seed(seed + 3)
-    prompt = torch.randint(0, resident.config.vocab_size, (600,), generator=gen).tolist()
+    prompt = torch.randint(0, resident.model.config.vocab_size, (600,), generator=gen).tolist()
     a = resident.generate(prompt, max_tokens=64, temperature=0)
     b = streamed.generate(prompt, max_tokens=64, temperature=0)
     # (an end-of-sequence token may stop both early: random weights)

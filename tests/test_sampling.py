@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvcompile.errors import SamplingError
-from kvcompile.sampling import Sampler, SamplingParams
+from kvcompile.engine.sampling import Sampler, SamplingParams
 
 
 def expected_distribution(logits, temperature, top_k, top_p, min_p):

@@ -8,7 +8,7 @@ import torch
 import kvcompile.ops  # noqa: F401
 from kernel_oracle import dense_reference, fill_pools, fresh_seed, placements, rel_err
 from kvcompile.errors import KvLayoutError
-from kvcompile.span_plan import RESIDENT, RING, Ring, Span, SpanPlan
+from kvcompile.kv.span_plan import RESIDENT, RING, Ring, Span, SpanPlan
 
 
 def test_page_table_follows_spans_in_logical_order():

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvcompile.engine import Engine
+from kvcompile.engine.engine import Engine
 from kvcompile.errors import KvcompileError, UnsupportedModelError
 from kvcompile.models.llama import LlamaModel
 from test_kv_cache import TINY, tiny_weights
@@ -114,16 +114,16 @@ def test_engine_acceptance_keeps_the_models_next_token_distribution(model, rule,
     distributed as the model's own next-token softmax (what decoding without speculation
     samples from), chi-square over 20,000 draws; a wrong rule (resampling from p itself
     after a rejection) fails. Two independent samples, as in test_speculative_rules."""
-    import kvcompile.speculative.decode as decode
-    from kvcompile.sampling import Sampler, SamplingParams
+    import kvcompile.engine.speculative.decode as decode
+    from kvcompile.engine.sampling import Sampler, SamplingParams
     from test_speculative_rules import _wrong_rule
     e = Engine.from_model(model, ctx_size=256, progress=False, spec_type="ngram-simple")
     rng = torch.Generator().manual_seed(SEED + 5)
     prompt = torch.randint(0, CFG.vocab_size, (40,), generator=rng).tolist()
-    e.runner.begin_request(64)
+    e.executor.begin_request(64)
     with torch.inference_mode():
-        e.runner.step(prompt[:-1], 0)
-        p0 = torch.softmax(e.runner.step(prompt[-1:], 39, all_rows=True)[-1].float(), -1)
+        e.executor.step(prompt[:-1], 0)
+        p0 = torch.softmax(e.executor.step(prompt[-1:], 39, all_rows=True)[-1].float(), -1)
         draft = [int(p0.argmax())]                  # the likeliest token: often kept
         rows = e.forward_rows(prompt[-1:] + draft, 39).float().clone()
     torch.testing.assert_close(torch.softmax(rows[0], -1), p0, rtol=1e-5, atol=1e-6)

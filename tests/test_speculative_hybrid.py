@@ -17,11 +17,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvcompile.engine import Engine
+from kvcompile.kv.store import KvStore
+from kvcompile.engine.engine import Engine
 from kvcompile.models.qwen35 import Qwen35Model
-from kvcompile.runner import StepRunner, make_sequence_cache
-from kvcompile.speculative.decode import Drafter
-from kvcompile.weights import load_weights
+from kvcompile.executor.executor import Executor
+from kvcompile.engine.speculative.decode import Drafter
+from kvcompile.io.weights import load_weights
 from tiny_hybrid import write_tiny_hybrid
 
 SEED = int.from_bytes(os.urandom(4), "little")
@@ -48,14 +49,13 @@ def _ids(n, salt):
 @torch.inference_mode()
 def test_rollback_equals_decoding_only_the_kept_tokens(hybrid_file, where):
     model = _model(hybrid_file, torch.bfloat16)
-    cache = make_sequence_cache(model, model.config, 512, "f32", "f32", ARENAS[where],
-                                torch.device("cpu"))
-    runner = StepRunner(model, cache, device="cpu", ubatch=64)
+    cache = KvStore.for_model(model, 512, "f32", "f32", ARENAS[where])
+    runner = Executor(model, cache, ubatch=64)
     prompt, start = _ids(100, 1), 100
     runner.begin_request(200)
     runner.step(prompt[:64], 0)
     runner.step(prompt[64:], 64)
-    state = runner.recurrent
+    state = cache.recurrent
     before = state.snapshot()
     for depth in range(1, 6):
         rows = _ids(depth + 1, 10 + depth)       # the pending token + a draft of `depth`
@@ -65,7 +65,7 @@ def test_rollback_equals_decoding_only_the_kept_tokens(hybrid_file, where):
             runner.verify(rows, start)
             runner.rollback(keep, depth + 1, start)
             if where == "streamed":       # the host history forgot the rejected rows
-                assert {cache.host.rows[i] for i in runner.trunk_layers} == {start + keep}
+                assert {cache.history.rows[i] for i in runner.trunk} == {start + keep}
             got = (state.conv.clone(), state.ssm.clone())
             got_next = runner.step(after, start + keep, all_rows=True).clone()
             state.restore(before)
@@ -88,19 +88,19 @@ def test_first_mtp_draft_is_the_dense_references_argmax(hybrid_file):
     e = Engine.from_model(model, ctx_size=512, ubatch=64, progress=False,
                           spec_type="draft-mtp", spec_draft_n_max=1, spec_draft_p_min=0.0)
     seen = []
-    mtp = e.runner.mtp
+    mtp = e.executor.mtp
 
     def record(ids, hidden, start):
         out = mtp(ids, hidden, start)
         seen.append((start, len(ids), out[0][-1].clone()))
         return out
-    e.runner.mtp = record
+    e.executor.mtp = record
     r = e.generate(prompt, max_tokens=3, temperature=0)
     first = r.token_ids[0]
     # prefill chunks feed positions 0..148; the first round feeds 149 and drafts from it
     assert [(s, n) for s, n, _ in seen[:4]] == [(0, 64), (64, 64), (128, 21), (149, 1)]
     seq = torch.tensor(prompt + [first])
-    _, hidden = model(seq, torch.arange(len(seq)), model.make_cache(512), return_hidden=True)
+    _, hidden = model(seq, torch.arange(len(seq)), KvStore.for_model(model, 512), return_hidden=True)
     md, w = _read(hybrid_file)
     ref = mtp_reference(md, w, seq[1:], hidden[:-1], torch.arange(len(seq) - 1))
     torch.testing.assert_close(seen[3][2].double(), ref[-1], rtol=1e-3, atol=1e-3)
@@ -158,7 +158,7 @@ def test_oracle_drafts_rejected_at_every_depth_keep_tokens_equal(hybrid_file, wh
     record = oracle.accepted
     oracle.accepted = lambda s, em, h: (accepted.append((oracle.expect, len(em) - 1)),
                                         record(s, em, h))
-    e.spec = SimpleNamespace(drafter=lambda runner: oracle, enabled=True)
+    e.spec = SimpleNamespace(drafter=lambda runner: oracle, enabled=True, uses_mtp=False)
     r = e.generate(prompt, max_tokens=80, temperature=0)
     assert r.token_ids == plain.token_ids, (SEED, where)
     assert oracle.round >= 20 and r.speculative["accepted"] > 0
@@ -180,23 +180,23 @@ def test_every_mtp_step_matches_a_dense_replay(hybrid_file, where):
                           kv_stream_arena_mib=ARENAS[where], spec_type="ngram-simple,draft-mtp",
                           spec_ngram_size_n=1, spec_ngram_size_m=5, spec_draft_n_max=3,
                           spec_draft_p_min=0.0)
-    calls, mtp = [], e.runner.mtp
+    calls, mtp = [], e.executor.mtp
 
     def record(ids, hidden, start):
         out = mtp(ids, hidden, start)
         calls.append((list(ids), hidden.clone(), start, out[0][-1].clone()))
         return out
-    e.runner.mtp = record
+    e.executor.mtp = record
     r = e.generate(prompt, max_tokens=100, temperature=0)
     seq = torch.tensor(prompt + r.token_ids)
-    _, trunk = model(seq, torch.arange(len(seq)), model.make_cache(512), return_hidden=True)
+    _, trunk = model(seq, torch.arange(len(seq)), KvStore.for_model(model, 512), return_hidden=True)
     chain = []
     kinds = {"feed": 0, "chain": 0}
     for ids, hidden, start, logits in calls:
         n = len(ids)
         feed = (ids == seq[start + 1:start + 1 + n].tolist()
                 and torch.allclose(hidden, trunk[start:start + n], atol=1e-4))
-        cache = model.make_cache(512)
+        cache = KvStore.for_model(model, 512)
         if feed:
             chain = []
             ref = model.mtp_forward(seq[1:start + n + 1], trunk[:start + n],
@@ -245,4 +245,4 @@ def test_greedy_speculation_equals_plain_cuda(hybrid_file, spec, where):
         assert r.token_ids == plain.token_ids, (SEED, spec, where)
         assert r.speculative["drafted"] > 0
     if spec == "ngram-simple":
-        assert e.runner.request_stats()["replays"] > 0
+        assert e.executor.request_stats()["replays"] > 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvcompile.errors import KvcompileError
-from kvcompile.speculative import NgramDrafter, accept_greedy, accept_sampled
+from kvcompile.engine.speculative import NgramDrafter, accept_greedy, accept_sampled
 
 SEED = int.from_bytes(os.urandom(4), "little")
 

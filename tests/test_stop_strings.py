@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from kvcompile.stop_strings import StopStringFilter
+from kvcompile.engine.stop_strings import StopStringFilter
 
 
 def run(pieces, stops):

@@ -1,4 +1,4 @@
-"""The streaming runtime on the CPU backend against an all-resident PagedKvCache.
+"""The streaming runtime on the CPU backend against an all-resident KvStore.
 
 A tiny random llama model with 16-position pages gives many pages and much streaming in
 little time; the real-weight test runs SmolLM2 at ~1K context.
@@ -12,16 +12,19 @@ import threading
 import pytest
 import torch
 
-from kvcompile.config import ModelConfig
+from kvcompile.models.config import ModelConfig
 from kvcompile.errors import KvLayoutError
-from kvcompile.kv_cache import PagedKvCache
+from kvcompile.kv.store import KvStore
 from kvcompile.models.llama import LlamaModel
 from kvcompile.ops import kv_format as F
-from kvcompile.runtime import (CpuBackend, FenceChecker, Instrument, StreamingKvCache, forward,
-                               min_arena_bytes)
-from kvcompile.runtime.arena import MIB, align
-from kvcompile.runtime.fences import EventFence
-from kvcompile.runtime.policy import DECODE_ROWS
+from kvcompile.kv.backend import CpuBackend
+from kvcompile.kv.checker import FenceChecker
+from kvcompile.kv.copy_engine import Instrument
+from kvcompile.kv.kv_pages import min_arena_bytes
+from kv_steps import forward
+from kvcompile.kv.arena import MIB, align
+from kvcompile.kv.fences import EventFence
+from kvcompile.kv.policy import DECODE_ROWS
 
 SEED = int.from_bytes(os.urandom(4), "little")
 PS = 16
@@ -74,7 +77,7 @@ def _reference(model, types, prompt, n_decode):
     """All-resident dense-cache run, memoized per (types, prompt, n_decode)."""
     key = (types, tuple(prompt.tolist()), n_decode)
     if key not in _REFS:
-        cache = PagedKvCache(CFG, MAX_TOKENS, k_type=types[0], v_type=types[1], page_size=PS)
+        cache = KvStore(CFG, MAX_TOKENS, k_type=types[0], v_type=types[1], page_size=PS)
         _REFS[key] = generate(model, cache, prompt, n_decode)
     return _REFS[key]
 
@@ -91,13 +94,13 @@ F32, QUANT = ("f32", "f32"), ("q8_0", "q4_0")
 def test_streamed_output_is_bitwise_the_all_resident_output(model, types, pages):
     prompt = _prompt(SEED, PROMPT_LEN)
     ids_ref, ref = _reference(model, types, prompt, 16)
-    cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(pages, types), k_type=types[0],
+    cache = KvStore(CFG, MAX_TOKENS, arena_mib=_mib(pages, types), k_type=types[0],
                              v_type=types[1], page_size=PS)
     ids, got = generate(model, cache, prompt, 16)
     assert ids == ids_ref and torch.equal(got, ref), (SEED, pages)
     st = cache.stats()
     for s in cache.telemetry:
-        assert s.resident_pages + s.ring_slots == cache.pool.P
+        assert s.resident_pages + s.ring_slots == cache.streamer.pool.P
         assert s.resident_reads + s.streamed_reads == CFG.n_layers * s.context_pages
         assert s.readiness_misses == 0                  # synchronous copies are always ready
     if pages == 20:                                     # >= 90% of the KV streamed
@@ -113,13 +116,13 @@ def test_pages_padded_to_16_bytes_stream_bitwise(model):
     the streamed tokens and logits still equal the all-resident cache's."""
     ps, n = 3, 120
     prompt = _prompt(SEED, 100)
-    ref = PagedKvCache(CFG, n, k_type="q8_0", v_type="q4_0", page_size=ps)
+    ref = KvStore(CFG, n, k_type="q8_0", v_type="q4_0", page_size=ps)
     ids_ref, logits_ref = generate(model, ref, prompt, 8)
     need = min_arena_bytes(CFG, n, "q8_0", "q4_0", ps)
-    cache = StreamingKvCache(CFG, n, arena_mib=need * 1.6 / MIB, k_type="q8_0",
+    cache = KvStore(CFG, n, arena_mib=need * 1.6 / MIB, k_type="q8_0",
                              v_type="q4_0", page_size=ps)
-    k_pool = cache.pool.k_pool
-    assert (k_pool.shape[1], cache.pool.v_pool.shape[1], k_pool.stride(0)) == (408, 216, 640)
+    k_pool = cache.streamer.pool.k_pool
+    assert (k_pool.shape[1], cache.streamer.pool.v_pool.shape[1], k_pool.stride(0)) == (408, 216, 640)
     ids, got = generate(model, cache, prompt, 8)
     assert ids == ids_ref and torch.equal(got, logits_ref), SEED
     assert sum(s.streamed_reads for s in cache.telemetry[-8:]) > 0
@@ -128,38 +131,39 @@ def test_pages_padded_to_16_bytes_stream_bitwise(model):
 
 def test_copies_are_grouped_runs_of_contiguous_pages(model):
     prompt = _prompt(SEED, 200)
-    cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(30), page_size=PS)
+    cache = KvStore(CFG, MAX_TOKENS, arena_mib=_mib(30), page_size=PS)
     generate(model, cache, prompt, 4)
     kb = F.page_bytes(F.F32, PS, CFG.n_kv_heads, CFG.head_dim)
     last = cache.telemetry[-1]
     streamed_with_rows = last.streamed_reads       # every streamed page has published rows
     assert last.h2d_bytes == streamed_with_rows * 2 * kb
     # one copy per run; a run splits only where the ring wraps: <= 2 per layer
-    assert cache.pool.count.copies <= 2 * CFG.n_layers
-    assert cache.pool.count.copies < streamed_with_rows
+    assert cache.streamer.pool.count.copies <= 2 * CFG.n_layers
+    assert cache.streamer.pool.count.copies < streamed_with_rows
 
 
 def test_host_history_equals_the_dense_cache_after_every_forward(model):
     types = ("q8_0", "q4_0")
     prompt = _prompt(SEED + 7, 170)
-    dense = PagedKvCache(CFG, MAX_TOKENS, k_type=types[0], v_type=types[1], page_size=PS)
+    dense = KvStore(CFG, MAX_TOKENS, k_type=types[0], v_type=types[1], page_size=PS)
     generate(model, dense, prompt, 8)
     seen = []
 
     def check(step, cache, rows):
-        assert set(cache.host.rows.values()) == {rows}
+        assert set(cache.history.rows.values()) == {rows}
         pages = -(-rows // PS)
         for i in cache.layers:
             kv = dense.layer(i)
-            for host, pool, t, role in ((cache.host.k[i], kv.k_pool, cache.k_type, "k"),
-                                        (cache.host.v[i], kv.v_pool, cache.v_type, "v")):
+            for host, pool, t, role in ((cache.history.k[i], kv.k_pool, cache.k_type, "k"),
+                                        (cache.history.v[i], kv.v_pool, cache.v_type, "v")):
                 a = F.decode_pages(host[:pages], t, CFG.n_kv_heads, PS, CFG.head_dim, role=role)
-                b = F.decode_pages(pool[:pages], t, CFG.n_kv_heads, PS, CFG.head_dim, role=role)
+                b = F.decode_pages(pool[kv.page_table[:pages].long()], t, CFG.n_kv_heads, PS,
+                                   CFG.head_dim, role=role)
                 flat = lambda x: x.permute(1, 0, 2, 3).reshape(CFG.n_kv_heads, -1, CFG.head_dim)
                 assert torch.equal(flat(a)[:, :rows], flat(b)[:, :rows]), (SEED, step, i)
         seen.append(step)
 
-    cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(24, types), k_type=types[0],
+    cache = KvStore(CFG, MAX_TOKENS, arena_mib=_mib(24, types), k_type=types[0],
                              v_type=types[1], page_size=PS)
     generate(model, cache, prompt, 8, on_step=check)
     assert len(seen) == len(cache.telemetry)
@@ -173,10 +177,10 @@ def test_dropping_every_resident_page_mid_generation_changes_nothing(model):
 
     def drop(step, cache, rows):
         if step == drop_at:
-            resident_before.append(cache.pool.r)
+            resident_before.append(cache.streamer.pool.r)
             cache.drop_resident()
 
-    cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(60), page_size=PS)
+    cache = KvStore(CFG, MAX_TOKENS, arena_mib=_mib(60), page_size=PS)
     ids, got = generate(model, cache, prompt, 16, on_step=drop)
     assert resident_before and resident_before[0] > 0
     assert ids == ids_ref and torch.equal(got, ref), (SEED, drop_at)
@@ -194,7 +198,7 @@ def _threaded(pages, checker, copy_ms, compute_ms, unsafe=frozenset(), seed=SEED
                 return rng.random() * ms / 1000
         return f
     inst = Instrument(checker=checker, copy_delay=delay(copy_ms), compute_delay=delay(compute_ms))
-    return StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(pages, types), k_type=types[0],
+    return KvStore(CFG, MAX_TOKENS, arena_mib=_mib(pages, types), k_type=types[0],
                             v_type=types[1], page_size=PS, unsafe=unsafe,
                             backend=CpuBackend(threaded_copies=True, instrument=inst))
 
@@ -224,27 +228,29 @@ def test_fences_hold_under_injected_delays(model, types, copy_ms, compute_ms):
 
 @pytest.mark.parametrize("types", [F32, QUANT], ids=["f32", "q8_0-q4_0"])
 def test_captured_decode_steps_hold_the_fences_under_injected_delays(model, types):
-    """Decode steps in fixed layouts (phase/decode_graph.py; on the CPU each replay reruns
+    """Decode steps in fixed layouts (executor/executor.py; on the CPU each replay reruns
     the step) through a threaded copy engine with random copy and compute delays: no fence
     violation, the resident decode's tokens and logits; 16-token pages, so the decode
     crosses page boundaries (a new layout each). Each step ends by filling the next step's
     first layers, still in flight when that step's program (which skips them) runs."""
-    from kvcompile.phase.decode_graph import DecodeGraph
+    from kvcompile.executor.executor import Executor
     prompt = _prompt(SEED + 5, PROMPT_LEN - 10)   # room for 24 decoded tokens
     ids_ref, ref = _reference(model, types, prompt, 24)
     checker = FenceChecker()
     cache = _threaded(50, checker, 2, 2, seed=SEED + 5, types=types)
-    program = DecodeGraph(model, cache)
+    program = Executor(model, cache, ubatch=40, capture=True, strict=True)
     try:
-        ids, got = generate(model, cache, prompt, 24, decode=program.step)
+        ids, got = generate(model, cache, prompt, 24,
+                            decode=lambda t, pos: program.step(t, pos, all_rows=True))
     finally:
         cache.close()
     assert checker.violations == [], (SEED, checker.violations[:3])
     assert ids == ids_ref and torch.equal(got, ref), SEED
-    s = program.stats()
+    s = program.program_stats()
     assert s["replays"] == 23 and s["captures"] >= 2, s
     assert cache.telemetry[-1].replayed and cache.telemetry[-1].streamed_reads > 0
-    assert any(layout.ahead for layout in program.programs), list(program.programs)
+    layouts = list(program.programs[("step", 1)])
+    assert any(layout.ahead for layout in layouts), layouts
     # decode's own split (a ring of 1.5 layers), its new resident pages refilled before
     # the first captured step; the fills split around the layer before (at a step's begin
     # the layer before holds its slots; later ones may find them released, by timing)
@@ -271,23 +277,23 @@ def test_broken_ordering_is_caught(model, unsafe, copy_ms, compute_ms, expect):
 
 def test_repartition_waits_for_pages_the_device_may_still_use(model):
     # the pool's own call between forwards: no forward begun ahead
-    cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(60), page_size=PS,
+    cache = KvStore(CFG, MAX_TOKENS, arena_mib=_mib(60), page_size=PS,
                              prefetch_next=False)
     generate(model, cache, _prompt(SEED, 60), 1)
-    r = cache.pool.r
-    page = cache.pool.L * (r - 1)                 # a resident page that becomes a ring slot
+    r = cache.streamer.pool.r
+    page = cache.streamer.pool.L * (r - 1)                 # a resident page that becomes a ring slot
     pending = EventFence("compute still reading")
-    cache.pool.last_use[page] = pending
-    assert page in cache.pool.leased_pages()
+    cache.streamer.pool.last_use[page] = pending
+    assert page in cache.streamer.pool.leased_pages()
     threading.Timer(0.05, pending.set).start()
-    cache.pool.repartition(r - 1)
-    assert pending.query() and cache.pool.r == r - 1
+    cache.streamer.pool.repartition(r - 1)
+    assert pending.query() and cache.streamer.pool.r == r - 1
 
 
 def test_failed_forward_leaves_the_cache_usable(model):
     prompt = _prompt(SEED, PROMPT_LEN)
     ids_ref, ref = _reference(model, F32, prompt, 16)
-    cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(30), page_size=PS)
+    cache = KvStore(CFG, MAX_TOKENS, arena_mib=_mib(30), page_size=PS)
 
     class Boom(Exception):
         pass
@@ -301,8 +307,8 @@ def test_failed_forward_leaves_the_cache_usable(model):
         forward(model, cache, prompt[:40], torch.arange(40))
         with pytest.raises(Boom):
             forward(broken, cache, prompt[40:80], torch.arange(40, 80))
-    assert set(cache.host.rows.values()) == {40}      # the failed rows are not history
-    assert all(h is None for h in cache.pool.holder)  # prefetched slots were given back
+    assert set(cache.history.rows.values()) == {40}      # the failed rows are not history
+    assert all(h is None for h in cache.streamer.pool.holder)  # prefetched slots were given back
     with pytest.raises(KvLayoutError):
         cache.layer(0)                                # only inside a forward
     ids, got = generate(model, cache, prompt, 16, start=40)
@@ -316,10 +322,10 @@ def test_failed_forward_before_any_layer_waits_for_its_refills(model):
     checker, delay = FenceChecker(), [0.0]
     backend = CpuBackend(threaded_copies=True,
                          instrument=Instrument(checker=checker, copy_delay=lambda: delay[0]))
-    cache = StreamingKvCache(CFG, MAX_TOKENS, 6 * min_arena_bytes(CFG, MAX_TOKENS,
+    cache = KvStore(CFG, MAX_TOKENS, 6 * min_arena_bytes(CFG, MAX_TOKENS,
                                                                   page_size=PS) / MIB,
                              page_size=PS, backend=backend)
-    ref = PagedKvCache(CFG, MAX_TOKENS, page_size=PS)
+    ref = KvStore(CFG, MAX_TOKENS, page_size=PS)
     prompt = _prompt(SEED, 100)
 
     class Boom(Exception):
@@ -345,9 +351,9 @@ def test_reset_between_sequences(model):
     """A second sequence after reset() sees none of the first one's pages."""
     first, second = _prompt(SEED + 1, 250), _prompt(SEED, PROMPT_LEN)
     ids_ref, ref = _reference(model, F32, second, 16)
-    cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(60), page_size=PS)
+    cache = KvStore(CFG, MAX_TOKENS, arena_mib=_mib(60), page_size=PS)
     generate(model, cache, first, 8)
-    assert cache.pool.r > 0                   # resident pages hold the first sequence
+    assert cache.streamer.pool.r > 0                   # resident pages hold the first sequence
     cache.reset()
     ids, got = generate(model, cache, second, 16)
     assert ids == ids_ref and torch.equal(got, ref), SEED
@@ -356,8 +362,8 @@ def test_reset_between_sequences(model):
 def test_a_forward_over_one_layer_only(model):
     """An MTP-style forward acquires a single layer; its rows are tracked per layer."""
     g = torch.Generator().manual_seed(SEED)
-    dense = PagedKvCache(CFG, MAX_TOKENS, page_size=PS)
-    cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(22), page_size=PS)
+    dense = KvStore(CFG, MAX_TOKENS, page_size=PS)
+    cache = KvStore(CFG, MAX_TOKENS, arena_mib=_mib(22), page_size=PS)
     outs = []
     for c in (dense, cache):
         torch.manual_seed(SEED)
@@ -381,20 +387,20 @@ def test_a_forward_over_one_layer_only(model):
                 cache.end_forward()
         assert torch.equal(res[0], res[1]), (SEED, n)
         pos += n
-    assert cache.host.rows[layer] == pos and cache.host.rows[0] == 152
+    assert cache.history.rows[layer] == pos and cache.history.rows[0] == 152
     assert cache.telemetry[-1].layers == 1
     assert torch.equal(outs[0], outs[1])
 
 
-def test_make_kv_cache_zero_means_all_on_device_and_bad_sizes_fail_clearly(model):
+def test_arena_zero_means_all_on_device_and_bad_sizes_fail_clearly(model):
     from kvcompile.errors import ArenaError
-    from kvcompile.runtime import make_kv_cache
-    assert isinstance(make_kv_cache(CFG, MAX_TOKENS, 0, page_size=PS), PagedKvCache)
-    streaming = make_kv_cache(CFG, MAX_TOKENS, _mib(20), page_size=PS)
-    assert isinstance(streaming, StreamingKvCache)
+    resident = KvStore(CFG, MAX_TOKENS, 0, page_size=PS)
+    assert resident.resident and not resident.streams
+    streaming = KvStore(CFG, MAX_TOKENS, _mib(20), page_size=PS)
+    assert streaming.streams and not streaming.resident
     for bad in (-1, "8"):
         with pytest.raises(ArenaError, match="kv-stream-arena-mib"):
-            make_kv_cache(CFG, MAX_TOKENS, bad, page_size=PS)
+            KvStore(CFG, MAX_TOKENS, bad, page_size=PS)
     # after an error the process (and a cache) stays usable
     prompt = _prompt(SEED, PROMPT_LEN)
     ids_ref, ref = _reference(model, F32, prompt, 16)
@@ -411,7 +417,7 @@ def test_a_failed_copy_surfaces_instead_of_being_read(model):
             raise OSError("injected copy failure")
         return 0.0
     inst = Instrument(checker=FenceChecker(), copy_delay=flaky)
-    cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(24), page_size=PS,
+    cache = KvStore(CFG, MAX_TOKENS, arena_mib=_mib(24), page_size=PS,
                              backend=CpuBackend(threaded_copies=True, instrument=inst))
     try:
         with pytest.raises(RuntimeError, match="failed") as e:
@@ -430,20 +436,20 @@ class _Watched(EventFence):
 
 
 def test_forced_repartition_drains_pages_still_in_use(model):
-    from kvcompile.runtime.policy import serves
+    from kvcompile.kv.policy import serves
     prompt = _prompt(SEED, PROMPT_LEN)
     ids_ref, ref = _reference(model, F32, prompt, 16)
-    cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(60), page_size=PS)
+    cache = KvStore(CFG, MAX_TOKENS, arena_mib=_mib(60), page_size=PS)
     held = []
 
     def hold(step, cache, rows):
         # Before the forward whose context the current split cannot serve, pretend the
         # device still reads the highest resident page (the first to change role).
         last = min(rows + 40, len(prompt)) if rows < len(prompt) else rows + 1
-        if held or serves(cache.policy_config, cache.pool.r, (last - 1) // PS + 1):
+        if held or serves(cache.streamer.policy_config, cache.streamer.pool.r, (last - 1) // PS + 1):
             return
         fence = _Watched("device still reading")
-        cache.pool.last_use[cache.pool.L * cache.pool.r - 1] = fence
+        cache.streamer.pool.last_use[cache.streamer.pool.L * cache.streamer.pool.r - 1] = fence
         threading.Timer(0.1, fence.set).start()
         held.append((len(cache.telemetry), fence))
 
@@ -458,7 +464,7 @@ def test_forced_repartition_drains_pages_still_in_use(model):
 def test_smollm2_tiny_arena_matches_all_resident_at_1k_context(smollm2_path):
     """Real weights, ~1K context, q8_0/q4_0 KV: a tiny arena (the ring holds one layer's
     context, nothing resident) gives the same greedy tokens and bitwise the same logits."""
-    from kvcompile.weights import load_weights
+    from kvcompile.io.weights import load_weights
     w = load_weights(smollm2_path, progress=False)
     smol = LlamaModel.from_weights(w.config, w.tensors)
     rng = random.Random(SEED)
@@ -466,10 +472,10 @@ def test_smollm2_tiny_arena_matches_all_resident_at_1k_context(smollm2_path):
     prompt = torch.randint(0, w.config.vocab_size, (n_prompt,),
                            generator=torch.Generator().manual_seed(SEED))
     kt, vt = "q8_0", "q4_0"
-    ref_cache = PagedKvCache(w.config, max_tokens, k_type=kt, v_type=vt)
+    ref_cache = KvStore(w.config, max_tokens, k_type=kt, v_type=vt)
     ids_ref, ref = generate(smol, ref_cache, prompt, n_decode, chunk=256)
     tiny = min_arena_bytes(w.config, max_tokens, kt, vt) * 1.2 / MIB
-    cache = StreamingKvCache(w.config, max_tokens, arena_mib=tiny, k_type=kt, v_type=vt)
+    cache = KvStore(w.config, max_tokens, arena_mib=tiny, k_type=kt, v_type=vt)
     ids, got = generate(smol, cache, prompt, n_decode, chunk=256)
     assert ids == ids_ref, (SEED, ids, ids_ref)
     assert torch.equal(got, ref), SEED
@@ -488,12 +494,12 @@ def test_the_next_decode_step_is_begun_ahead_and_a_wrong_guess_costs_nothing(mod
     ids_ref, ref = _reference(model, F32, prompt, 12)
     runs = {}
     for ahead in (False, True):
-        cache = StreamingKvCache(CFG, MAX_TOKENS, arena_mib=_mib(30), page_size=PS,
+        cache = KvStore(CFG, MAX_TOKENS, arena_mib=_mib(30), page_size=PS,
                                  prefetch_next=ahead)
         issued_at_end = []
 
         def watch(step, cache, rows):
-            issued_at_end.append(cache._next is not None)
+            issued_at_end.append(cache.streamer._next is not None)
         with torch.inference_mode():
             ids, got = generate(model, cache, prompt, 12, on_step=watch)
         runs[ahead] = [(t.h2d_bytes, t.resident_reads, t.streamed_reads, t.repartitioned)

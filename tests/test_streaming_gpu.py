@@ -1,4 +1,4 @@
-"""The streaming runtime on the CUDA backend against an all-resident PagedKvCache on CUDA.
+"""The streaming runtime on the CUDA backend against an all-resident KvStore on CUDA.
 
 Models are built in memory with random weights (seed printed): one of SmolLM2-135M's
 geometry for the long-context runs, a small one for the fence and memory runs.
@@ -12,12 +12,14 @@ import re
 import pytest
 import torch
 
-from kvcompile.config import ModelConfig
+from kvcompile.models.config import ModelConfig
 from kvcompile.errors import ArenaError
-from kvcompile.kv_cache import PagedKvCache
+from kvcompile.kv.store import KvStore
 from kvcompile.models.llama import LlamaModel
-from kvcompile.runtime import Instrument, StreamingKvCache, forward, make_kv_cache, min_arena_bytes
-from kvcompile.runtime.arena import MIB
+from kvcompile.kv.copy_engine import Instrument
+from kvcompile.kv.kv_pages import min_arena_bytes
+from kv_steps import forward
+from kvcompile.kv.arena import MIB
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -83,12 +85,12 @@ def test_tiny_arena_greedy_matches_all_resident(smol, ctx, kv):
     n_decode = 16
     n_prompt = ctx - n_decode - random.Random(SEED).randrange(1, 200)
     prompt = prompt_of(SMOL, n_prompt)
-    ref_cache = PagedKvCache(SMOL, ctx, k_type=kv, v_type=kv, device=DEV)
+    ref_cache = KvStore(SMOL, ctx, k_type=kv, v_type=kv, device=DEV)
     ids_ref, ref = generate(smol, ref_cache, prompt, n_decode)
     del ref_cache
-    cache = make_kv_cache(SMOL, ctx, tiny_mib(SMOL, ctx, kv, kv), k_type=kv, v_type=kv,
+    cache = KvStore(SMOL, ctx, tiny_mib(SMOL, ctx, kv, kv), k_type=kv, v_type=kv,
                           device=DEV)
-    assert isinstance(cache, StreamingKvCache) and cache.backend.name == "cuda"
+    assert isinstance(cache, KvStore) and cache.backend.name == "cuda"
     ids, got = generate(smol, cache, prompt, n_decode)
     cache.synchronize()
     st = cache.stats()
@@ -110,13 +112,13 @@ def test_tiny_arena_greedy_matches_all_resident(smol, ctx, kv):
 # ---- fences under injected device-side delays ----------------------------------------------
 def _instrumented(model_cfg, max_tokens, pages, copy_ms, compute_ms, unsafe=frozenset(),
                   seed=SEED):
-    from kvcompile.runtime.cuda_backend import CudaBackend, TimelineChecker
+    from kvcompile.kv.cuda_backend import CudaBackend, TimelineChecker
     rng = random.Random(seed)
     checker = TimelineChecker()
     inst = Instrument(checker=checker, copy_delay=lambda: rng.random() * copy_ms / 1000,
                       compute_delay=lambda: rng.random() * compute_ms / 1000)
     mib = tiny_mib(model_cfg, pages * 256, "f32", "f32", slack=1.0)
-    cache = StreamingKvCache(model_cfg, max_tokens, mib, backend=CudaBackend(DEV, inst),
+    cache = KvStore(model_cfg, max_tokens, mib, backend=CudaBackend(DEV, inst),
                              unsafe=unsafe)
     return cache, checker
 
@@ -125,7 +127,7 @@ def _instrumented(model_cfg, max_tokens, pages, copy_ms, compute_ms, unsafe=froz
 def test_fences_hold_under_injected_device_delays(small, copy_ms, compute_ms):
     max_tokens, n_decode = 3072, 12
     prompt = prompt_of(SMALL, 2900)
-    ids_ref, ref = generate(small, PagedKvCache(SMALL, max_tokens, device=DEV), prompt,
+    ids_ref, ref = generate(small, KvStore(SMALL, max_tokens, device=DEV), prompt,
                             n_decode, chunk=512)
     # 30 pages: the ring holds ~2.5 layers of 12 pages, so copies overlap compute
     cache, checker = _instrumented(SMALL, max_tokens, 30, copy_ms, compute_ms)
@@ -156,7 +158,7 @@ def test_broken_ordering_is_caught_on_the_device(small, unsafe, copy_ms, compute
 # ---- one arena: nothing else grows -------------------------------------------------------
 def test_memory_outside_arena_and_weights_is_flat_over_1000_decode_steps(small):
     max_tokens, n_prompt, n_decode, warm = 2560, 1200, 1000, 50
-    cache = make_kv_cache(SMALL, max_tokens, tiny_mib(SMALL, max_tokens, "q8_0", "q8_0", 1.3),
+    cache = KvStore(SMALL, max_tokens, tiny_mib(SMALL, max_tokens, "q8_0", "q8_0", 1.3),
                           k_type="q8_0", v_type="q8_0", device=DEV)
     seen = {}
 
@@ -182,23 +184,23 @@ def test_memory_outside_arena_and_weights_is_flat_over_1000_decode_steps(small):
 
 # ---- bad input -------------------------------------------------------------------------------
 def test_bad_input_fails_clearly_and_the_process_stays_usable(small):
-    from kvcompile.runtime.cuda_backend import CudaBackend
+    from kvcompile.kv.cuda_backend import CudaBackend
     backend = CudaBackend(DEV)
     with pytest.raises(ArenaError, match="cannot pin"):
         backend.host_buffer((2 ** 20, 2 ** 30))          # 1 PiB: more than any address space
     huge = ModelConfig(arch="llama", n_layers=4096, hidden=1024, ffn=1024, n_heads=8,
                        n_kv_heads=8, head_dim=128, vocab_size=256, context_length=131072)
     with pytest.raises(ArenaError, match="pinned host memory"):
-        make_kv_cache(huge, 131072, 1100, device=DEV)    # 4 TiB of history, checked first
+        KvStore(huge, 131072, 1100, device=DEV)    # 4 TiB of history, checked first
     with pytest.raises(ArenaError, match="cannot allocate an arena"):
-        make_kv_cache(SMALL, 2048, 2 ** 30, device=DEV)  # 1 PiB arena
+        KvStore(SMALL, 2048, 2 ** 30, device=DEV)  # 1 PiB arena
     with pytest.raises(ArenaError, match=r"--kv-stream-arena-mib (\d+)") as e:
-        make_kv_cache(SMALL, 2048, 0.5, device=DEV)
+        KvStore(SMALL, 2048, 0.5, device=DEV)
     smallest = int(re.search(r"--kv-stream-arena-mib (\d+)", str(e.value)).group(1))
     # the smallest arena named works, and gives the all-resident output
     prompt = prompt_of(SMALL, 1800)
-    ids_ref, ref = generate(small, PagedKvCache(SMALL, 2048, device=DEV), prompt, 8, chunk=512)
-    cache = make_kv_cache(SMALL, 2048, smallest, device=DEV)
+    ids_ref, ref = generate(small, KvStore(SMALL, 2048, device=DEV), prompt, 8, chunk=512)
+    cache = KvStore(SMALL, 2048, smallest, device=DEV)
     ids, got = generate(small, cache, prompt, 8, chunk=512)
     assert ids == ids_ref and torch.equal(got, ref), SEED
     cache.close()
@@ -207,26 +209,26 @@ def test_bad_input_fails_clearly_and_the_process_stays_usable(small):
 # ---- through the engine ---------------------------------------------------------------------
 def test_engine_streams_on_cuda(tmp_path):
     pytest.importorskip("gguf")
-    from kvcompile.engine import Engine
-    from kvcompile.make_model import make_model
+    from kvcompile.engine.engine import Engine
+    from kvcompile.io.make_model import make_model
     path = tmp_path / "tiny.gguf"
     make_model("llama", "tiny", path, weight_type="f32", seed=SEED % 1000)
     ref = Engine(str(path), ctx_size=1024, device=DEV, dtype="f32", progress=False,
                  cuda_graphs=False)
-    need = min_arena_bytes(ref.config, 1024) / MIB
+    need = min_arena_bytes(ref.model.config, 1024) / MIB
     eng = Engine(str(path), ctx_size=1024, device=DEV, dtype="f32", progress=False,
                  kv_stream_arena_mib=need * 1.05)
-    assert eng.cache.backend.name == "cuda"
+    assert eng.store.backend.name == "cuda"
     text = "the quick brown fox " * 40
     a = ref.generate(text, max_tokens=24, temperature=0)
     b = eng.generate(text, max_tokens=24, temperature=0)
     assert a.text == b.text and a.completion_tokens == b.completion_tokens
-    assert eng.cache.stats()["h2d_bytes"] > 0
+    assert eng.store.stats()["h2d_bytes"] > 0
 
 
 # ---- the SM gather copy mode ---------------------------------------------------------------
 def test_gather_copy_equals_the_source():
-    from kvcompile.runtime.cuda_gather import gather_copy
+    from kvcompile.kv.cuda_gather import gather_copy
     g = torch.Generator().manual_seed(SEED)
     for n in (16, 4096, 52224 * 7, 3 * 2 ** 20 + 48):
         src = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).pin_memory()
@@ -237,12 +239,12 @@ def test_gather_copy_equals_the_source():
 
 
 def test_gather_mode_tiny_arena_matches_all_resident(small):
-    from kvcompile.runtime.cuda_backend import CudaBackend
+    from kvcompile.kv.cuda_backend import CudaBackend
     max_tokens, kv = 3072, "q8_0"
     prompt = prompt_of(SMALL, 2700, SEED + 1)
-    ids_ref, ref = generate(small, PagedKvCache(SMALL, max_tokens, k_type=kv, v_type=kv,
+    ids_ref, ref = generate(small, KvStore(SMALL, max_tokens, k_type=kv, v_type=kv,
                                                 device=DEV), prompt, 16, chunk=512)
-    cache = StreamingKvCache(SMALL, max_tokens, tiny_mib(SMALL, max_tokens, kv, kv, 2.2),
+    cache = KvStore(SMALL, max_tokens, tiny_mib(SMALL, max_tokens, kv, kv, 2.2),
                              k_type=kv, v_type=kv, backend=CudaBackend(DEV, copy="gather"))
     ids, got = generate(small, cache, prompt, 16, chunk=512)
     assert ids == ids_ref and torch.equal(got, ref), SEED

@@ -11,8 +11,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvcompile.runtime import forward, make_kv_cache, min_arena_bytes
-from kvcompile.runtime.arena import MIB
+from kvcompile.kv.kv_pages import min_arena_bytes
+from kvcompile.kv.store import KvStore
+from kv_steps import forward
+from kvcompile.kv.arena import MIB
 from tiny_hybrid import tiny_hybrid
 
 pytestmark = [pytest.mark.gpu,
@@ -28,7 +30,7 @@ def model(tmp_path_factory):
 
 def greedy(model, cache, prompt, n_decode, chunk=200, on_step=None):
     """Main forwards acquire the attention layers only (the MTP layer keeps its own pages)."""
-    main = model.kv_layers[:-1]
+    main = model.layer_plan.kv_layers[:-1]
     rows = []
     with torch.inference_mode():
         for s in range(0, len(prompt), chunk):
@@ -50,11 +52,9 @@ def caches(model, max_tokens, kv):
     c = model.config
     full = replace(c, n_layers=c.n_layers + c.nextn_layers)
     kt, vt = kv
-    resident = make_kv_cache(full, max_tokens, 0, k_type=kt, v_type=vt, device=DEV,
-                             layers=model.kv_layers)
+    resident = KvStore.for_model(model, max_tokens, kt, vt, 0, device=DEV)
     tiny = min_arena_bytes(full, max_tokens, kt, vt) * 1.1 / MIB
-    streaming = make_kv_cache(full, max_tokens, tiny, k_type=kt, v_type=vt, device=DEV,
-                              layers=model.kv_layers)
+    streaming = KvStore.for_model(model, max_tokens, kt, vt, tiny, device=DEV)
     return resident, streaming
 
 

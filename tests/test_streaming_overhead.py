@@ -15,16 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcompile.config import ModelConfig
+from kvcompile.models.config import ModelConfig
 from kvcompile.errors import ContextLengthError, KvLayoutError
-from kvcompile.kv_cache import PagedKvCache
+from kvcompile.kv.store import KvStore
 from kvcompile.models.llama import LlamaModel
 from kvcompile.ops import kv_format as F
-from kvcompile.runtime import StreamingKvCache, forward
-from kvcompile.runtime import policy as P
-from kvcompile.runtime.arena import MIB, align
-from kvcompile.runtime.copy_engine import CopyNote
-from kvcompile.runtime.fences import DONE, EventFence, latest_per_stream
+from kvcompile.kv.store import KvStore
+from kv_steps import forward
+from kvcompile.kv import policy as P
+from kvcompile.kv.arena import MIB, align
+from kvcompile.kv.copy_engine import CopyNote
+from kvcompile.kv.fences import DONE, EventFence, latest_per_stream
 
 SEED = int.from_bytes(os.urandom(4), "little")
 _spec = importlib.util.spec_from_file_location(
@@ -163,14 +164,14 @@ def test_cuda_backend_code_on_the_cpu_is_bitwise_the_dense_cache(pages):
     model = LlamaModel(CFG).eval()
     prompt = torch.randint(0, CFG.vocab_size, (150,),
                            generator=torch.Generator().manual_seed(SEED))
-    ref = _run(model, PagedKvCache(CFG, 256, "q8_0", "q4_0", page_size=16), prompt, 10)
+    ref = _run(model, KvStore(CFG, 256, 0, "q8_0", "q4_0", page_size=16), prompt, 10)
     fake = C.FakeCuda()
     with fake.active():
         kb, vb = (F.page_bytes(F.kv_type(t), 16, 1, 64) for t in ("q8_0", "q4_0"))
         mib = (align(pages * kb) + align(pages * vb)) / MIB
-        cache = StreamingKvCache(CFG, 256, mib, "q8_0", "q4_0", page_size=16,
+        cache = KvStore(CFG, 256, mib, "q8_0", "q4_0", page_size=16,
                                  backend=C.fake_cuda_backend(fake))
-        cache.pool.check_plans = True
+        cache.streamer.pool.check_plans = True
         got = _run(model, cache, prompt, 10)
         cache.close()
     assert got[0] == ref[0] and torch.equal(got[1], ref[1]), SEED
@@ -178,7 +179,7 @@ def test_cuda_backend_code_on_the_cpu_is_bitwise_the_dense_cache(pages):
 
 
 def test_positions_are_checked_with_the_same_errors():
-    cache = StreamingKvCache(CFG, 64, 1, page_size=16)
+    cache = KvStore(CFG, 64, 1, page_size=16)
     with pytest.raises(ContextLengthError, match="position 64 is outside the KV cache of 64"):
         cache.begin_forward(torch.tensor([3, 64, 5]))
     with pytest.raises(ContextLengthError, match="position -1 is outside"):
@@ -199,7 +200,7 @@ def test_positions_are_checked_with_the_same_errors():
     with pytest.raises(ContextLengthError, match="position 64 is outside"):
         cache.begin_forward(torch.arange(60, 65), start=60)
     cache.begin_forward(torch.tensor([0, 1]), start=0)
-    assert cache.position_range(torch.tensor([9, 3])) == (3, 9)
+    assert cache.check_positions(torch.tensor([9, 3])) == (3, 9)
     cache.end_forward(ok=False)
 
 
@@ -233,10 +234,10 @@ def test_leased_pages_never_change_a_decision_that_keeps_the_split():
 
 
 def test_the_cache_scans_leases_only_for_a_change():
-    cache = StreamingKvCache(CFG, 256, 0.16, page_size=16)   # 20 pages: splits change
+    cache = KvStore(CFG, 256, 0.16, page_size=16)   # 20 pages: splits change
     scans = []
-    orig = cache.pool.leased_pages
-    cache.pool.leased_pages = lambda: scans.append(1) or orig()
+    orig = cache.streamer.pool.leased_pages
+    cache.streamer.pool.leased_pages = lambda: scans.append(1) or orig()
     torch.manual_seed(SEED)
     _run(LlamaModel(CFG).eval(), cache, torch.randint(0, CFG.vocab_size, (100,)), 6)
     changes = sum(s.repartitioned for s in cache.telemetry)
@@ -249,7 +250,7 @@ def test_copy_busy_counts_copies_that_land_after_the_host_moved_on():
     import time
     cfg = ModelConfig(arch="llama", n_layers=2, hidden=64, ffn=64, n_heads=1, n_kv_heads=1,
                       head_dim=64, vocab_size=16, context_length=4096)
-    cache = StreamingKvCache(cfg, 1024, 1.0, k_type="q8_0", v_type="q4_0")
+    cache = KvStore(cfg, 1024, 1.0, k_type="q8_0", v_type="q4_0")
     rng = random.Random(SEED)
 
     def step(lo):
@@ -261,7 +262,7 @@ def test_copy_busy_counts_copies_that_land_after_the_host_moved_on():
     step(0)
     first = cache.telemetry[-1].copy_busy_pct
     late = rng.uniform(0.02, 0.05)          # copy time that completes after end_forward
-    cache.engine._busy_s += late
+    cache.streamer.engine._busy_s += late
     time.sleep(2 * late)
     step(1)
     settled = cache.telemetry[0].copy_busy_pct
@@ -276,46 +277,43 @@ def test_decode_takes_its_split_once_though_the_host_runs_ahead(monkeypatch):
     moment with nothing in flight (there is none while decoding: each step's leases were
     gathered, a query of every page's fence, and the split never changed): it drains once
     and switches; later steps keep the split without asking for leases."""
-    monkeypatch.setenv("KVCOMPILE_DECODE_DEPTH", "1.5")      # (CUDA's default is 1.25)
     L, ctx = 8, 32 * 256 - 64
     cfg = C.geometry(L)
     fake = C.FakeCuda()
     with fake.active():
-        cache = StreamingKvCache(cfg, ctx + 64, C.arena_mib(cfg, L * 16 + 24), "q8_0", "q4_0",
-                                 backend=C.fake_cuda_backend(fake))
+        cache = KvStore(cfg, ctx + 64, C.arena_mib(cfg, L * 16 + 24), "q8_0", "q4_0",
+                        backend=C.fake_cuda_backend(fake), decode_depth=1.5)  # (CUDA: 1.25)
         cache.plan(ctx + 16)
         model = C.ProtocolModel(cache.layers)
         tok = torch.zeros(1, dtype=torch.long)
         leases = []
-        real = cache.pool.leased_pages
-        cache.pool.leased_pages = lambda: (leases.append(1), real())[1]
+        real = cache.streamer.pool.leased_pages
+        cache.streamer.pool.leased_pages = lambda: (leases.append(1), real())[1]
         with torch.inference_mode():
             for s in range(0, ctx - 8, 2048):         # no host sync: the device lags
                 n = min(2048, ctx - 8 - s)
                 forward(model, cache, tok.expand(n), torch.arange(s, s + n))
-            prefill_r = cache.pool.r
+            prefill_r = cache.streamer.pool.r
             for p in range(ctx - 8, ctx + 8):
                 forward(model, cache, tok, torch.tensor([p]))
         cache.close()
     tel = cache.telemetry
     first = next(i for i, s in enumerate(tel) if s.tokens == 1)
     assert tel[first].repartitioned and "decode" in tel[first].policy, tel[first]
-    assert cache.pool.r > prefill_r, (cache.pool.r, prefill_r)
+    assert cache.streamer.pool.r > prefill_r, (cache.streamer.pool.r, prefill_r)
     assert not any(s.repartitioned for s in tel[first + 1:]), tel[first + 1:]
     assert len(leases) <= 3, len(leases)
     assert sum(s.split_layers for s in tel[first + 1:]) > 0
 
 
-@pytest.mark.parametrize("raw", ["0.5", "deep", "9"])
-def test_a_bad_decode_depth_is_a_clear_error(monkeypatch, raw):
+@pytest.mark.parametrize("raw", [0.5, "deep", 9, True])
+def test_a_bad_decode_depth_is_a_clear_error(raw):
+    from kvcompile.engine.config import EngineConfig
     from kvcompile.errors import ArenaError
-    from kvcompile.runtime.streaming_cache import decode_depth
-    monkeypatch.setenv("KVCOMPILE_DECODE_DEPTH", raw)
-    with pytest.raises(ArenaError, match="KVCOMPILE_DECODE_DEPTH"):
-        decode_depth(None)
-    monkeypatch.setenv("KVCOMPILE_DECODE_DEPTH", "1.75")
-    assert decode_depth(None) == 1.75
-    monkeypatch.setenv("KVCOMPILE_DECODE_DEPTH", "off")
-    assert decode_depth(1.25) is None
-    monkeypatch.delenv("KVCOMPILE_DECODE_DEPTH")
-    assert decode_depth(None) is None and decode_depth(1.5) == 1.5
+    from kvcompile.kv.streamer import decode_depth
+    with pytest.raises(ArenaError, match="decode_depth"):
+        decode_depth(raw, None)
+    with pytest.raises(ArenaError, match="decode_depth"):
+        EngineConfig.checked(decode_depth=raw)           # before any model loads
+    assert decode_depth(1.75, None) == 1.75
+    assert decode_depth("off", 1.25) is None and decode_depth("auto", 1.25) == 1.25

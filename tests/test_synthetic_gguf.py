@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvcompile.gguf.arch_config import config_from_metadata
-from kvcompile.gguf.reader import open_gguf
-from kvcompile.gguf.synthetic import preset_config, tensor_plan, write_synthetic_gguf
-from kvcompile.gguf.synthetic_presets import add_model_metadata
-from kvcompile.gguf.synthetic_vocab import add_tokenizer, vocab_for
-from kvcompile.make_model import main as make_model_main
-from kvcompile.make_model import make_model
+from kvcompile.kv.store import KvStore
+from kvcompile.io.gguf.arch_config import config_from_metadata
+from kvcompile.io.gguf.reader import open_gguf
+from kvcompile.io.gguf.synthetic import preset_config, tensor_plan, write_synthetic_gguf
+from kvcompile.io.gguf.synthetic_presets import add_model_metadata
+from kvcompile.io.gguf.synthetic_vocab import add_tokenizer, vocab_for
+from kvcompile.io.make_model import main as make_model_main
+from kvcompile.io.make_model import make_model
 
 F32 = gguf.GGMLQuantizationType.F32
 
@@ -122,7 +123,7 @@ def test_values_independent_of_thread_count(tmp_path):
 def test_writing_streams_with_bounded_memory(tmp_path, monkeypatch):
     # the embedding and output tensors are 48 MiB of float32 each; with 4 MiB chunks the
     # writer's peak numpy memory stays a few chunks, far below one whole tensor
-    import kvcompile.gguf.synthetic_values as values
+    import kvcompile.io.gguf.synthetic_values as values
     monkeypatch.setattr(values, "CHUNK_ELEMENTS", 1 << 20)
     cfg = preset_config("llama", "tiny", vocab_size=49152, hidden=256, n_layers=1)
     largest = 49152 * 256 * 4
@@ -140,7 +141,7 @@ def test_writing_streams_with_bounded_memory(tmp_path, monkeypatch):
 @pytest.mark.parametrize("wtype,min_top1", [("bf16", 0.95), ("q8_0", 0.9)])
 def test_llama_cpp_loads_quantized_files(wtype, min_top1, tmp_path):
     from kvcompile.models.qwen35 import Qwen35Model
-    from kvcompile.weights import load_weights
+    from kvcompile.io.weights import load_weights
     from llama_oracle import agreement, llama_cpp, llama_cpp_logits
     path = tmp_path / f"q.{wtype}.gguf"
     write_synthetic_gguf(preset_config("qwen35", "tiny", vocab_size=2048), path, wtype, seed=8)
@@ -149,7 +150,7 @@ def test_llama_cpp_loads_quantized_files(wtype, min_top1, tmp_path):
     loaded = load_weights(path, progress=False)
     model = Qwen35Model.from_weights(loaded.config, loaded.tensors)
     with torch.no_grad():
-        ours = model(tokens, torch.arange(96), model.make_cache(96))
+        ours = model(tokens, torch.arange(96), KvStore.for_model(model, 96))
     top1, kl, kl_max = agreement(ours, ref)
     # llama.cpp rounds activations to the weight's precision inside matmuls; we do not
     print(f"{wtype} file: llama.cpp vs kvcompile (dequantized weights) top-1 {top1:.3f}, "
@@ -185,7 +186,7 @@ def test_make_model_cli(tmp_path, capsys):
 def test_synthetic_tokenizer_agrees_with_llama_cpp(kind, vocab, tmp_path):
     from llama_cpp import Llama
 
-    from kvcompile.tokenizer import load_tokenizer
+    from kvcompile.io.tokenizer import load_tokenizer
     path = tmp_path / f"tok-{kind}.gguf"
     write_synthetic_gguf(preset_config("llama", "tiny", vocab_size=vocab, n_layers=1,
                                        tokenizer=kind), path, "f32", seed=0)

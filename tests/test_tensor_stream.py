@@ -9,7 +9,7 @@ import torch
 
 from kernel_oracle import fresh_seed
 from kvcompile.errors import ModelFileError
-from kvcompile.gguf.tensor_stream import TensorStream
+from kvcompile.io.gguf.tensor_stream import TensorStream
 
 
 def test_chunks_carry_the_files_bytes_across_readahead_hits_and_misses(tmp_path):

@@ -6,8 +6,8 @@ import time
 import pytest
 
 from kvcompile.errors import KvcompileError, ModelFileError, UnsupportedModelError
-from kvcompile.tokenizer.bpe import BYTE_TO_CHAR
-from kvcompile.tokenizer import StreamDecoder, Tokenizer, TokenizerError, load_tokenizer
+from kvcompile.io.tokenizer.bpe import BYTE_TO_CHAR
+from kvcompile.io.tokenizer import StreamDecoder, Tokenizer, TokenizerError, load_tokenizer
 from tokenizer_oracle import (
     fresh_rng, gguf_metadata, LlamaVocab, random_chunks, random_text, read_corpus,
 )

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvcompile.tokenizer import Tokenizer
-from kvcompile.tokenizer.pretokenize import PRE_TOKENIZERS, PreTokenizer, pre_tokenizer_spec
+from kvcompile.io.tokenizer import Tokenizer
+from kvcompile.io.tokenizer.pretokenize import PRE_TOKENIZERS, PreTokenizer, pre_tokenizer_spec
 from tokenizer_oracle import (
     fresh_rng, gguf_metadata, LlamaVocab, random_chunks, random_text, read_corpus,
     write_vocab_gguf,

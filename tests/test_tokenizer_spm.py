@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from kvcompile.tokenizer import Tokenizer, TokenType
+from kvcompile.io.tokenizer import Tokenizer, TokenType
 from tokenizer_oracle import (
     fresh_rng, LlamaVocab, random_chunks, random_text, read_corpus, write_vocab_gguf,
 )

@@ -2,9 +2,9 @@
 synthetic GGUF by our writer and loaded back, for the hybrid tests."""
 from __future__ import annotations
 
-from kvcompile.gguf.synthetic import preset_config, write_synthetic_gguf
+from kvcompile.io.gguf.synthetic import preset_config, write_synthetic_gguf
 from kvcompile.models.qwen35 import Qwen35Model
-from kvcompile.weights import load_weights
+from kvcompile.io.weights import load_weights
 
 
 def write_tiny_hybrid(path, seed: int):

@@ -11,7 +11,7 @@ from pathlib import Path
 import gguf
 import llama_cpp
 
-from kvcompile.gguf.reader import GgufFile
+from kvcompile.io.gguf.reader import GgufFile
 
 CORPUS = Path(__file__).parent / "data" / "tokenizer_mixed.txt"
 

@@ -1,12 +1,12 @@
-"""What a model's layers keep, declared by the model (`model.layer_plan`): the runtime
-sizes the request slot's caches and picks how steps run from it, instead of probing the
-model for attributes.
+"""What a model's layers keep, declared by the model (`model.layer_plan`): the store sizes
+the request slot from it and the executor picks how steps run from it, instead of probing
+the model for attributes.
 
 - attention: trunk layers with KV pages (all of them for a llama);
-- recurrent: trunk layers with a recurrent state instead (Gated DeltaNet), kept in the slot
-  beside the KV (`model.recurrent_state(cache)`);
+- recurrent: trunk layers with a recurrent state instead (Gated DeltaNet), kept in the store
+  beside the KV (`store.recurrent`);
 - mtp: NextN/MTP layers, stored after the trunk (indices n_layers..); their KV pages live in
-  the same cache, and only speculative steps read them.
+  the same store, and only speculative steps read them.
 """
 from __future__ import annotations
 

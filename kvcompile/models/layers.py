@@ -16,7 +16,7 @@ import kvcompile.ops  # noqa: F401  (registers torch.ops.kvcompile.*)
 from kvcompile.ops import rows
 from kvcompile.ops.rope_rotate.naive import rope_f32
 from kvcompile.errors import ContextLengthError, UnsupportedModelError
-from kvcompile.quant_weight import QuantWeight, cat_rows, join_rows
+from kvcompile.models.quant_weight import QuantWeight, cat_rows, join_rows
 
 
 class RMSNorm(nn.Module):
@@ -246,7 +246,7 @@ class PagedAttention(nn.Module):
                 q_pos: torch.Tensor, kv) -> torch.Tensor:
         """x [T, hidden]; cos/sin [T, R] (rope_rows); q_pos int32 [T] (each row's position:
         kv_write maps it through the page table to the row's slot); kv a LayerKv. Quantized
-        K / V are stored rotated (kvcompile.kv_rotation): rope and both rotations are one
+        K / V are stored rotated (kvcompile.kv.rotation): rope and both rotations are one
         rope_rotate; span_attention rotates its output back (in its reduce on decode)."""
         t, hq, hk = x.shape[0], self.n_heads, self.n_kv_heads
         qkv = rows.rope_rotate(self.heads(x), cos, sin, self.rope_neox, hq + hk, kv.k_rot,
@@ -256,6 +256,6 @@ class PagedAttention(nn.Module):
                                      kv.k_type, kv.v_type, kv.page_size, kv.page_table)
         out = torch.ops.kvcompile.span_attention(q, kv.k_pool, kv.v_pool, kv.page_table, q_pos,
                                                  kv.k_type, kv.v_type, kv.page_size, self.scale,
-                                                 getattr(kv, "workspace", None),
+                                                 kv.workspace,
                                                  kv.v_rot_blocks)
         return self.wo(out.reshape(t, hq * self.head_dim))

@@ -7,12 +7,12 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from kvcompile.config import ModelConfig
+from kvcompile.models.config import ModelConfig
 from kvcompile.errors import ModelFileError, UnsupportedModelError
 from kvcompile.models.layer_plan import LayerPlan
 from kvcompile.models.layers import (Embedding, Linear, PagedAttention, RMSNorm, SwiGLU,
                                      check_rope_range, rope_rows, rope_tables, tie_head)
-from kvcompile.quant_weight import QuantWeight
+from kvcompile.models.quant_weight import QuantWeight
 
 # GGUF tensor name (after "blk.{i}.") -> parameter name inside LlamaBlock
 _BLOCK_NAMES = {
@@ -114,6 +114,10 @@ class LlamaModel(nn.Module):
         return model.eval().requires_grad_(False)   # inference only: no autograd bookkeeping
 
     @property
+    def device(self) -> torch.device:
+        return self.rope_cos.device
+
+    @property
     def layer_plan(self) -> LayerPlan:
         """Every layer is attention with KV pages; no recurrent state, no MTP layer."""
         return LayerPlan(self.config.n_layers, tuple(range(self.config.n_layers)))
@@ -126,7 +130,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache,
                 last_only: bool = False) -> torch.Tensor:
-        """tokens, positions: int64 [T]; cache: PagedKvCache. Returns float32 logits
+        """tokens, positions: int64 [T]; cache: the KV store (KvAccess). Returns float32 logits
         [T, vocab] (or [1, vocab] for the last row only)."""
         if not torch.compiler.is_compiling():
             self.check_positions(positions, cache)
@@ -156,7 +160,7 @@ def set_quantized(model: nn.Module, state: dict, dtype: torch.dtype) -> None:
         if isinstance(w, QuantWeight):
             owner, _, leaf = key.rpartition(".")
             module = model.get_submodule(owner)
-            if leaf != "weight" or not hasattr(module, "set_quantized"):
+            if leaf != "weight" or not isinstance(module, (Linear, Embedding)):
                 raise ModelFileError(f"tensor {key} is stored quantized ({w.type_name}) but "
                                      f"its layer takes only dense weights; convert the file "
                                      f"with that tensor in F16 / F32")

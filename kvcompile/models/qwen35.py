@@ -1,11 +1,10 @@
 """Qwen3.5-style hybrid decoder (GGUF arch `qwen35`) as a plain nn.Module.
 
 Same calling convention as LlamaModel: `forward(tokens, positions, cache, last_only)`.
-Attention layers keep their KV in the paged cache (only those layers need pages: the model
-declares them in `layer_plan`); GDN layers keep a RecurrentState, which the runtime owns. By
-default it hangs on the cache object (`cache.recurrent`), created on first use, so an
-engine that only knows about KV caches drives this model unchanged; a forward starting at
-position 0 resets it. The NextN/MTP layer (stored as block n_layers) is loaded and run by
+Attention layers keep their KV in the store's pages (only those layers need pages: the model
+declares them in `layer_plan`); GDN layers keep a RecurrentState, which the store holds
+beside them (`store.recurrent`, kv/recurrent_state.py); a forward starting at position 0
+resets it. The NextN/MTP layer (stored as block n_layers) is loaded and run by
 `mtp_forward`.
 """
 from __future__ import annotations
@@ -16,16 +15,16 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from kvcompile.config import ModelConfig
+from kvcompile.models.config import ModelConfig
 from kvcompile.errors import ModelFileError, UnsupportedModelError
-from kvcompile.kv_cache import PagedKvCache
 from kvcompile.models.layers import (Embedding, Linear, RMSNorm, check_rope_range, rope_rows,
                                      rope_tables, tie_head)
 from kvcompile.models.llama import set_quantized
 from kvcompile.models.layer_plan import LayerPlan
 from kvcompile.models.qwen35_layers import HybridBlock, NextNLayer
-from kvcompile.models.recurrent_state import RecurrentState
-from kvcompile.quant_weight import QuantWeight
+from kvcompile.kv.recurrent_state import RecurrentState
+from kvcompile.models.contract import KvAccess
+from kvcompile.models.quant_weight import QuantWeight
 
 _COMMON = {"attn_norm.weight": "attn_norm.weight", "post_attention_norm.weight": "post_norm.weight",
            "ffn_gate.weight": "mlp.gate.weight", "ffn_up.weight": "mlp.up.weight",
@@ -78,23 +77,16 @@ class Qwen35Model(nn.Module):
         return LayerPlan.of(self.config)
 
     @property
-    def kv_layers(self) -> tuple[int, ...]:
-        """Layers that keep KV pages: the attention layers, then the MTP layer (index n_layers)."""
-        return self.layer_plan.kv_layers
+    def device(self) -> torch.device:
+        return self.rope_cos.device
 
-    def make_cache(self, max_tokens: int, k_type="f32", v_type="f32", page_size: int = 256,
-                   device=None) -> PagedKvCache:
-        """An all-resident request slot: KV pages for the KV layers and the recurrent state
-        (runtime/make.py's make_sequence_cache, on the model's device by default)."""
-        from kvcompile.runtime.make import make_sequence_cache
-        return make_sequence_cache(self, self.config, max_tokens, k_type, v_type, 0,
-                                   device or self.rope_cos.device, page_size)
-
-    def recurrent_state(self, cache) -> RecurrentState:
-        state = getattr(cache, "recurrent", None)
-        if state is None:
-            state = cache.recurrent = RecurrentState(self.config, self.rope_cos.device)
-        return state
+    def recurrent_state(self, store: KvAccess) -> RecurrentState:
+        """The state of the GDN layers, which the store keeps beside the KV pages."""
+        if store.recurrent is None:
+            raise UnsupportedModelError("this KV store has no recurrent state for a hybrid "
+                                        "model's GDN layers; make it with "
+                                        "KvStore.for_model(model, ...)")
+        return store.recurrent
 
     # ---- compute ----------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache,
@@ -135,9 +127,9 @@ class Qwen35Model(nn.Module):
             raise UnsupportedModelError("this model has no NextN/MTP layer; speculative "
                                         "decoding needs a drafter of another kind")
         layer = self.config.n_layers
-        if not (hasattr(cache, "has_layer") and cache.has_layer(layer)):
-            raise UnsupportedModelError("the KV cache has no pages for the MTP layer; make it "
-                                        "with Qwen35Model.make_cache")
+        if not cache.has_layer(layer):
+            raise UnsupportedModelError("the KV store has no pages for the MTP layer; make it "
+                                        "with KvStore.for_model(model, ...)")
         if not torch.compiler.is_compiling():
             self._check_positions(positions, cache)
         kv = cache.layer(layer)

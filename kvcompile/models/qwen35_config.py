@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Mapping
 
-from kvcompile.config import ModelConfig
+from kvcompile.models.config import ModelConfig
 from kvcompile.errors import ModelFileError, UnsupportedModelError
-from kvcompile.gguf.arch_config import _int, base_fields, require
+from kvcompile.io.gguf.arch_config import _int, base_fields, require
 
 ARCH = "qwen35"
 

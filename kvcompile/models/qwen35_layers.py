@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kvcompile.ops  # noqa: F401  (registers torch.ops.kvcompile.*)
-from kvcompile.config import ModelConfig
+from kvcompile.models.config import ModelConfig
 from kvcompile.models.gated_deltanet import causal_conv, gdn_chunked, gdn_recurrent
 from kvcompile.models.layers import Linear, RMSNorm, SwiGLU, apply_rope_rows
 
@@ -44,8 +44,8 @@ class GatedAttention(nn.Module):
         k = self.k_norm(self.wk(x).view(t, self.n_kv_heads, d))
         v = self.wv(x).view(t, self.n_kv_heads, d)
         q, k = apply_rope_rows(q, cos, sin, neox=True), apply_rope_rows(k, cos, sin, neox=True)
-        k_rot, v_rot = getattr(kv, "k_rot", None), getattr(kv, "v_rot", None)
-        if k_rot is not None:         # quantized K is stored rotated (kvcompile.kv_rotation)
+        k_rot, v_rot = kv.k_rot, kv.v_rot
+        if k_rot is not None:         # quantized K is stored rotated (kvcompile.kv.rotation)
             q, k = q @ k_rot.to(q.dtype), k @ k_rot.to(k.dtype)
         if v_rot is not None:
             v = v @ v_rot.to(v.dtype)
@@ -54,7 +54,7 @@ class GatedAttention(nn.Module):
         out = torch.ops.kvcompile.span_attention(q.contiguous(), kv.k_pool, kv.v_pool,
                                                  kv.page_table, q_pos, kv.k_type, kv.v_type,
                                                  kv.page_size, self.scale,
-                                                 getattr(kv, "workspace", None))
+                                                 kv.workspace)
         if v_rot is not None:
             out = out @ v_rot.to(out.dtype)
         out = out.to(x.dtype) * torch.sigmoid(gate)

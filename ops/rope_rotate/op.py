@@ -1,5 +1,5 @@
 """torch.ops.kvcompile.rope_rotate: rope for the q and k heads of a step and the Hadamard
-rotations of quantized KV (kvcompile.kv_rotation), as one op.
+rotations of quantized KV (kvcompile.kv.rotation), as one op.
 
 x [T, H, D]: heads < n_rope get rope on their first R dims (cos, sin [T, R] from
 layers.rope_rows) and then @ rot_a; the other heads @ rot_b; a rotation left None is the
@@ -7,7 +7,7 @@ identity. Returns a new [T, H, D] in x's dtype (fp32 math, one rounding). With n
 is a rotation alone. (The attention output's rotation back is span_attention's `out_rot`.)
 
 A rotation must be c * S, c = rot[0, 0] > 0, S a sign matrix (entries -1, 0, 1), as
-kvcompile.kv_rotation makes them: the CUDA kernel multiplies by S exactly and scales by c
+kvcompile.kv.rotation makes them: the CUDA kernel multiplies by S exactly and scales by c
 (tests/test_kernels_rows.py checks every rotation kv_rotation can make). The CPU reference
 multiplies by rot itself.
 """

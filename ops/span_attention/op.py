@@ -6,7 +6,7 @@ k_pool/v_pool: uint8 [num_pages, page_bytes] page pools (kv_format), page p at
             p * stride(0) (pages may lie further apart than their size); resident pages
             and ring slots are just different physical page indices.
 page_table: int32 [max_logical_pages], physical page of each logical page (built from an
-            ordered span plan, see kvcompile.span_plan). Work is split by logical position
+            ordered span plan, see kvcompile.kv.span_plan). Work is split by logical position
             only, so the result does not depend on where a page lives.
 q_pos:      int32 [T], absolute position of each query row; row t sees keys 0..q_pos[t].
             Values (q_pos within the table, table entries within the pools, no physical
@@ -16,7 +16,7 @@ q_pos:      int32 [T], absolute position of each query row; row t sees keys 0..q
 workspace:  optional fp32 scratch of the decode kernels (ops/span_attention/workspace.py),
             owned by the cache so decode allocates nothing per call; ignored on the CPU.
 out_rot:    optional rotation every output head row is multiplied by (the inverse of the
-            rotation quantized V rows are stored under, kvcompile.kv_rotation): a
+            rotation quantized V rows are stored under, kvcompile.kv.rotation): a
             block-diagonal [D, D] given as its diagonal blocks [NB, B, B] (NB * B = D; a
             dense [D, D] is one block). The decode kernels apply it in fp32 inside their
             reduce (no separate kernel, one rounding); prefill and the CPU multiply the

@@ -10,5 +10,5 @@ mkdir -p "$O"
 cd /tmp
 python3 -m pytest -q -m gpu -s -rs "$R/tests/test_streaming_gpu.py" 2>&1 | tee "$O/pytest.log"
 rc=${PIPESTATUS[0]}
-python3 -m kvcompile.runtime.cuda_gather --json "$O/copy_bench.json" 2>&1 | tee "$O/copy_bench.log"
+python3 -m kvcompile.kv.cuda_gather --json "$O/copy_bench.json" 2>&1 | tee "$O/copy_bench.log"
 exit $rc

@@ -34,9 +34,10 @@ from unittest import mock
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvcompile.config import ModelConfig
-from kvcompile.runtime.arena import MIB
-from kvcompile.runtime import StreamingKvCache, forward, min_arena_bytes
+from kvcompile.models.config import ModelConfig
+from kvcompile.kv.arena import MIB
+from kvcompile.kv.kv_pages import min_arena_bytes
+from kvcompile.kv.store import KvStore
 
 HOST_READS = ("tolist", "item", "__int__", "__index__", "__float__", "__bool__", "cpu",
               "numpy")
@@ -144,7 +145,7 @@ class FakeCuda:
 
 def fake_cuda_backend(fake: FakeCuda, **kw):
     """The real CudaBackend and CudaCopyEngine, on CPU tensors (build inside fake.active())."""
-    from kvcompile.runtime.cuda_backend import CudaBackend, CudaCopyEngine
+    from kvcompile.kv.cuda_backend import CudaBackend, CudaCopyEngine
 
     class FakeCudaBackend(CudaBackend):
         def __init__(self):
@@ -202,6 +203,14 @@ class ProtocolModel:
         return tokens
 
 
+def forward(model, store, tokens, positions, start=None):
+    """One forward inside the store's bracket (the executor's eager path)."""
+    store.begin_forward(positions, None, start)
+    out = model(tokens, positions, store)
+    store.end_forward()
+    return out
+
+
 def geometry(layers: int = 32):
     return ModelConfig(arch="llama", n_layers=layers, hidden=64, ffn=64, n_heads=1,
                        n_kv_heads=1, head_dim=64, vocab_size=16, context_length=1 << 20)
@@ -220,9 +229,9 @@ def count(layers=32, ctx=8192, arena_pages=630, steps=4, prefill_chunk=4096,
     cfg = geometry(layers)
     fake = FakeCuda()
     with fake.active():
-        cache = StreamingKvCache(cfg, ctx + 64, arena_mib(cfg, arena_pages), "q8_0", "q4_0",
+        cache = KvStore(cfg, ctx + 64, arena_mib(cfg, arena_pages), "q8_0", "q4_0",
                                  backend=fake_cuda_backend(fake))
-        cache.pool.check_plans = check_plans
+        cache.streamer.pool.check_plans = check_plans
         model = ProtocolModel(cache.layers)
         tok = torch.zeros(1, dtype=torch.long)
         with torch.inference_mode():
@@ -263,7 +272,7 @@ def count(layers=32, ctx=8192, arena_pages=630, steps=4, prefill_chunk=4096,
     per["python_calls"] = calls / steps
     per["host_ms_with_fakes"] = wall / steps * 1e3
     return dict(layers=layers, ctx=ctx, arena_pages=arena_pages,
-                resident_pages_per_layer=cache.pool.r, ring_slots=tel.ring_slots,
+                resident_pages_per_layer=cache.streamer.pool.r, ring_slots=tel.ring_slots,
                 repartitions=sum(s.repartitioned for s in cache.telemetry[-3 * steps:]),
                 readiness_misses=tel.readiness_misses,
                 streamed_pages_per_layer=tel.streamed_reads / tel.layers, per_step=per)

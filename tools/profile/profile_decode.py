@@ -23,7 +23,7 @@ from bench_streaming import (LLAMA3_8B, TINY, build_models, close_cache,  # noqa
                              ours_decode, ours_prefill, random_ids)
 from bench_util import free_memory, sync  # noqa: E402
 
-from kvcompile.runtime.make import make_kv_cache  # noqa: E402
+from kvcompile.kv.make import make_kv_cache  # noqa: E402
 
 
 def main() -> None:
@@ -84,10 +84,10 @@ def start_mode(name, model, a, ids, kv, dev):
     """Prefill `ids` in mode `name`; returns (step(n): n more greedy decode steps, cleanup)."""
     pos = [a.ctx]
     if name == "compiled":
-        from kvcompile.kv_cache import PagedKvCache
+        from kvcompile.kv.store import KvStore
         from kvcompile.phase import PhaseManager
         ub = min(4096, a.ctx)
-        m = PhaseManager(model, PagedKvCache(model.config, a.ctx + 64, *kv, device=dev),
+        m = PhaseManager(model, KvStore(model.config, a.ctx + 64, *kv, device=dev),
                          ubatch=ub)
         tok = [manager_prefill(m, ids.tolist(), ub)]
         held = [m]

@@ -102,7 +102,7 @@ def main() -> None:
                                     kv_stream_arena_mib=args.arena_mib, progress=False)
     ids = S.random_ids(args.ctx - 64, g.vocab, 0, "cpu").tolist()
     e.generate(ids[:512], max_tokens=4, temperature=0)
-    runner, step = e.runner, e.runner.step
+    runner, step = e.executor, e.executor.step
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                               torch.profiler.ProfilerActivity.CUDA])
     host = cProfile.Profile()
@@ -133,9 +133,9 @@ def main() -> None:
     trace = os.path.join(args.out, "trace.json")
     prof.export_chrome_trace(trace)
     summary = analyse(trace)
-    summary.update(ctx=args.ctx, arena_mib=args.arena_mib, kv=r.kv, phases=r.phases,
-                   publish=publish_mode(e), fill_ahead=e.cache.fill_ahead,
-                   decode_depth=e.cache.policy_config.decode_depth,
+    summary.update(ctx=args.ctx, arena_mib=args.arena_mib, kv=r.kv, phases=r.programs,
+                   publish=publish_mode(e), fill_ahead=e.store.streamer.fill_ahead,
+                   decode_depth=e.store.streamer.policy_config.decode_depth,
                    host_step_ms=r.stats()["host_step_ms"], step_ms=r.stats()["step_ms"])
     s = io.StringIO()
     pstats.Stats(host, stream=s).sort_stats("cumulative").print_stats(40)

@@ -1,0 +1,304 @@
+"""Engine: loads a model once, serves many requests; generate() and stream() per request.
+
+Data path of one request: text or chat messages -> tokenizer -> resume (the longest common
+prefix of the prompt and the history the store holds stays: kv/prefix.py) -> prefill (the
+rest of the prompt in ubatch chunks, each an executor step) -> decode loop (one token per
+step, sampled by Sampler; or speculative verify rounds) -> stop on EOS / end-of-turn / stop
+string / max_tokens.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from kvcompile.engine.config import EngineConfig
+from kvcompile.engine.memory_budget import plan_engine_memory
+from kvcompile.engine.result import GenerationResult, TokenStream
+from kvcompile.engine.sampling import Sampler, SamplingParams
+from kvcompile.engine.speculative.decode import speculative_tokens
+from kvcompile.engine.speculative.options import check_model_supports
+from kvcompile.engine.speculative.stats import SpecStats
+from kvcompile.engine.stop_strings import StopStringFilter
+from kvcompile.engine.tokens import pipelined_tokens, plain_tokens
+from kvcompile.errors import ContextLengthError, KvcompileError, StreamInterruptedError
+from kvcompile.executor.executor import Executor
+from kvcompile.io.default_model import resolve_model_path
+from kvcompile.io.loader import load_model, open_model
+from kvcompile.io.tokenizer import StreamDecoder
+from kvcompile.kv.backend import make_backend
+from kvcompile.kv.store import KvStore
+from kvcompile.kv.telemetry import summarize
+
+PREFILL_BAR_TOKENS = 2048       # prompts from this long show a prefill progress bar
+
+
+class TokenIdsOnly:
+    """The tokenizer of an Engine built from a model without one: prompts are token ids,
+    tokens have no text, no token stops generation before max_tokens."""
+
+    stop_ids: tuple = ()
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        raise KvcompileError("this Engine was built from a model without a tokenizer; pass "
+                             "the prompt as a list of token ids")
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        self.encode("")
+
+    def token_bytes(self, token_id: int, special: bool = True) -> bytes:
+        return b""
+
+
+class Engine:
+    def __init__(self, model=None, config: EngineConfig | None = None, **options):
+        """model: None (the default model), a .gguf file or a Hugging Face folder; config
+        and / or options: EngineConfig's fields. What needs no model is checked before the
+        (possibly long) load."""
+        cfg = EngineConfig.checked(config, **options)
+        device = cfg.torch_device
+        dtype = cfg.torch_dtype(device)
+        source = open_model(resolve_model_path(model))      # the header only, parsed once
+        ctx = cfg.context(source.config.context_length)
+        # the device-memory budget, split before the load (memory_budget.py)
+        memory = plan_engine_memory(source, device, dtype, ctx, cfg.ubatch, cfg.cache_type_k,
+                                    cfg.cache_type_v, cfg.kv_stream_arena_mib,
+                                    cfg.gpu_memory_gib, cfg.spec.verify_rows)
+        loaded = load_model(source, device=device, dtype=dtype, progress=cfg.progress)
+        self._setup(loaded.model, loaded.tokenizer, loaded.path, cfg, device, dtype, ctx,
+                    memory)
+
+    @classmethod
+    def from_model(cls, model, config: EngineConfig | None = None, *, tokenizer=None,
+                   **options) -> "Engine":
+        """An Engine over a model built in memory (weights made or quantized on the device,
+        no file): its device and dtype are its parameters'. Without a tokenizer, prompts are
+        token ids and results carry token ids only (their text is empty)."""
+        cfg = EngineConfig.checked(config, **options)
+        if cfg.kv_stream_arena_mib == "auto" or cfg.gpu_memory_gib is not None:
+            raise KvcompileError("kv_stream_arena_mib='auto' and gpu_memory_gib need a model "
+                                 "file (the memory budget is planned from its header); give "
+                                 "an arena size in MiB")
+        p = next(model.parameters(), None)
+        if p is None:
+            p = next(model.buffers())
+        c = model.config
+        self = cls.__new__(cls)
+        self._setup(model, tokenizer or TokenIdsOnly(c.vocab_size), None, cfg, p.device,
+                    p.dtype, cfg.context(c.context_length), None)
+        return self
+
+    def _setup(self, model, tokenizer, path, cfg: EngineConfig, device, dtype, ctx,
+               memory) -> None:
+        spec = cfg.spec
+        check_model_supports(model, spec)
+        self.config, self.spec = cfg, spec
+        self.model, self.tokenizer, self.path = model, tokenizer, path
+        self.device, self.dtype, self.memory = torch.device(device), dtype, memory
+        arena = (memory.arena_mib if memory is not None
+                 else 0 if cfg.kv_stream_arena_mib in ("auto", None) else cfg.kv_stream_arena_mib)
+        self.ctx_size, self.ubatch, self.progress = ctx, cfg.ubatch, cfg.progress
+        self._request = 0             # the newest request; older streams stop (stream())
+        self.store = KvStore.for_model(
+            model, ctx, cfg.cache_type_k, cfg.cache_type_v, arena, device=self.device,
+            backend=make_backend(self.device, copy=cfg.stream_copy),
+            ctx_checkpoints=cfg.ctx_checkpoints, decode_depth=cfg.decode_depth,
+            prefetch_next=cfg.prefetch_next, fill_ahead=cfg.fill_ahead)
+        capture, compile = cfg.graphs(self.device)
+        self.executor = Executor(model, self.store, ubatch=cfg.ubatch, capture=capture,
+                                 compile=compile, trace=cfg.trace)
+        # Decoding draws each token on the device and queues the next step before the host
+        # reads it (engine/tokens.py; not with a repeat penalty): on by default where the
+        # device runs asynchronously; False runs one step at a time (the host reads every
+        # token first, and a seed draws what it draws on the CPU).
+        self.pipeline = self.device.type == "cuda"
+        if spec.enabled and self.store.recurrent is not None:
+            # checkpoints of every row a verify step can hold, allocated once, up front
+            self.store.recurrent.reserve_rows(spec.verify_rows)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
+                 **params) -> GenerationResult:
+        stream = self.stream(prompt, messages=messages, **params)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
+               **params) -> TokenStream:
+        # Everything that can reject the request runs before any state changes.
+        sampling = SamplingParams.from_options(**params)
+        prompt_ids = self.encode_prompt(prompt, messages)
+        if len(prompt_ids) >= self.ctx_size:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.ctx_size}; "
+                f"shorten the prompt or raise ctx_size / --ctx-size (this model was trained on "
+                f"{self.model.config.context_length})")
+        # A newer request takes over the store: an older stream read after this raises
+        # StreamInterruptedError instead of continuing over the newer request's KV.
+        self._request += 1
+        stream = TokenStream(iter(()))
+        stream._pieces = self._run(prompt_ids, sampling, stream, self._request)
+        return stream
+
+    def encode_prompt(self, prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise KvcompileError("pass either a prompt string or chat messages, not both or neither")
+        if messages is not None:
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        elif isinstance(prompt, (list, tuple)):           # token ids, as they are
+            vocab = self.model.config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+                raise KvcompileError(f"a prompt of token ids takes ints in [0, {vocab}) "
+                                     f"(this model's vocabulary)")
+            prompt = list(prompt)
+            if not prompt:
+                raise KvcompileError("the prompt is empty; give at least one token")
+            return prompt
+        elif not isinstance(prompt, str):
+            raise KvcompileError(f"prompt must be a string or a list of token ids, got "
+                                 f"{type(prompt).__name__}")
+        ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise KvcompileError("the prompt is empty; give at least one token of text")
+        return ids
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def _run(self, prompt_ids: list[int], sampling: SamplingParams, stream: TokenStream,
+             request: int):
+        self._check_current(request)
+        try:
+            yield from self._request_steps(prompt_ids, sampling, stream, request)
+        except (GeneratorExit, StreamInterruptedError):
+            raise                         # the history so far is whole: the next request
+        except BaseException:             # may resume it
+            self.store.reset()            # a step failed part way: nothing is reusable
+            raise
+
+    @torch.inference_mode()
+    def _request_steps(self, prompt_ids, sampling, stream, request):
+        t0 = time.perf_counter()          # the time to the first token counts the resume
+        sampler = Sampler(sampling)
+        stops = StopStringFilter(sampling.stop)
+        text_of = StreamDecoder(self.tokenizer)
+        stop_ids = set(self.tokenizer.stop_ids)
+        budget = min(sampling.max_tokens, self.ctx_size - len(prompt_ids))
+        cached = self._resume(prompt_ids)
+        planned = len(prompt_ids) + budget
+        self.executor.begin_request(planned)
+        # the ids the store's rows are computed from: this request's prompt, then every
+        # token the loop reads (a stop token too: a pipelined step may have fed it)
+        history = self.store.prefix.tokens = list(prompt_ids)
+        self.store.prefix.plan(planned, self.ubatch)
+        telemetry = self.store.telemetry
+        first_step = len(telemetry)
+        out_ids, text, finish = [], [], "length"
+
+        # each timed span ends with the sampler's read of the token: GPU work completed
+        drafter = self.spec.drafter(self.executor)
+        if drafter is not None:
+            drafter.reset(history)
+        logits = self._prefill(prompt_ids, cached, drafter)
+        prefill_s, step_s = 0.0, []
+        if not budget:
+            prefill_s = time.perf_counter() - t0
+        spec_stats = SpecStats() if drafter is not None else None
+        ex = self.executor
+        tokens = (speculative_tokens(ex.verify, ex.rollback, drafter, logits, sampler,
+                                     history, budget, self.ctx_size, step_s, spec_stats)
+                  if drafter is not None else
+                  pipelined_tokens(self.forward, logits, sampler.pick, history, budget, step_s)
+                  if self.pipeline and sampler.on_device else
+                  plain_tokens(self.forward, logits, sampler, history, budget, step_s))
+        for n, token in enumerate(tokens):
+            if n:
+                self._check_current(request)
+            else:
+                prefill_s = time.perf_counter() - t0      # to the first token
+            history.append(token)
+            if token in stop_ids:
+                finish = "stop"
+                break
+            out_ids.append(token)
+            piece = stops.feed(text_of.feed(token))
+            if piece:
+                text.append(piece)
+                yield piece
+                # a newer request may have taken the store while this stream was paused:
+                # stop before the next forward runs over it
+                self._check_current(request)
+            if stops.stopped:
+                finish = "stop"
+                break
+        tokens.close()
+        self._check_current(request)      # paused at its last piece: the result would mix
+        tail = stops.feed(text_of.flush()) + stops.flush()
+        if tail:
+            text.append(tail)
+            yield tail
+        self._check_current(request)
+        stream.result = GenerationResult("".join(text), out_ids, len(prompt_ids), len(out_ids),
+                                         finish, prefill_s, sum(step_s),
+                                         summarize(telemetry[first_step:]),
+                                         self.executor.request_stats(), step_s,
+                                         list(self.executor.host_s),
+                                         spec_stats.as_dict() if spec_stats else {},
+                                         cached_tokens=cached)
+
+    def _resume(self, prompt_ids: list[int]) -> int:
+        """The first position this request computes: with cache_prompt the longest prefix
+        of the prompt that the store's history repeats is kept (kv/prefix.py), else the
+        store starts over."""
+        if not self.config.cache_prompt:
+            self.store.reset()
+            return 0
+        plan = self.model.layer_plan
+        return self.store.prefix.resume(prompt_ids, self.ubatch, trunk=plan.trunk_kv_layers,
+                                        mtp=plan.mtp if self.spec.uses_mtp else ())
+
+    def forward_rows(self, ids: list[int], start: int) -> torch.Tensor:
+        """Every row's logits of ids at positions start.. (a verify step)."""
+        return self.executor.verify(ids, start)[0]
+
+    def _check_current(self, request: int) -> None:
+        if request != self._request:
+            raise StreamInterruptedError(
+                "this stream was interrupted: a newer request on the same Engine has taken "
+                "over its KV cache; read a stream to the end before starting the next one, or "
+                "use one Engine per concurrent stream")
+
+    def _prefill(self, ids: list[int], start: int, drafter=None) -> torch.Tensor:
+        """The prompt from position `start` (what the store did not hold) in chunks on the
+        ubatch grid (the first one ends at the next multiple of the ubatch: a resumed
+        prefill cuts where a cold one does)."""
+        # a bar once the rest is long enough to take a while (progress=False: none)
+        bar = tqdm(total=len(ids) - start, desc="prefill", unit="tok", leave=False,
+                   file=sys.stderr,
+                   disable=not self.progress or len(ids) - start < PREFILL_BAR_TOKENS)
+        logits = None
+        prefix, ub = self.store.prefix, self.ubatch
+        with bar:
+            s = start
+            while s < len(ids):
+                end = min(len(ids), (s // ub + 1) * ub)
+                prefix.prefill_chunk(s, last=end == len(ids))   # recurrent checkpoints
+                piece = ids[s:end]
+                if drafter is not None and drafter.wants_hidden:   # the MTP layer's input
+                    logits, hidden = self.executor.step_hidden(piece, s)
+                    drafter.add(s, hidden, ids)
+                else:
+                    logits = self.forward(piece, s)
+                bar.update(len(piece))
+                s = end
+        prefix.prompt_end(len(ids))
+        return logits
+
+    def forward(self, ids: list[int], start: int) -> torch.Tensor:
+        """Run ids at positions start.. through the model; logits of the last one (with CUDA
+        graphs a program's output buffer: valid until the next step, copy it to keep it)."""
+        return self.executor.step(ids, start)

@@ -1,0 +1,174 @@
+"""Hugging Face llama-family checkpoints (config.json + *.safetensors) as GGUF-named tensors.
+
+HF stores q/k projection rows in the NEOX rope layout (rotation pairs (i, i + d/2));
+llama.cpp's converter permutes them into adjacent pairs for GGUF. Here the weights are kept
+as stored and the config says `rope_neox=True`, so the model rotates the halves instead.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvcompile.models.config import ModelConfig
+from kvcompile.errors import ModelFileError, UnsupportedModelError
+
+# HF model_type -> kvcompile arch (the model class that runs it)
+HF_ARCHS = {"llama": "llama"}
+
+_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
+              "model.norm.weight": "output_norm.weight",
+              "lm_head.weight": "output.weight"}
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_SKIPPED = re.compile(r".*rotary_emb\.inv_freq")  # recomputed from rope_theta
+
+
+def gguf_name(hf_name: str) -> str | None:
+    """HF tensor name -> GGUF tensor name (None for buffers that are recomputed)."""
+    if hf_name in _TOP_NAMES:
+        return _TOP_NAMES[hf_name]
+    m = _LAYER.fullmatch(hf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if _SKIPPED.fullmatch(hf_name):
+        return None
+    raise UnsupportedModelError(
+        f"checkpoint tensor {hf_name!r} has no place in a llama-family model; kvcompile "
+        f"reads HF model types {', '.join(sorted(HF_ARCHS))} only")
+
+
+def _folder(path: Path) -> Path:
+    if not path.exists():
+        raise ModelFileError(f"model path {str(path)!r} does not exist; check the path")
+    return path if path.is_dir() else path.parent
+
+
+def read_hf_config(folder: Path) -> dict:
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ModelFileError(f"{str(folder)!r} has no config.json; pass a Hugging Face "
+                             f"checkpoint folder (config.json + *.safetensors) or a .gguf file")
+    try:
+        return json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelFileError(f"{cfg_path} is not valid JSON ({exc}); re-download it") from exc
+
+
+def config_from_hf(hf: dict, path: str = "config.json") -> ModelConfig:
+    model_type = hf.get("model_type")
+    if model_type not in HF_ARCHS:
+        raise UnsupportedModelError(
+            f"{path}: Hugging Face model_type {model_type!r} is not supported; supported: "
+            f"{', '.join(sorted(HF_ARCHS))}")
+
+    def need(key):
+        if key not in hf:
+            raise ModelFileError(f"{path} lacks {key!r}; re-download the checkpoint's config.json")
+        return hf[key]
+
+    hidden, n_heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    head_dim = int(hf.get("head_dim") or hidden // n_heads)
+    scaling = dict(hf.get("rope_scaling") or {})
+    if "rope_type" in scaling:  # newer configs name the kind rope_type; GGUF calls it type
+        scaling["type"] = scaling.pop("rope_type")
+    if scaling.get("type") == "default":
+        scaling = {}
+    return ModelConfig(
+        arch=HF_ARCHS[model_type],
+        n_layers=int(need("num_hidden_layers")),
+        hidden=hidden,
+        ffn=int(need("intermediate_size")),
+        n_heads=n_heads,
+        n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+        head_dim=head_dim,
+        vocab_size=int(need("vocab_size")),
+        context_length=int(need("max_position_embeddings")),
+        rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_dim=None,
+        rope_neox=True,  # HF q/k rows are in the NEOX (rotate-halves) layout
+        rope_scaling=scaling,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        name=str(hf.get("_name_or_path", "")),
+    )
+
+
+def load_hf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                       progress: bool = True):
+    from safetensors import SafetensorError, safe_open
+
+    from kvcompile.io.weights import LoadedWeights
+
+    folder = _folder(Path(path))
+    hf = read_hf_config(folder)
+    config = config_from_hf(hf, str(folder / "config.json"))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelFileError(f"{str(folder)!r} has config.json but no *.safetensors weights; "
+                             f"download the weights (PyTorch .bin checkpoints are not read)")
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        handles = [safe_open(str(f), framework="pt") for f in files]
+    except (SafetensorError, OSError) as exc:
+        raise ModelFileError(f"cannot read the safetensors files in {folder} ({exc}); "
+                             f"re-download them") from exc
+    names = [(h, n) for h in handles for n in h.keys()]
+    bar = tqdm(names, desc=f"loading {folder.name}", unit="tensor", disable=not progress,
+               file=sys.stderr, leave=False)
+    for handle, name in bar:
+        target = gguf_name(name)
+        if target is None:
+            continue
+        try:
+            tensors[target] = handle.get_tensor(name).to(dtype)
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise ModelFileError(f"tensor {name!r} in {folder} cannot be read ({exc}); the "
+                                 f"safetensors file is truncated or corrupt, re-download it") from exc
+    if not config.name:
+        config = _replace(config, name=folder.name)
+    if "output.weight" not in tensors:
+        config = _replace(config, tie_embeddings=True)
+    elif config.tie_embeddings:  # tied but stored twice: keep one, as GGUF does
+        del tensors["output.weight"]
+    if "token_embd.weight" in tensors and tensors["token_embd.weight"].shape[0] != config.vocab_size:
+        config = _replace(config, vocab_size=int(tensors["token_embd.weight"].shape[0]))
+    return LoadedWeights(config=config, tensors=tensors, metadata=hf, source="hf")
+
+
+def _replace(config: ModelConfig, **changes) -> ModelConfig:
+    from dataclasses import replace
+    return replace(config, **changes)
+
+
+def checkpoint_numel(path: str | os.PathLike) -> int:
+    """Elements of every tensor in the folder's safetensors files (their headers only)."""
+    from safetensors import SafetensorError, safe_open
+    folder = _folder(Path(path))
+    total = 0
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for name in h.keys():
+                    n = 1
+                    for d in h.get_slice(name).get_shape():
+                        n *= d
+                    total += n
+        except (SafetensorError, OSError) as exc:
+            raise ModelFileError(f"cannot read {f} ({exc}); re-download it") from exc
+    return total
