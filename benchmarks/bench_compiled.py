@@ -1,8 +1,8 @@
-"""Compiled and captured decode on the device (issue 5), beside the eager path in one process;
-rows merged into benchmarks/results/streaming.json (meta under "compiled").
+"""Captured decode on the device (issue 5), beside the eager path in one process, all through
+`Engine.from_model`; rows merged into benchmarks/results/streaming.json (meta under "compiled").
 
     python benchmarks/bench_compiled.py [--resident-contexts 8192] [--streamed-contexts 131072]
-        [--systems ours-compiled,ours-captured,ours-captured-nopdl,ours-resident,ours-graphs,ours]
+        [--systems ours-captured,ours-captured-nopdl,ours-resident,ours-graphs,ours]
         [--kv q8_0/q4_0]
         [--arena-mib 2048] [--decode-steps 32] [--trials 1] [--weights bf16,q4_k,q8_0]
         [--out PATH]
@@ -12,49 +12,47 @@ Llama-3-8B geometry, random bf16 weights made on the device (bench_streaming's b
 `--weights` lists weight types to run every row with: bf16, or a GGUF block type (the same
 random matrices quantized on the device by kvcompile.io.gguf.quantize, kept quantized: the
 qlinear kernels and the quantized embedding), one model after the other in this process.
+Every row is one Engine and two requests (bench_streaming.run_ours: a warm-up request, then
+the measured one; its times from the GenerationResult):
 
-  ours-compiled   all resident, run by the PhaseManager: the forward compiled through the
-                  pass pipeline and lowered by inductor (opt-in lower="inductor"), decode
-                  and prefill captured as CUDA graphs
-  ours-captured   the same with lower="graph" (the default, --cuda-graphs): the pass
-                  pipeline's graph run op by op, then captured (bitwise equal to eager)
+  ours-captured   all resident, the Engine's programs: the forward traced through the pass
+                  pipeline and run op by op, each decode step (and each full prefill chunk
+                  after the first) one CUDA graph (bitwise equal to eager); on the CPU
+                  reruns of the programs' fixed layouts
   ours-captured-nopdl  ours-captured with programmatic dependent launch off (ops/pdl.py):
                   what overlapping each kernel with its predecessor's tail buys
-  ours-resident   all resident, eager: the compiled path's speed-up is over this row
-  ours-graphs     streamed through --arena-mib, each decode step one CUDA graph
-  ours            streamed, eager
+  ours-resident   all resident, the eager model: the captured path's speed-up is over this row
+  ours-graphs     streamed through --arena-mib, the Engine's programs (each decode step one
+                  CUDA graph, ring copies included)
+  ours            streamed, the eager model
 
 Resident rows carry the HBM roofline, `hbm_roofline_tok_s = hbm_gbps_measured / (weight
 bytes a decode step reads + KV bytes of the context)` (HBM bandwidth measured in this run,
 the embedding table counted as the one row a step reads unless the head shares it); streamed
-rows the PCIe bound of bench_streaming. Targets (issue 5): ours-compiled decode >= 0.8 x the
+rows the PCIe bound of bench_streaming. Targets (issue 5): ours-captured decode >= 0.8 x the
 HBM roofline at 8K; the streamed path >= 0.85 x the PCIe bound at 128K. `speedup_vs_eager`
 compares each row with its eager twin of the same context and KV type. `--trials N` runs
 every row N times in the process and keeps the median run (runs of one build in one process
-differ by up to ~3% on the H200: docs/benchmarks.md).
+differ by up to ~3% on the H200: docs/benchmarks.md). Every row records its commit and date.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
 import bench_streaming as S  # noqa: E402
-from bench_util import (add_run_options, free_memory, hbm_bandwidth, log, param_bytes,  # noqa: E402
-                        timed_prefill_decode)
+from bench_util import (add_run_options, commit_date, free_memory, hbm_bandwidth, log,  # noqa: E402
+                        param_bytes)
 
-from kvcompile.kv.store import KvStore  # noqa: E402
-
-SYSTEMS = ("ours-compiled", "ours-captured", "ours-captured-nopdl", "ours-resident",
-           "ours-graphs", "ours")
-RESIDENT = ("ours-compiled", "ours-captured", "ours-captured-nopdl", "ours-resident")
-EAGER_TWIN = {"ours-compiled": "ours-resident", "ours-captured": "ours-resident",
-              "ours-captured-nopdl": "ours-resident", "ours-graphs": "ours"}
-LOWER = {"ours-compiled": "inductor", "ours-captured": "graph", "ours-captured-nopdl": "graph"}
+SYSTEMS = ("ours-captured", "ours-captured-nopdl", "ours-resident", "ours-graphs", "ours")
+RESIDENT = ("ours-captured", "ours-captured-nopdl", "ours-resident")
+CAPTURED = ("ours-captured", "ours-captured-nopdl", "ours-graphs")   # the Engine's programs
+EAGER_TWIN = {"ours-captured": "ours-resident", "ours-captured-nopdl": "ours-resident",
+              "ours-graphs": "ours"}
 
 
 def weight_read_bytes(model) -> int:
@@ -106,40 +104,17 @@ def quantize_model(model, type_name: str) -> None:
         torch.cuda.empty_cache()
 
 
-def timed_compiled(model, ctx: int, kv: str, args, device, ids: torch.Tensor,
-                   lower: str) -> dict:
-    """Prefill and decode through a PhaseManager over an all-resident cache. The manager
-    first runs one ubatch and one decode step untimed (its forward compiles at both shapes;
-    a new manager would compile again), so the timed prefill pays only its programs'
-    captures after the phase transitions; the first two decode steps (transition to the
-    decode layout, capture) are not timed either."""
-    from kvcompile.phase import PhaseManager
-    k_type, v_type = kv.split("/")
-    tokens = ids.tolist()
-    torch._dynamo.reset()                       # the other lowering's compiled forward
-    m = PhaseManager(model, KvStore(model.config, ctx + args.decode_steps + 4, k_type,
-                                         v_type, device=device),
-                     ubatch=args.ubatch, lower=lower, compile=True)
-    with torch.inference_mode():                # warm: the timed prefill rewrites this KV
-        tok = int(m.forward(tokens[:args.ubatch], 0)[-1].argmax())
-        m.forward([tok], args.ubatch)
-    # two warm steps: the transition to the decode layout, the capture
-    row = timed_prefill_decode(lambda: S.manager_prefill(m, tokens, args.ubatch),
-                               lambda tok, pos, n: S.greedy_steps(m.forward, tok, pos, n),
-                               ctx, 2, args.decode_steps, device)
-    return dict(row, phases=m.stats(), h2d_bytes_per_token=0, h2d_source="all resident")
-
-
-def run_row(system, model, g, ctx, kv, args, device, ids) -> dict:
-    if system in LOWER:
-        from kvcompile.ops import pdl
-        before, pdl.ENABLED = pdl.ENABLED, pdl.ENABLED and not system.endswith("-nopdl")
-        try:
-            return timed_compiled(model, ctx, kv, args, device, ids, LOWER[system])
-        finally:
-            pdl.ENABLED = before
+def run_row(system, model, ctx, kv, args, ids) -> dict:
+    """One Engine's measured request (bench_streaming.run_ours); -nopdl rows with
+    programmatic dependent launch off while they run."""
+    from kvcompile.ops import pdl
     arena = args.arena_mib if system in S.STREAMED else 0
-    return S.run_ours(model, g, ctx, kv, arena, args, device, ids, graphs=system == "ours-graphs")
+    before, pdl.ENABLED = pdl.ENABLED, pdl.ENABLED and not system.endswith("-nopdl")
+    try:
+        return S.run_ours(model, ctx, kv, args, ids, arena_mib=arena,
+                          graphs=system in CAPTURED)
+    finally:
+        pdl.ENABLED = before
 
 
 def parse_args(argv=None):
@@ -197,17 +172,16 @@ def main(argv=None) -> list[dict]:
         w_read = weight_read_bytes(model)
         meta = dict(geometry=g.name, weights_dtype=weights, weight_read_bytes=w_read,
                     ubatch=args.ubatch, decode_steps=args.decode_steps,
-                    torch=torch.__version__,
-                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    torch=torch.__version__, **commit_date(),
                     device=torch.cuda.get_device_name(device) if device.type == "cuda"
                     else "cpu", **pcie, **hbm)
         for ctx in contexts:
-            ids = S.random_ids(ctx, g.vocab, args.seed + ctx, device)
+            ids = S.random_ids(ctx, g.vocab, args.seed + ctx, "cpu")
             systems = [s for s in args.systems
                        if (s in RESIDENT) == (ctx in args.resident_contexts)]
             for system in systems:
                 for kv in args.kv:
-                    rows.append(measure(system, model, g, ctx, kv, args, device, ids, meta))
+                    rows.append(measure(system, model, g, ctx, kv, args, ids, meta))
                     S.save(rows, meta, args.out, section="compiled")
                     free_memory(device)
         del model
@@ -227,7 +201,7 @@ def main(argv=None) -> list[dict]:
     return rows
 
 
-def measure(system, model, g, ctx, kv, args, device, ids, meta) -> dict:
+def measure(system, model, g, ctx, kv, args, ids, meta) -> dict:
     k_type, v_type = kv.split("/")
     kv_bytes = ctx * S.kv_bytes_per_token(g, k_type, v_type)
     streamed = system in S.STREAMED
@@ -242,10 +216,10 @@ def measure(system, model, g, ctx, kv, args, device, ids, meta) -> dict:
                hbm_roofline_tok_s=(hbm * 1e9 / (meta["weight_read_bytes"] + kv_bytes)
                                    if hbm and not streamed else None),
                decode_steps=args.decode_steps, device=meta["device"],
-               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+               **commit_date())
     log(f"{system} {kv} @ {ctx}")
     try:
-        runs = [run_row(system, model, g, ctx, kv, args, device, ids)
+        runs = [run_row(system, model, ctx, kv, args, ids)
                 for _ in range(args.trials)]
         # the median run (of an even count the slower middle one); all runs in run order
         median = sorted(runs, key=lambda r: r["decode_s"])[len(runs) // 2]
@@ -286,7 +260,7 @@ def report(rows: list[dict]) -> None:
             print(f"PDL @ {r['context']} ({r['system']} {r['kv_type']}): "
                   f"{r['decode_tok_s']:.1f} vs {off[0]['decode_tok_s']:.1f} tok/s without "
                   f"({r['decode_tok_s'] / off[0]['decode_tok_s']:.3f}x)")
-        if r["system"] in LOWER and r.get("decode_vs_hbm_roofline") is not None:
+        if r["system"] in CAPTURED and r.get("decode_vs_hbm_roofline") is not None:
             x = r["decode_vs_hbm_roofline"]
             print(f"target @ {r['context']} ({r['system']} {r['kv_type']}): {x:.2f} x HBM "
                   f"roofline (>= 0.8: {x >= 0.8})")

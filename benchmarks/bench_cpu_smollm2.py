@@ -1,10 +1,13 @@
 """SmolLM2-135M on the CPU: kvcompile prefill/decode tok/s next to llama.cpp, same process.
 
     ./dev python benchmarks/bench_cpu_smollm2.py [--prompt-tokens 256] [--decode-tokens 64]
+        [--out PATH]
 
-Prints a table and writes benchmarks/results/cpu_smollm2.json. For the record only: the
-CPU path is the fp32 reference backend (dequantized weights), llama.cpp runs quantized
-kernels, so no target is set here.
+kvcompile through `Engine.generate` (a warm-up request, then the measured one: prefill to the
+first token, decode steps to the sampler's read), llama.cpp through llama_cpp.Llama.eval.
+Prints a table and writes benchmarks/results/cpu_smollm2.json (rows with the commit and
+date). For the record only: the CPU path is the fp32 reference backend (dequantized
+weights), llama.cpp runs quantized kernels, so no target is set here.
 """
 from __future__ import annotations
 
@@ -12,9 +15,13 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
+from bench_util import run_meta  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "cpu_smollm2.json")
 TEXT = ("The lighthouse keeper counted the ships that passed each night, writing their names "
@@ -22,24 +29,18 @@ TEXT = ("The lighthouse keeper counted the ships that passed each night, writing
 
 
 def bench_kvcompile(prompt_ids: list[int], n_decode: int, threads: int) -> dict:
+    """Through the Engine (no prefix reuse): a warm-up request, then the measured one, greedy;
+    prefill to the first token and decode steps as the GenerationResult times them."""
     from kvcompile.engine.engine import Engine
 
     torch.set_num_threads(threads)
-    engine = Engine(None, ctx_size=len(prompt_ids) + n_decode + 8, progress=False)
-    with torch.inference_mode():
-        engine.store.reset()
-        engine.forward(prompt_ids[:8], 0)                       # warm-up
-        engine.store.reset()
-        t = time.perf_counter()
-        logits = engine._prefill(prompt_ids)
-        prefill = time.perf_counter() - t
-        tok, pos = int(logits.argmax()), len(prompt_ids)
-        t = time.perf_counter()
-        for i in range(n_decode):
-            tok = int(engine.forward([tok], pos + i).argmax())
-        decode = time.perf_counter() - t
-    return dict(system="kvcompile (cpu, fp32 reference)", prefill_tok_s=len(prompt_ids) / prefill,
-                decode_tok_s=n_decode / decode)
+    engine = Engine(None, ctx_size=len(prompt_ids) + n_decode + 8, cache_prompt=False,
+                    progress=False)
+    engine.generate(prompt_ids[:8], max_tokens=2, temperature=0)          # warm-up
+    r = engine.generate(prompt_ids, max_tokens=n_decode + 1, temperature=0)
+    return dict(system="kvcompile (cpu, fp32 reference)", prefill_tok_s=r.prefill_tok_s,
+                decode_tok_s=r.decode_tok_s, decode_steps=len(r.step_s),
+                finish_reason=r.finish_reason)
 
 
 def bench_llama_cpp(path: str, prompt_ids: list[int], n_decode: int, threads: int) -> dict:
@@ -62,12 +63,13 @@ def bench_llama_cpp(path: str, prompt_ids: list[int], n_decode: int, threads: in
                 decode_tok_s=n_decode / decode)
 
 
-def main() -> None:
+def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    args = ap.parse_args()
+    ap.add_argument("--out", default=RESULTS)
+    args = ap.parse_args(argv)
 
     from kvcompile.io.default_model import default_model_path
     from kvcompile.io.tokenizer import load_tokenizer
@@ -77,19 +79,22 @@ def main() -> None:
     ids = (tok.encode(TEXT * (1 + args.prompt_tokens // 20)))[: args.prompt_tokens]
     rows = [bench_llama_cpp(path, ids, args.decode_tokens, args.threads),
             bench_kvcompile(ids, args.decode_tokens, args.threads)]
+    meta = run_meta()
     for r in rows:
         r.update(prompt_tokens=len(ids), decode_tokens=args.decode_tokens, threads=args.threads,
-                 machine=platform.processor() or platform.machine())
+                 machine=platform.processor() or platform.machine(), commit=meta["commit"],
+                 date=meta["date"])
     base = rows[0]
     print(f"{'system':36} {'prefill tok/s':>14} {'decode tok/s':>13} {'decode vs llama.cpp':>20}")
     for r in rows:
         r["decode_vs_llama_cpp"] = r["decode_tok_s"] / base["decode_tok_s"]
         print(f"{r['system']:36} {r['prefill_tok_s']:14.1f} {r['decode_tok_s']:13.1f} "
               f"{r['decode_vs_llama_cpp']:19.2f}x")
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
         json.dump(rows, f, indent=2)
-    print(f"wrote {RESULTS}")
+    print(f"wrote {args.out}")
+    return rows
 
 
 if __name__ == "__main__":

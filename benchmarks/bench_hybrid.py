@@ -14,22 +14,26 @@ made model file would, and the tensors of `synthetic.tensor_plan` (names, shapes
 are filled on the device with random values (matrices bf16, vectors and the conv kernel
 fp32, as a `--type bf16` file stores them) and handed to Qwen35Model.from_weights.
 
-Systems (`ours*` run once per --kv entry):
-  ours            attention KV history on the host, streamed through an arena of --arena-mib
-  ours-graphs     ours, each decode step one CUDA graph (kvcompile/phase/decode_graph.py)
-  ours-resident   the whole KV on the device (arena 0, KvStore)
+Systems (`ours*` run once per --kv entry), each row through its own `Engine.from_model`
+(bench_streaming.run_ours: a warm-up request, then the measured one):
+  ours            attention KV history on the host, streamed through an arena of --arena-mib,
+                  the eager model
+  ours-graphs     ours with the executor's programs: each decode step one CUDA graph
+  ours-resident   the whole KV on the device (arena 0), eager
 
-The KV cache holds pages for the 16 main attention layers only: the GDN state
-(RecurrentState, fp32) stays on the device and is never streamed, and the MTP layer gets
-no pages because no speculative (MTP) step runs here. Every row prefills the context in
---ubatch chunks (timed), then decodes greedily: 1 warm-up step (2 for ours-graphs: the
-eager first step and the capture), --decode-steps timed.
+The Engine's store holds pages for the KV layers of the model's plan: the 16 main attention
+layers and the MTP layer (its pages stay unread: no speculative step runs here; a trunk
+step places the trunk's layers only); the GDN state (RecurrentState, fp32) stays on the
+device and is never streamed. The measured request prefills the context in --ubatch chunks
+(timed to the first token), then decodes greedily: 1 untimed step (2 for ours-graphs: the
+first step at the context and its capture), --decode-steps timed, each to the sampler's
+read of its token.
 
 PCIe bound, as in bench_streaming (whose helpers this script imports): pcie_bound_tok_s =
 pcie_gbps_measured / (attention KV bytes of the context - arena bytes), None when the
 whole KV fits in the arena. Target (issue 6): ours decode at 256K >= 0.8 x that bound.
 Rows are merged into --out as each finishes, so a run split over several calls keeps what
-every call measured.
+every call measured; every row records its commit and date.
 """
 from __future__ import annotations
 
@@ -48,13 +52,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
 import bench_streaming as S  # noqa: E402
-from bench_util import add_run_options, param_bytes  # noqa: E402
-from kvcompile.kv.store import KvStore
+from bench_util import add_run_options, param_bytes, run_meta  # noqa: E402
 from kvcompile.io.gguf.arch_config import config_from_metadata  # noqa: E402
 from kvcompile.io.gguf.synthetic_presets import add_model_metadata, preset_config  # noqa: E402
 from kvcompile.models.qwen35 import Qwen35Model  # noqa: E402
-from kvcompile.kv import forward as run_forward  # noqa: E402
-from kvcompile.kv import min_arena_bytes  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "hybrid.json")
 SYSTEMS = ("ours", "ours-graphs", "ours-resident")
@@ -140,37 +141,28 @@ def gdn_backend(device) -> str:
     return "fla (Triton)" if gdn_fla.usable(torch.empty(1, device=device)) else "torch reference"
 
 
-# ---- one row -------------------------------------------------------------------------------
-def run_row(model, ctx: int, kv: str, arena_mib: float, args, device, ids,
+# ---- one row ----------------------------------------------------------------------------
+def run_row(model, ctx: int, kv: str, arena_mib: float, args, ids,
             graphs: bool = False) -> dict:
-    return S.run_ours(model, None, ctx, kv, arena_mib, args, device, ids, graphs,
-                      extra=lambda cache: dict(
-                          gdn_state_bytes=model.recurrent_state(cache).nbytes,
-                          kv_device_bytes=int(getattr(cache, "nbytes", 0)),
-                          kv_layers=len(model.layer_plan.attention)))
+    return S.run_ours(model, ctx, kv, args, ids, arena_mib=arena_mib, graphs=graphs,
+                      extra=lambda e: dict(
+                          gdn_state_bytes=e.store.recurrent.nbytes,
+                          kv_device_bytes=int(e.store.nbytes),
+                          kv_layers=len(model.layer_plan.attention),
+                          store_kv_layers=len(e.store.layers)))
 
 
 def sanity(model, args, device) -> dict:
     """A short prompt through the smallest arena (every attention layer streamed) against
-    all resident: logits and greedy tokens should be bitwise equal."""
+    all resident, each through an Engine (eager): logits and greedy tokens should be
+    bitwise equal."""
     n, steps = 48, 8
-    ids = S.random_ids(n, model.config.vocab_size, args.seed + 1, device)
-    pos = torch.arange(n, device=device)
+    ids = S.random_ids(n, model.config.vocab_size, args.seed + 1, "cpu").tolist()
     res = {"prompt_tokens": n, "greedy_steps": steps}
     for kv in args.kv:
-        k_type, v_type = kv.split("/")
-        need = min_arena_bytes(model.config, n + steps + 1, k_type, v_type)
-        got = {}
-        for name, arena in (("resident", 0), ("stream", (need + 256) / 2**20)):
-            cache = KvStore.for_model(S, model, n + steps + 1, arena, kv, device)
-            try:
-                with torch.inference_mode():
-                    logits = run_forward(model, cache, ids, pos).float()
-                    first = int(logits[-1].argmax())
-                    greedy = [first] + S.ours_decode(model, cache, first, n, steps - 1, device)
-                    got[name] = (logits, greedy)
-            finally:
-                S.close_cache(cache)
+        got = {name: S.ours_reference(model, ids, steps, kv, arena)
+               for name, arena in (("resident", 0),
+                                   ("stream", S.smallest_arena_mib(model, n + steps + 1, kv)))}
         (lr, gr), (ls, gs) = got["resident"], got["stream"]
         res[kv] = dict(bitwise_equal_resident=bool(torch.equal(lr, ls)),
                        max_abs_diff=float((lr - ls).abs().max()),
@@ -226,18 +218,18 @@ def parse_args(argv=None):
     ap.add_argument("--contexts", default=CONTEXTS)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--kv", default="q8_0/q4_0", help="K/V type pairs, comma separated")
-    ap.add_argument("--arena-mib", type=float, default=None, help="default 2240 (tiny: 0.4)")
+    ap.add_argument("--arena-mib", type=float, default=None, help="default 2240 (tiny: 0.45)")
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--ubatch", type=int, default=4096)
     ap.add_argument("--device", default=None, help="default cuda (tiny: cpu)")
     ap.add_argument("--tiny", action="store_true",
-                    help="qwen35 tiny geometry, contexts 512,1024 (the logic, on a CPU)")
+                    help="qwen35 tiny geometry, contexts 256,1536 (the logic, on a CPU)")
     ap.add_argument("--quick", action="store_true", help="8K only, at most 8 decode steps")
     add_run_options(ap, RESULTS)
     args = ap.parse_args(argv)
     if args.tiny:
         if args.contexts == CONTEXTS:
-            args.contexts = "512,1024"
+            args.contexts = "256,1536"
         if args.ubatch == ap.get_default("ubatch"):
             args.ubatch = 128
         args.pcie_mib = min(args.pcie_mib, 16)
@@ -245,8 +237,9 @@ def parse_args(argv=None):
         args.contexts = args.contexts.split(",")[0] if args.tiny else "8192"
         args.decode_steps = min(args.decode_steps, 8)
     if args.arena_mib is None:
-        # tiny: 2 attention layers of 416 B/token (q8_0/q4_0): 512 tokens fit, 1024 stream
-        args.arena_mib = 0.4 if args.tiny else 2240
+        # tiny: 3 KV layers (2 attention, the MTP layer) of 52 KiB 256-token pages (q8_0/q4_0):
+        # 8 pages; 256 tokens fit (2 pages a layer), 1536 stream (624 KiB of attention KV)
+        args.arena_mib = 0.45 if args.tiny else 2240
     args.device = args.device or ("cpu" if args.tiny else "cuda")
     args.out = args.out or (os.path.join(tempfile.gettempdir(), "hybrid_tiny.json")
                             if args.tiny else RESULTS)
@@ -290,11 +283,14 @@ def main(argv=None) -> list[dict]:
                 gdn_head_dim=config.ssm_head_dim, conv_kernel=config.ssm_conv_kernel,
                 weights_dtype=str(dtype).replace("torch.", ""), weight_bytes=w_bytes,
                 gdn_backend=gdn,
-                mtp_kv="none: no MTP (speculative) step runs, so the MTP layer gets no pages",
+                mtp_kv="the Engine's store gives the MTP layer pages; no MTP (speculative) "
+                       "step runs, so none is read",
                 device=torch.cuda.get_device_name(device) if device.type == "cuda"
                 else platform.processor() or platform.machine(),
                 torch=torch.__version__, ubatch=args.ubatch, decode_steps=args.decode_steps,
-                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **pcie)
+                **pcie)
+    run = run_meta()                # commit and date of this run, in its meta and every row
+    meta.update(commit=run["commit"], date=run["date"])
     sanity_res = None
     if not args.no_sanity:
         S.log("sanity: streaming (smallest arena) vs resident, short prompt")
@@ -306,22 +302,12 @@ def main(argv=None) -> list[dict]:
         meta["sanity"] = sanity_res
         S.free_memory(device)
 
-    # warm-up outside the timed rows: attention kernels of each KV type, GDN prefill/decode
-    for kv in args.kv:
-        S.log(f"warm-up: {kv}")
-        c = KvStore.for_model(S, model, args.ubatch + 8, 0, kv, device)
-        with torch.inference_mode():
-            last = S.ours_prefill(model, c, S.random_ids(args.ubatch, config.vocab_size, 7,
-                                                         device), args.ubatch, device, "")
-            S.ours_decode(model, c, int(last.argmax()), args.ubatch, 2, device)
-        del c
-    S.free_memory(device)
-
+    # (each row warms its own Engine up: bench_streaming.run_ours)
     rows: list[dict] = []
     if args.fresh and os.path.exists(args.out):
         os.remove(args.out)
     for ctx in args.contexts:
-        ids = S.random_ids(ctx, config.vocab_size, args.seed + ctx, device)
+        ids = S.random_ids(ctx, config.vocab_size, args.seed + ctx, "cpu")
         for system in args.systems:
             arena = args.arena_mib if system in S.STREAMED else 0
             for kv in args.kv:
@@ -333,10 +319,11 @@ def main(argv=None) -> list[dict]:
                            pcie_bound_tok_s=S.pcie_bound(pcie["pcie_gbps_measured"], kv_bytes,
                                                          int(arena * 2**20))
                            if system in S.STREAMED else None,
-                           decode_steps=args.decode_steps, device=meta["device"])
+                           decode_steps=args.decode_steps, device=meta["device"],
+                           commit=run["commit"], date=run["date"])
                 S.log(f"{system} {kv} arena {arena:g} MiB @ {ctx}")
                 try:
-                    S.finish(row, run_row(model, ctx, kv, arena, args, device, ids,
+                    S.finish(row, run_row(model, ctx, kv, arena, args, ids,
                                           graphs=system == "ours-graphs"), args.decode_steps)
                     S.log(f"  prefill {row['prefill_tok_s']:.0f} tok/s, decode "
                           f"{row['decode_tok_s']:.2f} tok/s (bound "

@@ -1,10 +1,9 @@
-"""Decode and prefill through `Engine.generate` (the step runner), streamed and all resident.
+"""Decode and prefill through `Engine.generate` (the executor), streamed and all resident.
 
     python benchmarks/bench_runner.py [--cases streamed:131072,streamed:65536,resident:8192]
         [--arena-mib 2048] [--kv q8_0/q4_0] [--decode-steps 64] [--weights bf16|q4_k|q8_0]
         [--fill-ahead both|on|off|default] [--pipeline on|off|default]
-        [--no-cuda-graphs] [--second-request]
-        [--ngram-check]
+        [--no-cuda-graphs] [--second-request] [--turn 300] [--ngram-check]
         [--out benchmarks/results/runner.json]
     python benchmarks/bench_runner.py --tiny --device cpu      # the same code, seconds, CPU
 
@@ -20,10 +19,15 @@ median host time of a decode step (until its work was queued), the request's pro
 Bounds measured in the same run: streamed, pcie_gbps / (KV bytes of the context - arena
 bytes); all resident, hbm_gbps / (weight bytes + KV bytes). Rows (each with its commit and
 date) are appended to --out. --second-request: the measured request again on the same
-Engine (`second_request`: its captures, must be 0, and its time to first token against the
-first's prefill time + one decode step). --ngram-check: after the measured request, the same prompt with
-ngram-simple speculation on the same Engine; the row records whether its tokens equal the
-plain ones (`ngram`; a random model's greedy text repeats itself, so drafts are found).
+Engine (`second_request`: its captures, must be 0; the store holds the prompt, so it
+computes only the prompt's last chunk: its time to first token, and equal tokens).
+--turn N: the prompt plus N new tokens (a conversation's next turn) on the same Engine
+(`turn`: its time to first token over the measured request's, the prompt tokens it reused),
+then the same prompt cold (the store reset: a cold Engine's prefill) with greedy tokens
+compared, a divergence forgiven only at a near tie (greedy_check.py).
+--ngram-check: after the measured request, the same prompt with ngram-simple speculation on
+the same Engine; the row records whether its tokens equal the plain ones (`ngram`; a random
+model's greedy text repeats itself, so drafts are found).
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
 import bench_streaming as S  # noqa: E402
 from bench_util import free_memory, hbm_bandwidth, log, param_bytes, run_meta  # noqa: E402
+from greedy_check import compare, record_gaps  # noqa: E402
 
 WARM_PROMPT = 512          # tokens of the warm-up request
 WARM_STEPS = 4
@@ -59,20 +64,17 @@ def replay_ms(stats: dict, part: str = "launch") -> float | None:
 
 
 def launches_per_step(stats: dict) -> int | None:
-    """Graph launches a decode step makes: one (a decode graph or a phase program), or None
-    (eager: every kernel its own launch)."""
-    if "decode_graphs" in stats:
-        return 1 if stats["decode_graphs"] and stats.get("replays") else None
-    if "captures" in stats and stats.get("lower") != "eager":
-        return 1
-    return None
+    """Graph launches a decode step makes: one (its program replayed), or None (uncaptured:
+    every kernel its own launch)."""
+    return 1 if stats.get("replays") else None
 
 
 def publish_mode(e) -> str | None:
     """How captured streamed steps publish their rows to the host: "rows" (a kernel),
-    "pages" (copies; the kernel could not run) or None (no streamed cache)."""
-    pool = getattr(e.store, "pool", None)
-    return None if pool is None else ("rows" if pool.row_maps is not None else "pages")
+    "pages" (copies; the kernel could not run) or None (an all-resident store)."""
+    if not e.store.streams:
+        return None
+    return "rows" if e.store.streamer.pool.row_maps is not None else "pages"
 
 
 def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
@@ -87,18 +89,21 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
     e = kvcompile.Engine.from_model(model, ctx_size=ctx, cache_type_k=k_type,
                                     cache_type_v=v_type, ubatch=args.ubatch,
                                     kv_stream_arena_mib=arena, cuda_graphs=args.cuda_graphs,
-                                    progress=False)
+                                    fill_ahead=fill_ahead, progress=False)
     row["runner_mode"] = e.executor.mode
     if args.pipeline != "default":
         e.pipeline = args.pipeline == "on"
     row["pipeline"] = e.pipeline
-    if fill_ahead is not None and hasattr(e.store, "fill_ahead"):
-        e.store.streamer.fill_ahead = fill_ahead
-    row["fill_ahead"] = getattr(e.store, "fill_ahead", None)
-    policy = getattr(e.store, "policy_config", None)
-    row["decode_depth"] = None if policy is None else policy.decode_depth
-    ids = S.random_ids(ctx - args.decode_steps - 2, g.vocab, args.seed, "cpu").tolist()
+    streamer = e.store.streamer
+    row["fill_ahead"] = None if streamer is None else streamer.fill_ahead
+    row["decode_depth"] = None if streamer is None else streamer.policy_config.decode_depth
+    turn = args.turn and mode == "streamed" and ctx == max(
+        c for m, c in args.case_list if m == "streamed")
+    # (a next turn needs room after the prompt: its new tokens and a few decode steps)
+    room = args.turn + min(args.decode_steps, 16) + 2 if turn else 0
+    ids = S.random_ids(ctx - args.decode_steps - 2 - room, g.vocab, args.seed, "cpu").tolist()
     warm = e.generate(ids[:WARM_PROMPT], max_tokens=WARM_STEPS, temperature=0)
+    e.store.reset()                       # the measured request prefills from 0
     r = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
     stats = r.stats()
     median = stats["step_ms"]["p50"] / 1e3
@@ -116,6 +121,8 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
                kv=r.kv, tokens=r.token_ids[:16], publish=publish_mode(e))
     if args.second_request:
         row["second_request"] = second_request(e, ids, r, args)
+    if turn:
+        row["turn"] = next_turn(e, ids, r, args, g.vocab)
     if args.ngram_check:
         row["ngram"] = ngram_check(e, ids, r, args)
     if mode == "streamed":
@@ -135,8 +142,7 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
         f"launches/step {row['launches_per_step']}, "
         f"captures {r.programs.get('captures')}, TTFT {r.prefill_s:.2f} s, "
         f"{r.kv.get('repartitions', '-')} repartitions, publish {row['publish']}")
-    if hasattr(e.store, "close"):         # the streaming cache's copy stream and leases
-        e.store.close()
+    e.store.close()                       # the copy stream and the arena's leases
     del e
     free_memory(device)
     return row
@@ -144,18 +150,45 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
 
 def second_request(e, ids: list[int], first, args) -> dict:
     """The measured request again on the same Engine: its program events (every program it
-    needs was made by the first: captures 0), its time to first token against the first's
-    prefill time + one decode step, and equal tokens."""
+    needs was made by the first: captures 0), its time to first token (the store holds the
+    prompt: only its last chunk is computed again, as the first request cut it), equal
+    tokens."""
     r = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
-    p50 = first.stats()["step_ms"]["p50"] / 1e3
     out = dict(captures=r.programs.get("captures"), warmup_s=r.programs.get("warmup_s"),
-               ttft_s=r.prefill_s,
-               first_ttft_s=first.prefill_s, first_step_p50_s=p50,
-               ttft_within=r.prefill_s <= first.prefill_s + p50,
-               decode_tok_s=r.decode_tok_s, tokens_equal=r.token_ids == first.token_ids)
-    log(f"second request: captures {out['captures']}, TTFT {r.prefill_s:.2f} s (first "
-        f"{first.prefill_s:.2f} s + step {1e3 * p50:.1f} ms), {r.decode_tok_s:.2f} tok/s, "
-        f"tokens equal {out['tokens_equal']}")
+               ttft_s=r.prefill_s, first_ttft_s=first.prefill_s,
+               cached_tokens=r.cached_tokens, decode_tok_s=r.decode_tok_s,
+               tokens_equal=r.token_ids == first.token_ids)
+    log(f"second request: captures {out['captures']}, TTFT {r.prefill_s:.3f} s (first "
+        f"{first.prefill_s:.2f} s), {r.cached_tokens} tokens reused, {r.decode_tok_s:.2f} "
+        f"tok/s, tokens equal {out['tokens_equal']}")
+    return out
+
+
+def next_turn(e, ids: list[int], first, args, vocab: int) -> dict:
+    """A conversation's next turn: the measured prompt plus args.turn new tokens. Its time
+    to first token over the measured (cold) request's; then the same turn cold (the store
+    reset); greedy tokens of both compared, stepping one token at a time so the host
+    sampler sees each step's logits (a divergence counts only at a near tie)."""
+    extra = S.random_ids(args.turn, vocab, args.seed + 7, "cpu").tolist()
+    turn = ids + extra
+    n = min(args.decode_steps, 16) + 1
+    r = e.generate(turn, max_tokens=n, temperature=0)   # resumes the history held now
+    gaps: list = []
+    e.store.reset()                                     # a cold Engine's prefill
+    pipeline, e.pipeline = e.pipeline, False            # (the host sampler sees logits)
+    try:
+        with record_gaps(gaps):
+            cold = e.generate(turn, max_tokens=n, temperature=0)
+    finally:
+        e.pipeline = pipeline
+    out = dict(new_tokens=len(extra), cached_tokens=r.cached_tokens, ttft_s=r.prefill_s,
+               first_ttft_s=first.prefill_s, ttft_over_first=r.prefill_s / first.prefill_s,
+               cold_ttft_s=cold.prefill_s, tokens=r.token_ids, cold_tokens=cold.token_ids,
+               **compare(r.token_ids, cold.token_ids, gaps))
+    log(f"next turn (+{len(extra)} tokens): TTFT {r.prefill_s:.3f} s = "
+        f"{out['ttft_over_first']:.4f} x the first request's {first.prefill_s:.2f} s "
+        f"({r.cached_tokens} reused; cold {cold.prefill_s:.2f} s); tokens equal to cold "
+        f"{out['tokens_equal']} (near tie: {out['equal_or_near_tie']})")
     return out
 
 
@@ -196,6 +229,9 @@ def parse_args(argv=None):
     ap.add_argument("--second-request", action="store_true",
                     help="run each case's measured request twice on the same Engine: the "
                     "second's captures and time to first token")
+    ap.add_argument("--turn", type=int, default=0,
+                    help="the largest streamed case: its prompt plus this many new tokens "
+                    "(a next turn) on the same Engine, against a cold prefill of the same")
     ap.add_argument("--ngram-check", action="store_true",
                     help="also decode each case's prompt with ngram-simple: equal tokens?")
     ap.add_argument("--device", default="cuda")
@@ -216,7 +252,8 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     device, dtype = S.device_and_dtype(args.device, "use --device cpu --tiny")
     g = S.TINY if args.tiny else S.LLAMA3_8B
-    cases = [(m, int(c)) for m, c in (x.split(":") for x in args.cases.split(","))]
+    cases = args.case_list = [(m, int(c)) for m, c in
+                              (x.split(":") for x in args.cases.split(","))]
     meta = run_meta()
     meta.update(S.measure_h2d_gbps(device, 64 << 20 if args.tiny else 1 << 30))
     if device.type == "cuda":

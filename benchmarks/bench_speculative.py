@@ -20,7 +20,7 @@ through --arena-mib. Request 1 decodes plainly and records its greedy continuati
 2 drafts exactly that continuation, --depth tokens a round (the Engine's drafter replaced
 by the oracle), so every draft is kept: its decode tok/s over plain is what perfect
 acceptance at that depth buys. Then, on the same context, one verify step of each width in
---widths, timed to completion (the runner's own step), as the cost ratio to width 1.
+--widths, timed to completion (the executor's own verify step), as the cost ratio to width 1.
 With --mtp-context N (a model with an MTP layer): then, on the same Engine, a prompt of N
 tokens decoded plainly and with draft-mtp (depth --depth, p-min 0): the tokens must be equal
 (random weights reject nearly every draft, so the rounds exercise the rollback).
@@ -70,13 +70,25 @@ class OracleDrafter(Drafter):
         return self.cont[at:at + min(self.depth, limit)]
 
 
+class OracleSpec:
+    """An Engine's speculation settings (what `Engine.spec` answers a request) with the
+    oracle as the drafter: the Engine's own verify rounds run, only the drafts differ."""
+    enabled, uses_ngram, uses_mtp = True, False, False
+
+    def __init__(self, drafter: Drafter):
+        self._drafter = drafter
+
+    def drafter(self, executor) -> Drafter:
+        return self._drafter
+
+
 def oracle_run(args, meta) -> dict:
     import time
-    from types import SimpleNamespace
 
     import torch
 
     import kvcompile
+    from kvcompile.engine.speculative.options import SpecOptions
     from kvcompile.io.loader import open_model
     k, v = args.kv.split("/")
     widths = [int(w) for w in args.widths.split(",")]
@@ -89,18 +101,19 @@ def oracle_run(args, meta) -> dict:
     room = args.decode_steps + max(widths) + 2          # the decode steps, then the widths
     ids = torch.randint(0, vocab, (args.context - room,), generator=gen).tolist()
     spec = e.spec
-    e.spec = SimpleNamespace(enabled=False, drafter=lambda runner: None)     # plain
+    e.spec = SpecOptions.checked("none")                                      # plain
     e.generate(ids[:512], max_tokens=4, temperature=0)                        # warm-up
     plain = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
     log(f"plain: {plain.decode_tok_s:.2f} tok/s")
     oracle = OracleDrafter(plain.token_ids[1:], len(ids) + 1, args.depth)
-    e.spec = SimpleNamespace(enabled=True, drafter=lambda runner: oracle)
+    e.spec = OracleSpec(oracle)
     spec_r = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
     log(f"oracle depth {args.depth}: {spec_r.decode_tok_s:.2f} tok/s")
     e.spec = spec
-    # verify steps of each width at the end of the same context (state rolled back after)
-    runner, pos = e.executor, len(ids) + len(plain.token_ids) - 1
-    state = runner.recurrent
+    # verify steps of each width at the end of the same context, timed to completion: the
+    # executor's own verify step (the recurrent state restored after each)
+    executor, pos = e.executor, len(ids) + len(plain.token_ids) - 1
+    state = e.store.recurrent
     cost = {}
     with torch.inference_mode():
         before = state.snapshot() if state is not None else None
@@ -108,12 +121,13 @@ def oracle_run(args, meta) -> dict:
             times = []
             for _ in range(3):
                 t = time.perf_counter()
-                rows, _ = runner.verify(plain.token_ids[-1:] + plain.token_ids[:w - 1], pos)
+                rows, _ = executor.verify(plain.token_ids[-1:] + plain.token_ids[:w - 1], pos)
                 rows[-1, 0].item()                     # completion
                 times.append(time.perf_counter() - t)
                 if state is not None:
                     state.restore(before)              # every width from the same state
             cost[w] = sorted(times)[1]
+    e.store.reset()      # the verify rows are no request's history: the next one starts cold
     mtp = mtp_exactness(e, ids[:args.mtp_context], args) if args.mtp_context else None
     return dict(kind="oracle", file=os.path.basename(args.oracle), context=args.context,
                 kv_type=args.kv, arena_mib=args.arena_mib, depth=args.depth,

@@ -9,15 +9,22 @@ Llama-3-8B geometry with random bf16 weights made on the device (no file): one s
 shared by our LlamaModel and Hugging Face's LlamaForCausalLM, so a short-prompt sanity check
 compares the two implementations on the same weights. Systems:
 
-  ours            KV history on the host, streamed through an arena of --arena-mib MiB
-  ours-graphs     ours, each decode step one CUDA graph, ring copies included
-                  (kvcompile/phase/decode_graph.py; prefill eager)
-  ours-resident   the whole KV on the device (arena 0, KvStore)
+  ours            the Engine (Engine.from_model), KV history on the host streamed through an
+                  arena of --arena-mib MiB, the eager model (cuda_graphs and compile off)
+  ours-graphs     the same Engine with the executor's programs: the traced forward, each
+                  decode step one CUDA graph, ring copies included (on the CPU: reruns of
+                  the programs' fixed layouts); prefill chunks eager
+  ours-resident   the Engine with the whole KV on the device (arena 0), eager
   hf-offload      transformers DynamicCache(offloading=True), bf16 KV
   hf-dynamic      transformers DynamicCache(), bf16 KV
 
-`ours*` run once per --kv entry. Every system prefills the context in --ubatch chunks (timed:
-prefill_tok_s), then decodes greedily (1 warm-up step, 2 for ours-graphs, then --decode-steps timed steps). When
+`ours*` run once per --kv entry, each row its own Engine (no prefix reuse) and two requests:
+a warm-up (the first --ubatch prompt tokens: kernels compiled, programs traced and captured)
+and the measured one, greedy: the context prefilled in --ubatch chunks (timed to the first
+token: prefill_tok_s), 1 untimed decode step (2 for ours-graphs: the first step at the
+context and its layout's capture), then --decode-steps timed steps, every time taken from
+the GenerationResult (each step to the sampler's read of its token). HF prefills the
+context in --ubatch chunks and decodes 1 warm-up step, then --decode-steps timed steps. When
 hf-dynamic runs too, hf-offload decodes from the same prefilled KV moved to the state an
 offloaded prefill leaves (layer 0 on the device, the rest on the host), which saves one long
 prefill; --hf-offload-prefill times its own offloaded prefill instead.
@@ -26,7 +33,7 @@ The PCIe bound: pcie_bound_tok_s = pcie_gbps_measured / (KV bytes of the context
 bytes), the decode rate of a perfect system that streams only what does not fit in the
 arena (pinned host -> device bandwidth measured in the same run). Rows go to --out as soon as
 each finishes (merged with rows already there, same key replaced), so a run split over several
-calls, or cut by a time limit, keeps what it measured.
+calls, or cut by a time limit, keeps what it measured; every row records its commit and date.
 """
 from __future__ import annotations
 
@@ -41,19 +48,16 @@ import traceback
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
-from kvcompile.kv.store import KvStore
-from kvcompile.models.config import ModelConfig
 from kvcompile.errors import KvcompileError
 from kvcompile.io.hf_checkpoint import gguf_name
+from kvcompile.kv.kv_pages import min_arena_bytes
+from kvcompile.models.config import ModelConfig
 from kvcompile.models.llama import LlamaModel
 from kvcompile.ops import kv_format as F
-from kvcompile.kv import forward as run_forward
-from kvcompile.kv import make_kv_cache, min_arena_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
-from bench_util import add_run_options, free_memory, log, sync, timed_prefill_decode  # noqa: E402
+from bench_util import add_run_options, free_memory, log, run_meta, sync  # noqa: E402
 from hf_baseline import build_hf, hf_available, hf_decode, hf_prefill, run_hf  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "streaming.json")
@@ -196,101 +200,114 @@ def random_ids(n: int, vocab: int, seed: int, device) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=gen).to(device)
 
 
-# ---- our model -----------------------------------------------------------------------------
-def ours_prefill(model, cache, ids: torch.Tensor, ubatch: int, device, desc: str):
-    logits = None
-    for start in tqdm(range(0, ids.numel(), ubatch), desc=desc, unit="chunk", file=sys.stderr,
-                      mininterval=10, disable=ids.numel() <= ubatch):
-        chunk = ids[start:start + ubatch]
-        pos = torch.arange(start, start + chunk.numel(), device=device)
-        logits = run_forward(model, cache, chunk, pos, last_only=True)
-    return logits[-1]
+# ---- our model: one Engine a row -------------------------------------------------------------
+WARM_STEPS = 4          # decode steps of each Engine's warm-up request
 
 
-def ours_decode(model, cache, first: int, start: int, n: int, device, program=None
-                ) -> list[int]:
-    """n greedy steps from token `first` at position `start`; through `program` (anything
-    with step(ids, start) -> logits rows: a DecodeGraph) when given, else eager
-    forwards."""
-    if program is not None:
-        return greedy_steps(program.step, first, start, n)
-    layers = trunk_layers(model)
-
-    def eager(ids, pos):
-        return run_forward(model, cache, torch.tensor(ids, device=device),
-                           torch.tensor([pos], device=device), last_only=True, layers=layers,
-                           start=pos)
-    return greedy_steps(eager, first, start, n)
-
-
-def greedy_steps(step, first: int, start: int, n: int) -> list[int]:
-    """n greedy one-token steps of `step(ids, start) -> logits rows` from token `first` at
-    position `start` (a PhaseManager's forward, a decode graph's step, an eager one)."""
-    toks, tok = [], first
-    for i in range(n):
-        tok = int(step([tok], start + i)[-1].argmax())
-        toks.append(tok)
-    return toks
-
-
-def manager_prefill(m, tokens: list[int], ubatch: int) -> int:
-    """Prefill `tokens` through a PhaseManager in ubatch chunks; the first decoded token."""
-    for s in range(0, len(tokens), ubatch):
-        logits = m.forward(tokens[s:s + ubatch], s)
-    return int(logits[-1].argmax())
-
-
-def make_cache(model, max_tokens: int, arena_mib: float, kv: str, device):
-    """The KV cache a run of ours uses: `kv` is "K/V" types; arena_mib 0 = all resident;
-    only the layers a plain forward acquires (a hybrid model's MTP layer left out)."""
+def ours_engine(model, ctx_size: int, kv: str, arena_mib: float = 0, graphs: bool = False,
+                ubatch: int = 256):
+    """`Engine.from_model` over `model` as a row of ours runs it: `kv` is "K/V" types,
+    arena_mib 0 keeps the whole KV on the device; graphs: the executor's programs (the traced
+    forward, each decode step one CUDA graph, ring copies included; on the CPU reruns of
+    their fixed layouts), strict (a failed trace or capture raises: no row measures a silent
+    fallback), else the eager model. No prefix reuse: every request prefills its prompt."""
+    import kvcompile
     k_type, v_type = kv.split("/")
-    return make_kv_cache(model.config, max_tokens, arena_mib, k_type=k_type, v_type=v_type,
-                         device=device, layers=trunk_layers(model))
+    e = kvcompile.Engine.from_model(model, ctx_size=ctx_size, cache_type_k=k_type,
+                                    cache_type_v=v_type, ubatch=ubatch,
+                                    kv_stream_arena_mib=arena_mib, cuda_graphs=graphs,
+                                    compile=graphs, cache_prompt=False, progress=False)
+    e.executor.strict = graphs
+    return e
 
 
-def trunk_layers(model):
-    """The KV layers a plain forward acquires (a hybrid model's MTP layer excluded)."""
-    return model.layer_plan.trunk_kv_layers
+def close_engine(e) -> None:
+    """The store's copy engine stopped and its arena given back."""
+    e.store.close()
 
 
-def timed_generation(model, cache, ids: torch.Tensor, ctx: int, args, device,
-                     graphs: bool = False) -> dict:
-    """Prefill `ids` (ctx tokens) then args.decode_steps greedy steps after untimed warm
-    steps (one; graphs: two, the eager first step and the capture); times, the first 8
-    decoded tokens (warm steps included) and the cache's telemetry (h2d bytes a token)."""
-    program = None
-    if graphs:
-        from kvcompile.errors import PhaseError
-        from kvcompile.phase.decode_graph import DecodeGraph
-        if torch.device(device).type != "cuda":
-            raise PhaseError("decode graphs are CUDA graphs (on the CPU they rerun the step)")
-        program = DecodeGraph(model, cache, layers=trunk_layers(model))
-    tel = getattr(cache, "telemetry", None)
-    marks = {}
-    row = timed_prefill_decode(
-        lambda: int(ours_prefill(model, cache, ids, args.ubatch, device,
-                                 f"prefill {ctx}").argmax()),
-        lambda tok, pos, n: ours_decode(model, cache, tok, pos, n, device, program),
-        ctx, 2 if graphs else 1, args.decode_steps, device,
-        after_warm=lambda: marks.update(n_before=len(tel) if tel is not None else 0))
-    n_before = marks["n_before"]
-    if program is not None:
-        row.update(graphs=program.captures, graph_replays=program.replays)
-    if tel is not None:
-        from kvcompile.kv.telemetry import summarize
-        dec = tel[n_before:]
-        row["h2d_bytes_per_token"] = sum(s.h2d_bytes for s in dec) / max(len(dec), 1)
-        row["h2d_source"] = "telemetry"
-        row["telemetry"] = summarize(dec)
-        row["telemetry"]["prefill"] = summarize(tel[:n_before - 1])
-        # per timed step: host ms from begin to end of the forward, split changes, misses
-        row["steps"] = [dict(host_ms=round(s.wall_ms, 2), repart=s.repartitioned,
-                             misses=s.readiness_misses, copy_busy=round(s.copy_busy_pct, 1),
-                             resident=s.resident_pages, ring=s.ring_slots) for s in dec]
-    else:
-        row["h2d_bytes_per_token"] = 0
-        row["h2d_source"] = "all resident"
+def warm_steps(graphs: bool) -> int:
+    """Untimed decode steps at the start of the measured request: the first step at its
+    context (with graphs: and the capture of that context's layout)."""
+    return 2 if graphs else 1
+
+
+def run_ours(model, ctx: int, kv: str, args, ids, *, arena_mib: float = 0,
+             graphs: bool = False, extra=None) -> dict:
+    """One Engine (ours_engine) and two requests, greedy: a warm-up (the first
+    min(ubatch, ctx / 2) prompt tokens, WARM_STEPS steps: kernels compiled, programs traced
+    and captured), then the measured one: `ids` (ctx tokens) prefilled, warm_steps(graphs)
+    untimed decode steps and args.decode_steps timed ones, every time taken from the
+    GenerationResult. `extra(engine)`: more row fields, read before the Engine closes."""
+    prompt = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+    n_warm = warm_steps(graphs)
+    e = ours_engine(model, len(prompt) + n_warm + args.decode_steps + 1, kv, arena_mib,
+                    graphs, args.ubatch)
+    try:
+        n = max(1, min(args.ubatch, len(prompt) // 2))
+        warm = e.generate(prompt[:n], max_tokens=WARM_STEPS, temperature=0)
+        first = len(e.store.telemetry)
+        r = e.generate(prompt, max_tokens=n_warm + args.decode_steps + 1, temperature=0)
+        row = measured(e, r, first, n_warm, args.decode_steps)
+        row["warmup"] = dict(prompt_tokens=n, ttft_s=warm.prefill_s,
+                             warmup_s=warm.programs.get("warmup_s"),
+                             captures=warm.programs.get("captures"))
+        return {**row, **extra(e)} if extra is not None else row
+    finally:
+        close_engine(e)
+
+
+def measured(e, r, first: int, n_warm: int, steps: int) -> dict:
+    """A measured request's times and telemetry: prefill_s (to the first token), decode_s
+    (the steps after the n_warm untimed ones), the first 8 decoded tokens after the
+    prefill's (warm steps included, so they compare across systems), the program events,
+    and from the store's telemetry since `first` the h2d bytes a timed step and each timed
+    step's record."""
+    from kvcompile.kv.telemetry import summarize
+    if len(r.step_s) != n_warm + steps:
+        raise RuntimeError(f"the request made {len(r.step_s)} decode steps, not "
+                           f"{n_warm + steps} ({r.finish_reason})")
+    tel = e.store.telemetry[first:]
+    n_prefill = len(tel) - len(r.step_s)         # one record a forward: chunks, then steps
+    dec = tel[n_prefill + n_warm:]
+    row = dict(prefill_s=r.prefill_s, decode_s=sum(r.step_s[n_warm:]),
+               decode_tokens=r.token_ids[1:9], warm_steps=n_warm,
+               cached_tokens=r.cached_tokens, executor_mode=e.executor.mode,
+               pipeline=e.pipeline, programs=r.programs, step_ms=r.step_ms(),
+               host_step_ms=r.host_step_ms(),
+               h2d_bytes_per_token=sum(s.h2d_bytes for s in dec) / max(len(dec), 1),
+               h2d_source="telemetry" if e.store.streams else "all resident")
+    if e.executor.capture:
+        row.update(graphs=r.programs.get("total_captures"),
+                   graph_replays=r.programs.get("replays"))
+    row["telemetry"] = summarize(dec)
+    row["telemetry"]["prefill"] = summarize(tel[:n_prefill])
+    # per timed step: host ms from the forward's open to its close, split changes, misses
+    row["steps"] = [dict(host_ms=round(s.wall_ms, 2), repart=s.repartitioned,
+                         misses=s.readiness_misses, copy_busy=round(s.copy_busy_pct, 1),
+                         resident=s.resident_pages, ring=s.ring_slots) for s in dec]
     return row
+
+
+def smallest_arena_mib(model, max_tokens: int, kv: str) -> float:
+    """The smallest arena for max_tokens of `kv` KV (a ring of one layer's pages): every
+    layer streams."""
+    k_type, v_type = kv.split("/")
+    need = min_arena_bytes(model.layer_plan.kv_config(model.config), max_tokens, k_type,
+                           v_type)
+    return (need + 256) / 2**20
+
+
+def ours_reference(model, ids: list[int], steps: int, kv: str, arena_mib: float):
+    """Eager, through an Engine: every row's logits of `ids` in one executor step over the
+    empty store, then the greedy tokens of a request of `steps` tokens with that prompt."""
+    e = ours_engine(model, len(ids) + steps + 1, kv, arena_mib)
+    try:
+        logits = e.executor.step(ids, 0, all_rows=True).float().clone()
+        greedy = e.generate(ids, max_tokens=steps, temperature=0).token_ids
+    finally:
+        close_engine(e)
+    return logits, greedy
 
 
 def finish(row: dict, res: dict, decode_steps: int) -> None:
@@ -314,34 +331,14 @@ def failed(row: dict, e: Exception) -> None:
     log(f"{row['system']} @ {row['context']}: {row['status']}: {row['reason'][:200]}")
 
 
-def close_cache(cache) -> None:
-    close = getattr(cache, "close", None)
-    if close is not None:
-        close()
-
-
-def run_ours(model, g, ctx, kv, arena_mib, args, device, ids, graphs=False,
-             extra=None) -> dict:
-    """One timed generation over a fresh cache (pages for the trunk's KV layers);
-    `extra(cache)`: more row fields read from the cache before it closes."""
-    cache = make_cache(model, ctx + args.decode_steps + 2, arena_mib, kv, device)
-    try:
-        row = timed_generation(model, cache, ids, ctx, args, device, graphs)
-        return {**row, **extra(cache)} if extra is not None else row
-    finally:
-        close_cache(cache)
-        del cache
-
-
 # ---- sanity: ours against HF (and streaming against resident) on a short prompt ------------
 def sanity(ours, hf, g, args, device, kvs) -> dict:
     n, steps = 48, 8
     ids = random_ids(n, g.vocab, args.seed + 1, device)
-    pos = torch.arange(n, device=device)
     res = {"prompt_tokens": n, "greedy_steps": steps}
-    with torch.inference_mode():
-        ref = None
-        if hf is not None:
+    ref = None
+    if hf is not None:
+        with torch.inference_mode():
             ref = hf(input_ids=ids[None], use_cache=False).logits[0].float()
             from transformers import DynamicCache
             c = DynamicCache()
@@ -353,34 +350,26 @@ def sanity(ours, hf, g, args, device, kvs) -> dict:
             res["hf_two_chunks_vs_full_last_row_rel"] = float(
                 (half - ref[-1]).abs().max() / ref[-1].abs().max())
             del c
-        for kv in dict.fromkeys(["bf16/bf16", *kvs]):   # bf16 KV: the one nearest HF's
-            k_type, v_type = kv.split("/")
-            # the smallest arena (a ring of one layer's pages): every layer streams
-            need = min_arena_bytes(ours.config, n + steps + 1, k_type, v_type)
-            for name, arena in (("resident", 0), ("stream", (need + 256) / 2**20)):
-                cache = make_kv_cache(ours.config, n + steps + 1, arena, k_type=k_type,
-                                      v_type=v_type, device=device)
-                try:
-                    logits = run_forward(ours, cache, ids, pos, last_only=False).float()
-                    first = int(logits[-1].argmax())
-                    greedy = [first] + ours_decode(ours, cache, first, n, steps - 1, device)
-                finally:
-                    close_cache(cache)
-                key = f"ours {kv} {name}"
-                entry = {"greedy": greedy}
-                if name == "resident":
-                    base = (logits, greedy)
-                else:
-                    entry["bitwise_equal_resident"] = bool(torch.equal(logits, base[0]))
-                    entry["greedy_equal_resident"] = greedy == base[1]
-                if ref is not None:
-                    entry["rel_max_diff_vs_hf"] = float((logits - ref).abs().max() / ref.abs().max())
-                    entry["last_row_rel_vs_hf"] = float((logits[-1] - ref[-1]).abs().max()
-                                                        / ref[-1].abs().max())
-                    entry["top1_agree_vs_hf"] = float((logits.argmax(-1) == ref.argmax(-1))
-                                                      .float().mean())
-                    entry["greedy_equal_hf"] = sum(a == b for a, b in zip(greedy, res["hf_greedy"]))
-                res[key] = entry
+    prompt = ids.tolist()
+    for kv in dict.fromkeys(["bf16/bf16", *kvs]):   # bf16 KV: the one nearest HF's
+        for name, arena in (("resident", 0),
+                            ("stream", smallest_arena_mib(ours, n + steps + 1, kv))):
+            logits, greedy = ours_reference(ours, prompt, steps, kv, arena)
+            key = f"ours {kv} {name}"
+            entry = {"greedy": greedy}
+            if name == "resident":
+                base = (logits, greedy)
+            else:
+                entry["bitwise_equal_resident"] = bool(torch.equal(logits, base[0]))
+                entry["greedy_equal_resident"] = greedy == base[1]
+            if ref is not None:
+                entry["rel_max_diff_vs_hf"] = float((logits - ref).abs().max() / ref.abs().max())
+                entry["last_row_rel_vs_hf"] = float((logits[-1] - ref[-1]).abs().max()
+                                                    / ref[-1].abs().max())
+                entry["top1_agree_vs_hf"] = float((logits.argmax(-1) == ref.argmax(-1))
+                                                  .float().mean())
+                entry["greedy_equal_hf"] = sum(a == b for a, b in zip(greedy, res["hf_greedy"]))
+            res[key] = entry
     return res
 
 
@@ -564,8 +553,9 @@ def main(argv=None) -> list[dict]:
                 device=torch.cuda.get_device_name(device) if device.type == "cuda"
                 else platform.processor() or platform.machine(),
                 torch=torch.__version__, transformers=hf_available(), ubatch=args.ubatch,
-                decode_steps=args.decode_steps,
-                date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), **pcie)
+                decode_steps=args.decode_steps, **pcie)
+    run = run_meta()                # commit and date of this run, in its meta and every row
+    meta.update(commit=run["commit"], date=run["date"])
     sanity_res = None
     if not args.no_sanity:
         log("sanity: ours vs HF on a short prompt")
@@ -577,17 +567,7 @@ def main(argv=None) -> list[dict]:
         meta["sanity"] = sanity_res
         free_memory(device)
 
-    # warm-up: compile the kernels of every KV type once, outside the timed runs
-    for kv in args.kv if any(s.startswith("ours") for s in args.systems) else []:
-        log(f"warm-up: ours {kv}")
-        k_type, v_type = kv.split("/")
-        c = make_kv_cache(ours.config, args.ubatch + 8, 0, k_type=k_type, v_type=v_type,
-                          device=device)
-        with torch.inference_mode():
-            last = ours_prefill(ours, c, random_ids(args.ubatch, g.vocab, 7, device),
-                                args.ubatch, device, "")
-            ours_decode(ours, c, int(last.argmax()), args.ubatch, 2, device)
-        del c
+    # (each row of ours warms its own Engine up: run_ours)
     if hf is not None and hf_systems:
         log("warm-up: hf")
         from transformers import DynamicCache
@@ -611,7 +591,8 @@ def main(argv=None) -> list[dict]:
                     pcie_bound_tok_s=pcie_bound(pcie["pcie_gbps_measured"], kv_bytes,
                                                 int(arena_mib * 2**20))
                     if system in STREAMED + ("hf-offload",) else None,
-                    decode_steps=args.decode_steps, device=meta["device"])
+                    decode_steps=args.decode_steps, device=meta["device"],
+                    commit=run["commit"], date=run["date"])
 
     def record(row):
         rows.append(row)
@@ -626,8 +607,8 @@ def main(argv=None) -> list[dict]:
                 row = base(system, ctx, kv, arena)
                 log(f"{system} {kv} arena {arena:g} MiB @ {ctx}")
                 try:
-                    finish(row, run_ours(ours, g, ctx, kv, arena, args, device, ids,
-                                            graphs=system == "ours-graphs"), args.decode_steps)
+                    finish(row, run_ours(ours, ctx, kv, args, ids, arena_mib=arena,
+                                         graphs=system == "ours-graphs"), args.decode_steps)
                     log(f"  prefill {row['prefill_tok_s']:.0f} tok/s, decode "
                         f"{row['decode_tok_s']:.2f} tok/s, h2d "
                         f"{row['h2d_bytes_per_token'] / MB:.1f} MB/token")

@@ -12,7 +12,7 @@ KV arenas of several sizes, `auto` and Hugging Face peers in one run, as JSON ro
 
 Llama-3-8B geometry, random bf16 weights made on the device once (shared with the peers).
 kvcompile: one `Engine.from_model` per arena (ctx_size: the largest context, `engine_ctx`;
-a warm-up request pays for programs and kernels once), then per context bench_runner's
+no prefix reuse; a warm-up request pays for programs and kernels once), then per context bench_runner's
 request (random ids filling the context but for the decode steps, greedy) and the
 GenerationResult's prefill tok/s (to the first token), decode tok/s (steps timed to the
 sampler's read) and step p50. `auto`: the Engine's rule for a model file (plan_budget: all KV
@@ -142,8 +142,11 @@ def sweep_arena(model, g, arena, args, device, meta, guard) -> list[dict]:
                        guard.cost.get(("setup", 0), 0.0)):
         return []
     t = time.perf_counter()
+    # no prefix reuse: the contexts' prompts share their first tokens, and each row times
+    # a whole prefill
     e = kvcompile.Engine.from_model(model, ctx_size=top, cache_type_k=k, cache_type_v=v,
-                                    ubatch=args.ubatch, kv_stream_arena_mib=used, progress=False)
+                                    ubatch=args.ubatch, kv_stream_arena_mib=used,
+                                    cache_prompt=False, progress=False)
     e.generate(prompt(g, contexts[0], args)[:WARM_PROMPT], max_tokens=WARM_STEPS,
                temperature=0)
     guard.record("setup", 0, time.perf_counter() - t)
@@ -157,12 +160,12 @@ def sweep_arena(model, g, arena, args, device, meta, guard) -> list[dict]:
                        r.stats()["step_ms"]["p50"], b, args, meta, runner_mode=e.executor.mode,
                        captures=r.programs.get("captures"), kv=r.kv, engine_ctx=top,
                        launches_per_step=launches_per_step(r.programs),
-                       prompt_tokens=r.prompt_tokens, tokens=r.token_ids[:8])]
+                       prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
+                       tokens=r.token_ids[:8])]
     try:
         return cases(guard, "kvcompile", name, contexts, measure, args.out)
     finally:
-        if hasattr(e.store, "close"):         # the streaming cache's copy stream and leases
-            e.store.close()
+        e.store.close()                       # the store's copy engine and arena
 
 
 def sweep_peers(hf, hf_cfg, g, args, device, dtype, meta, guard) -> list[dict]:

@@ -1,10 +1,10 @@
-"""Small helpers the device benchmarks share: a timestamped log line, a device sync for
-timing, freeing device memory between systems, a timed prefill + greedy decode, event timing,
-the HBM bandwidth, the probes' JSON and the model benchmarks' common options."""
+"""Small helpers the device benchmarks share: a timestamped log line, the commit and date every
+result row records, a device sync for timing, freeing device memory between systems, event
+timing, the HBM bandwidth and the model benchmarks' common options. The measurements
+themselves go through the Engine (or the Executor's own steps), never a loop of these."""
 from __future__ import annotations
 
 import gc
-import json
 import os
 import sys
 import time
@@ -47,6 +47,12 @@ def run_meta() -> dict:
                 .strftime("%Y-%m-%dT%H:%M:%SZ"), device=device, torch=torch.__version__)
 
 
+def commit_date() -> dict:
+    """run_meta's commit and date alone (a row that names its device itself)."""
+    meta = run_meta()
+    return dict(commit=meta["commit"], date=meta["date"])
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -66,30 +72,6 @@ def param_bytes(model) -> int:
     tensors = [*model.parameters(), *(b for n, b in model.named_buffers() if n.endswith("qweight"))]
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in tensors}
     return sum(storages.values())
-
-
-def timed_prefill_decode(prefill, decode, ctx: int, n_warm: int, n_steps: int, device,
-                         after_warm=None) -> dict:
-    """Time `prefill()` (returns the first token), then `decode(token, position, n)` (returns
-    n greedy tokens): `n_warm` untimed steps (captures, compiles), `after_warm()` if given
-    (e.g. marking telemetry), then `n_steps` timed ones. All under inference_mode.
-    Returns prefill_s, decode_s, the first 8 tokens after the prefill's, warm_steps."""
-    with torch.inference_mode():
-        sync(device)
-        t = time.perf_counter()
-        first = prefill()
-        sync(device)
-        prefill_s = time.perf_counter() - t
-        warm = decode(first, ctx, n_warm)
-        if after_warm is not None:
-            after_warm()
-        sync(device)
-        t = time.perf_counter()
-        toks = decode(warm[-1], ctx + n_warm, n_steps)
-        sync(device)
-        decode_s = time.perf_counter() - t
-    return dict(prefill_s=prefill_s, decode_s=decode_s, decode_tokens=(warm + toks)[:8],
-                warm_steps=n_warm)
 
 
 def events_ms(fn, reps: int) -> float:
@@ -113,10 +95,3 @@ def hbm_bandwidth() -> dict:
     del x, y
     torch.cuda.empty_cache()
     return {"copy_gbps": copy, "read_gbps": read, "hbm_gbps_measured": max(copy, read)}
-
-
-def write_rows(path: str | None, hbm_gbps: float, rows: list) -> None:
-    """A probe's rows and the HBM bandwidth measured beside them, as JSON at `path` (if any)."""
-    if path:
-        with open(path, "w") as f:
-            json.dump(dict(hbm_gbps=hbm_gbps, rows=rows), f, indent=1)

@@ -30,7 +30,7 @@ def run(benchmark, argv):
 def test_runner_tiny_cpu(benchmark, tmp_path, graphs):
     argv = ["--tiny", "--device", "cpu", "--out", str(tmp_path / "runner.json"),
             "--fill-ahead", "both", "--cuda-graphs" if graphs else "--no-cuda-graphs",
-            "--ngram-check", "--second-request"]
+            "--ngram-check", "--second-request", "--turn", "24"]
     rows = run(benchmark, argv)
     assert [r["mode"] for r in rows] == ["streamed", "streamed", "resident"]
     assert [r["fill_ahead"] for r in rows[:2]] == [False, True]
@@ -40,11 +40,16 @@ def test_runner_tiny_cpu(benchmark, tmp_path, graphs):
     assert rows[0]["decode_vs_bound"] is not None and rows[0]["kv"]["streamed_fraction"] > 0
     assert all(r["ngram"]["tokens_equal"] for r in rows), [r["ngram"] for r in rows]
     assert all(r["second_request"]["tokens_equal"] for r in rows)
+    # the next turn reuses the prompt: its tokens are a cold prefill's (bitwise on the CPU)
+    for r in rows[:2]:
+        t = r["turn"]
+        assert t["cached_tokens"] > 0 and t["tokens_equal"], t
+    assert "turn" not in rows[2]
     if graphs:     # all resident with programs: the measured (second) request captures none
-        assert rows[2]["programs"]["captures"] == 0 and rows[2]["runner_mode"] == "phase programs"
-        # streamed: decode graphs (on the CPU each replay reruns the step's fixed layout)
+        assert rows[2]["programs"]["captures"] == 0 and rows[2]["runner_mode"] == "cuda graphs"
+        # streamed: on the CPU each replay reruns the step's fixed layout
         for r in rows[:2]:
-            assert r["runner_mode"] == "decode graphs" and r["launches_per_step"] == 1
+            assert r["runner_mode"] == "cuda graphs" and r["launches_per_step"] == 1
             assert r["programs"]["replays"] > 0 and "fallback" not in r["programs"]
             assert r["programs"]["compiled"]       # the traced forward, ring ops lowered
             assert r["launch_ms"] > 0              # the graphs' launch time is recorded
@@ -58,7 +63,7 @@ def test_runner_tiny_cpu(benchmark, tmp_path, graphs):
 @pytest.mark.gpu
 def test_runner_8b_device(benchmark):
     rows = run(benchmark, ["--cases", "streamed:131072,streamed:65536,resident:8192",
-                           "--second-request"])
+                           "--second-request", "--turn", "300"])
     # resident programs survive from the warm-up request; a streamed request at a new context
     # captures its layouts (one per page it decodes in), one graph launch a step; the same
     # request again captures nothing
@@ -66,3 +71,5 @@ def test_runner_8b_device(benchmark):
     assert all(r["launches_per_step"] == 1 and "fallback" not in r["programs"] for r in rows)
     assert all(r["second_request"]["captures"] == 0 and r["second_request"]["tokens_equal"]
                for r in rows)
+    turn = rows[0]["turn"]
+    assert turn["ttft_over_first"] <= 0.05 and turn["equal_or_near_tie"], turn

@@ -12,13 +12,13 @@ page id would otherwise read or write outside the pools.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
 from kvcompile.errors import KvLayoutError
+from kvcompile.ops import debug
 
-ENABLED = os.environ.get("KVCOMPILE_CHECK_INDICES", "0") not in ("", "0")
+ENABLED = debug.CHECK_INDICES
 
 
 def values_readable(*tensors: torch.Tensor | None) -> bool:

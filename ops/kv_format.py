@@ -4,8 +4,9 @@ A page holds `page_size` token positions for all KV heads of a layer. Pools are 
 tensors [num_pages, page_bytes] so that pages can live anywhere in an arena (resident
 region or ring slot) and be copied as raw bytes. Pages may lie further apart than their
 size (`pool.stride(0)` >= page_bytes: the streaming cache keeps a K and a V page side by
-side, runtime/kv_pages.py); kernels address page p at p * pool.stride(0). Inside a page the layout is head-major,
-codes apart from scales, and depends on the role (K or V) for the quantized types:
+side, kv/kv_pages.py); kernels address page p at p * pool.stride(0). Inside a page
+the layout is head-major, codes apart from scales, and depends on the role (K or V) for
+the quantized types:
 
   f32/f16/bf16:  values [H, P, D] of that dtype (K and V)
   q8_0 K:        codes int8 [H, P, D], then fp16 scales [H, P, D/32]
@@ -15,8 +16,8 @@ codes apart from scales, and depends on the role (K or V) for the quantized type
 
 K is read along D (Q.K contracts over it), so its codes keep D contiguous. V is read along
 positions (P @ V contracts over them), so its codes keep positions contiguous: the tensor
-cores' operand then comes from contiguous bytes, not byte by byte (measured on the H200:
-benchmarks/results/investigation_log.md). Same bytes per token either way.
+cores' operand then comes from contiguous bytes, not byte by byte, which made the decode
+faster (docs/findings.md, "KV page format"). Same bytes per token either way.
 
 q8_0 and q4_0 follow llama.cpp's blocks of 32 values with one fp16 scale: q8_0 stores
 round(x / d) with d = amax / 127; q4_0 stores min(15, trunc(x / d + 8.5)) with

@@ -11,8 +11,9 @@ Reads of data no kernel writes may go before the wait: the GEMV's first weight t
 norm weight, the decode reduce's output rotation (parameters and cache buffers; the ops'
 docstrings say so).
 
-Why: a captured decode step is ~390 kernels, most of a few microseconds; without PDL each
-launch and ramp-up starts only after the previous kernel drained.
+Why: a captured decode step is hundreds of short kernels (docs/findings.md, "The decode
+step: host overhead and kernels"); without PDL each launch and ramp-up starts only after
+the previous kernel drained.
 
 Rules that keep it exact: a kernel is launched with PDL if and only if it calls
 `wait_for_producers` (or `_hold_next`) before its first dependent read and before any
@@ -24,7 +25,6 @@ KVCOMPILE_PDL=0 turns it off (read at import; `ENABLED` may be set by benchmarks
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -32,8 +32,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvcompile.ops.launching import interpreting, traced
+from kvcompile.ops import debug
 
-ENABLED = os.environ.get("KVCOMPILE_PDL", "1") not in ("", "0")
+ENABLED = debug.PDL
 
 
 @triton.jit
@@ -50,9 +51,9 @@ def wait_for_producers_hold_next(PDL: tl.constexpr):
     """wait_for_producers without the early launch of the next kernel: it launches only
     once all of this one's programs have exited (and still waits for its completion). Used
     by the transposed decode split, whose reduce's programs, launched at once, sat on a few
-    SMs beside the split's, and by the blocks split over quantized K. Measured per kernel
-    (benchmarks/results/investigation_log.md): the legacy split and the blocks split over bf16 K were slower
-    with it, the blocks split over quantized K 1-5% faster."""
+    SMs beside the split's, and by the blocks split over quantized K. Chosen per kernel:
+    the legacy split and the blocks split over bf16 K were slower with it, the blocks split
+    over quantized K faster (docs/findings.md, "Decode attention kernels")."""
     if PDL:
         gdc_wait()
 

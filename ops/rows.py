@@ -1,8 +1,9 @@
 """The decoder's row ops as the models call them: the custom op (one Triton kernel) on CUDA,
 the fp32 reference itself elsewhere. `linear` picks the gemv op for decode rows on CUDA and
 F.linear for everything else. Why: on the CPU the op's dispatch (a triton_op around
-the reference's custom_op) costs more than the reference's work, 5% of a SmolLM2 decode
-step; the reference traces into plain aten ops under torch.compile."""
+the reference's custom_op) costs more than the reference's work, a visible share of a
+SmolLM2 decode step (docs/findings.md, "The CPU path"); the reference traces into plain aten
+ops under torch.compile."""
 from __future__ import annotations
 
 import torch

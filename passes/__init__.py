@@ -23,9 +23,9 @@ def default_pipeline(distance: int = 1, streamed=None) -> PassPipeline:
 
 
 def streamed_pipeline(runtime) -> PassPipeline:
-    """A streaming cache's forward: ring ops at every attention, at its own layer (the
-    runtime prefetches ahead by itself), lowered to `runtime`'s page movement
-    (runtime/compiled_view.py). Neither ring pass can be disabled."""
+    """A streamed store's forward: ring ops at every attention, at its own layer (the store
+    prefetches ahead by itself), lowered to `runtime`'s page movement (the KV store's
+    acquire_pages / release_pages, held weakly). Neither ring pass can be disabled."""
     return PassPipeline([select_attention_kernel, PlaceRingOps(0), LowerRingOps(runtime),
                          checkpoint_hook, check_lowerable],
                         required=("place_ring_ops", "lower_ring_ops"))

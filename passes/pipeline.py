@@ -7,15 +7,15 @@ that ran are recorded in `gm.meta["kvcompile_passes"]`.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import fx
 
 from kvcompile.errors import KvcompileError
+from kvcompile.ops import debug
 
-DISABLE_ENV = "KVCOMPILE_DISABLE_PASSES"
+DISABLE_ENV = debug.DISABLE_PASSES_ENV
 LOWERS = ("graph", "inductor")
 
 PassFn = Callable[[fx.GraphModule, Sequence], fx.GraphModule]
@@ -47,8 +47,7 @@ class PassPipeline:
 
     def _disabled(self, disable: Iterable[str] | None) -> set[str]:
         names = {disable} if isinstance(disable, str) else set(disable or ())
-        env = os.environ.get(DISABLE_ENV, "")
-        names |= {n.strip() for n in env.split(",") if n.strip()}
+        names |= debug.DISABLE_PASSES
         unknown = sorted(names - set(self.names))
         if unknown:
             raise PassError(f"cannot disable unknown pass(es) {unknown} (from the disable "
@@ -87,7 +86,7 @@ class PassPipeline:
         - lower="inductor": hand it to inductor, which fuses the torch ops around the
           kvcompile ops into Triton kernels (the kvcompile ops keep their own kernels).
           Equal to eager within float rounding, not bitwise (fused reductions and FMAs
-          round differently); slower than "graph" on the 8B decode (docs/phases.md)."""
+          round differently); slower than "graph" on the 8B decode (docs/findings.md)."""
         if lower not in LOWERS:
             raise PassError(f"unknown lowering {lower!r}; use one of {LOWERS}")
 

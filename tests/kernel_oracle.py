@@ -42,7 +42,7 @@ def garbage_pool(n_pages: int, kv_name: str, page_size: int, n_kv: int, head_dim
 
 
 def paired_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, gen: torch.Generator):
-    """The same pages as the streaming cache lays them out (runtime/kv_pages.PagePair):
+    """The same pages as the streaming cache lays them out (kv/kv_pages.PagePair):
     (buffer [N, stride], K view, V view), each physical page a K page then a V page, any
     padding random bytes; a kernel that steps pages by page_bytes reads the wrong ones."""
     from kvcompile.kv.kv_pages import PagePair

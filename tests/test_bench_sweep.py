@@ -45,6 +45,7 @@ def test_rows_have_the_fields_and_finite_rates(sweep):
             assert math.isfinite(r[k]) and r[k] > 0, (k, r)
     for r in rows[:4]:
         assert r["kv_type"] == "q8_0/q4_0" and r["step_p50_ms"] > 0 and r["captures"] in (0, None)
+        assert r["cached_tokens"] == 0                 # every context's prefill is whole
     by = {(r["arena_mib"], r["ctx"]): r for r in rows[:4]}
     streamed = by[(0.3, 512)]
     assert streamed["bound_kind"] == "pcie" and streamed["bound_tok_s"] > 0

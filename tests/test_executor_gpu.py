@@ -27,7 +27,6 @@ from kvcompile.kv.store import KvStore
 from kvcompile.models.config import ModelConfig
 from kvcompile.models.llama import LlamaModel
 from kvcompile.models.qwen35 import Qwen35Model
-from kv_steps import forward
 from test_executor import tiny_arena
 
 pytestmark = [pytest.mark.gpu,

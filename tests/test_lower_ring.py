@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import kvcompile.passes as P
+from kvcompile.ops import debug
 from kvcompile.passes import LowerRingOps, PassError, PlaceRingOps, streamed_pipeline
 from kvcompile.passes.lower_ring import acquire_pages, release_pages
 from test_passes import ACQ, ATT, KVW, REL, attention_chain
@@ -106,10 +107,10 @@ def test_streamed_pipeline_refuses_to_drop_its_ring_passes(monkeypatch):
     for name in ("place_ring_ops", "lower_ring_ops"):
         with pytest.raises(PassError, match="cannot be disabled"):
             pipeline.run(gm, inputs, disable={name})
-        monkeypatch.setenv(P.DISABLE_ENV, name)
+        monkeypatch.setattr(debug, "DISABLE_PASSES", frozenset({name}))
         with pytest.raises(PassError, match="cannot be disabled"):
             pipeline.run(gm, inputs)
-        monkeypatch.delenv(P.DISABLE_ENV)
+        monkeypatch.setattr(debug, "DISABLE_PASSES", frozenset())
     with pytest.raises(PassError, match="not in the pipeline"):
         P.PassPipeline([PlaceRingOps(0)], required=("lower_ring_ops",))
 
@@ -127,7 +128,7 @@ def test_compiled_streamed_forward_moves_pages_and_equals_resident(monkeypatch, 
     from test_executor import tiny_arena
     from test_kv_cache import TINY, tiny_weights
 
-    monkeypatch.delenv(P.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(debug, "DISABLE_PASSES", frozenset())
     ctx, dev = 512, torch.device(device)
     cfg = replace(TINY, context_length=ctx)
     model = LlamaModel.from_weights(cfg, tiny_weights(cfg, torch.Generator().manual_seed(SEED)),

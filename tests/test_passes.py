@@ -11,6 +11,7 @@ import torch
 from torch import fx
 
 import kvcompile.passes as P
+from kvcompile.ops import debug
 from kvcompile.errors import KvcompileError
 from kvcompile.ops import kv_format as F
 from kvcompile.passes import PassError, PassPipeline, PlaceRingOps, default_pipeline
@@ -84,7 +85,7 @@ def _tag(name):
 
 
 def test_pipeline_runs_in_order_and_disables_by_name(monkeypatch):
-    monkeypatch.delenv(P.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(debug, "DISABLE_PASSES", frozenset())
     pipe = PassPipeline([_tag("a"), _tag("b"), _tag("c")])
     gm, inputs = attention_chain(1)
     gm = pipe.run(gm, inputs)
@@ -95,22 +96,22 @@ def test_pipeline_runs_in_order_and_disables_by_name(monkeypatch):
     gm, _ = attention_chain(1)
     gm = pipe.run(gm, inputs, disable="b")               # one name as a string
     assert gm.meta["order"] == ["a", "c"]
-    monkeypatch.setenv(P.DISABLE_ENV, "a, c")
+    monkeypatch.setattr(debug, "DISABLE_PASSES", frozenset({"a", "c"}))
     gm, _ = attention_chain(1)
     gm = pipe.run(gm, inputs)
     assert gm.meta["order"] == ["b"] and gm.meta["kvcompile_passes"] == ["b"]
 
 
 def test_pipeline_errors(monkeypatch):
-    monkeypatch.delenv(P.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(debug, "DISABLE_PASSES", frozenset())
     pipe = PassPipeline([_tag("a"), _tag("b")])
     gm, inputs = attention_chain(1)
     with pytest.raises(KvcompileError, match=r"unknown pass.*'nope'.*\['a', 'b'\]"):
         pipe.run(gm, inputs, disable={"nope"})
-    monkeypatch.setenv(P.DISABLE_ENV, "place_ring_opz")
+    monkeypatch.setattr(debug, "DISABLE_PASSES", frozenset({"place_ring_opz"}))
     with pytest.raises(PassError, match="place_ring_opz"):
         default_pipeline().run(gm, inputs)
-    monkeypatch.delenv(P.DISABLE_ENV)
+    monkeypatch.setattr(debug, "DISABLE_PASSES", frozenset())
     with pytest.raises(PassError, match="unique"):
         PassPipeline([_tag("a"), _tag("a")])
 
@@ -347,7 +348,7 @@ _foreign.register_fake(lambda x: torch.empty_like(x))
 @pytest.mark.parametrize("op,name", [(torch.ops.kvcompile.test_unlowered, "kvcompile.test_unlowered"),
                                      (torch.ops.kvcompile_test.foreign.default, "kvcompile_test.foreign")])
 def test_check_lowerable_names_the_op_without_lowering(op, name, monkeypatch):
-    monkeypatch.delenv(P.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(debug, "DISABLE_PASSES", frozenset())
 
     def graph():
         gm, inputs = attention_chain(2)
@@ -366,7 +367,7 @@ def test_check_lowerable_names_the_op_without_lowering(op, name, monkeypatch):
 
 
 def test_default_pipeline_on_a_clean_graph(monkeypatch):
-    monkeypatch.delenv(P.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(debug, "DISABLE_PASSES", frozenset())
     gm, inputs = attention_chain(3, rows=1, with_writes=True)
     ref_inputs = [t.clone() for t in inputs]
     want = attention_chain(3, rows=1, with_writes=True)[0](*ref_inputs)
@@ -408,7 +409,7 @@ def test_tiny_llama_compiled_through_the_pipeline_equals_eager(monkeypatch):
     from test_kv_cache import TINY, tiny_weights
     from kvcompile.models.llama import LlamaModel
 
-    monkeypatch.delenv(P.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(debug, "DISABLE_PASSES", frozenset())
     g = torch.Generator().manual_seed(1234)
     model = LlamaModel.from_weights(TINY, tiny_weights(TINY, g))
     prompt = torch.randint(0, TINY.vocab_size, (12,), generator=g)
@@ -450,7 +451,7 @@ def test_ring_ops_survive_aot_and_inductor(monkeypatch):
     from kvcompile.kv.store import KvStore
     from kvcompile.models.llama import LlamaModel
 
-    monkeypatch.delenv(P.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(debug, "DISABLE_PASSES", frozenset())
     model = LlamaModel.from_weights(TINY, tiny_weights(TINY, torch.Generator().manual_seed(7)))
     pipeline, post_grad = default_pipeline(distance=1), []
 
@@ -482,7 +483,7 @@ def test_ring_ops_survive_aot_and_inductor(monkeypatch):
 
 def test_compiled_model_with_an_unlowered_op_fails_clearly(monkeypatch):
     """Through torch.compile the pass's error reaches the caller unwrapped."""
-    monkeypatch.delenv(P.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(debug, "DISABLE_PASSES", frozenset())
 
     class Odd(torch.nn.Module):
         def forward(self, x):
@@ -504,7 +505,7 @@ def test_dynamic_shapes_and_env_disable_under_compile(monkeypatch):
     from kvcompile.kv.store import KvStore
     from kvcompile.models.llama import LlamaModel
 
-    monkeypatch.setenv(P.DISABLE_ENV, "place_ring_ops")
+    monkeypatch.setattr(debug, "DISABLE_PASSES", frozenset({"place_ring_ops"}))
     model = LlamaModel.from_weights(TINY, tiny_weights(TINY, torch.Generator().manual_seed(3)))
     graphs = []
 

@@ -1,6 +1,6 @@
 """GGUF weight formats: the planar layout (ops/qlinear/formats.py), its fp32 reference
 dequantizer (ops/qlinear/naive.py) against the gguf package bit for bit, and our torch
-quantizer (kvcompile/gguf/quantize.py): valid bytes, error near llama.cpp's, bad input, the
+quantizer (kvcompile/io/gguf/quantize.py): valid bytes, error near llama.cpp's, bad input, the
 same bytes on CPU and CUDA, and a synthetic q4_k model that llama.cpp reads as we do."""
 from __future__ import annotations
 

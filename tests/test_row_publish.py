@@ -1,4 +1,4 @@
-"""Row publishing (runtime/row_publish.py): a captured step copies the bytes of its rows, not
+"""Row publishing (kv/row_publish.py): a captured step copies the bytes of its rows, not
 its pages, from the arena to host history.
 
 Oracle: kv_write's reference writing the same new rows straight into the host pages. The

@@ -138,8 +138,8 @@ def test_copies_are_grouped_runs_of_contiguous_pages(model):
     streamed_with_rows = last.streamed_reads       # every streamed page has published rows
     assert last.h2d_bytes == streamed_with_rows * 2 * kb
     # one copy per run; a run splits only where the ring wraps: <= 2 per layer
-    assert cache.streamer.pool.count.copies <= 2 * CFG.n_layers
-    assert cache.streamer.pool.count.copies < streamed_with_rows
+    assert cache.streamer.pool.count["copies"] <= 2 * CFG.n_layers
+    assert cache.streamer.pool.count["copies"] < streamed_with_rows
 
 
 def test_host_history_equals_the_dense_cache_after_every_forward(model):

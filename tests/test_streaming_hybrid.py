@@ -12,7 +12,6 @@ import torch
 
 from kvcompile.kv.store import KvStore
 from kvcompile.ops import kv_format as F
-from kvcompile.kv.store import KvStore
 from kvcompile.kv.arena import MIB, align
 from tiny_hybrid import tiny_hybrid, write_tiny_hybrid
 

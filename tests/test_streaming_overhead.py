@@ -20,7 +20,6 @@ from kvcompile.errors import ContextLengthError, KvLayoutError
 from kvcompile.kv.store import KvStore
 from kvcompile.models.llama import LlamaModel
 from kvcompile.ops import kv_format as F
-from kvcompile.kv.store import KvStore
 from kv_steps import forward
 from kvcompile.kv import policy as P
 from kvcompile.kv.arena import MIB, align

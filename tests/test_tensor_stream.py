@@ -1,4 +1,4 @@
-"""TensorStream (kvcompile/gguf/tensor_stream.py): chunks of tensors read through rotating
+"""TensorStream (kvcompile/io/gguf/tensor_stream.py): chunks of tensors read through rotating
 staging buffers with a read-ahead carry the file's bytes, whether the read-ahead covers the
 next request (tensors back to back or past a few bytes of padding) or not (a jump)."""
 from __future__ import annotations

@@ -9,9 +9,9 @@ more fails with a clear error instead of growing past it.
 Workspace (what the forward allocates besides weights and KV): rope tables, the recurrent
 state of hybrid models, the decode kernels' scratch, one prefill ubatch's activations
 (4 bytes an element of a layer's widths: the bf16 activations twice over, room for a
-layer's temporaries and the caching allocator's rounding; benchmarks/results/investigation_log.md has the
-measured peak),
-and a fixed reserve for cuBLAS / Triton workspaces and CUDA-graph pools.
+layer's temporaries and the caching allocator's rounding; docs/findings.md, "Streaming and
+PCIe", has a measured peak), and a fixed reserve for cuBLAS / Triton workspaces and
+CUDA-graph pools.
 """
 from __future__ import annotations
 

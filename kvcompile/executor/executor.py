@@ -37,9 +37,9 @@ from collections import OrderedDict
 import torch
 
 from kvcompile.errors import ProgramError
-from kvcompile.executor.capture import capture_step
+from kvcompile.executor.capture import capture_program
 from kvcompile.executor.compile import trace_forward
-from kvcompile.executor.programs import Program, Rerun, StaticInput, warming
+from kvcompile.executor.programs import Program, StaticInput, warming
 from kvcompile.kv.layer_kv import check_range
 from kvcompile.models.layers import check_rope_range
 
@@ -327,32 +327,15 @@ class Executor:
         progs = self.programs[key]
         while len(progs) >= self.max_layouts:
             progs.popitem(last=False)
-        rows, store = key[1], self.store
+        store = self.store
 
         def work():
             store.issue_forward(layout)
             out = self._call(key, inp, last_only)
             store.end_issue()
             return out
-        if not self.cuda:
-            progs[layout] = Program(Rerun(work), None, (0, 0))
-            self.counts["captures"] += 1
-            return
-        state = self.state
-        n_tokens = state.n_tokens if state is not None else None
-        store.prepare_capture()
-        try:
-            with self._no_tracing():
-                graph, out, moved = capture_step(work, self.device, self._graph_pool, store)
-        except BaseException:
-            with contextlib.suppress(RuntimeError):
-                torch.cuda.synchronize(self.device)
-            store.abandon_capture()
-            raise
-        finally:
-            if state is not None:          # the capture's state.begin() did not happen
-                state.n_tokens = n_tokens
-        progs[layout] = Program(graph, out, moved, store.captured())
+        progs[layout] = capture_program(work, self.device, self._graph_pool, store,
+                                        self.state, self._no_tracing)
         self.counts["captures"] += 1
 
     def _no_tracing(self):

@@ -25,15 +25,11 @@ _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
               "model.norm.weight": "output_norm.weight",
               "lm_head.weight": "output.weight"}
 _LAYER_NAMES = {
+    **{f"self_attn.{h}_proj.{p}": f"attn_{h}.{p}" for h in "qkv" for p in ("weight", "bias")},
+    **{f"mlp.{m}_proj.weight": f"ffn_{m}.weight" for m in ("gate", "up", "down")},
     "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
 }
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _SKIPPED = re.compile(r".*rotary_emb\.inv_freq")  # recomputed from rope_theta
@@ -113,7 +109,7 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float
                        progress: bool = True):
     from safetensors import SafetensorError, safe_open
 
-    from kvcompile.io.weights import LoadedWeights
+    from kvcompile.io.loaded_weights import LoadedWeights
 
     folder = _folder(Path(path))
     hf = read_hf_config(folder)

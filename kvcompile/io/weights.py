@@ -17,17 +17,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvcompile.models.config import ModelConfig
 from kvcompile.io.default_model import default_model_path
-
-
-@dataclass
-class LoadedWeights:
-    config: ModelConfig
-    tensors: dict[str, torch.Tensor]
-    metadata: dict
-    source: str  # "gguf" or "hf"
-    seconds: dict | None = None   # GGUF: header, read (file bytes not hidden), wait (copies)
+from kvcompile.io.loaded_weights import LoadedWeights
 
 
 def is_hf_checkpoint(path: str | os.PathLike) -> bool:

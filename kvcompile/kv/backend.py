@@ -6,7 +6,6 @@ DONE as soon as the Python call returned (CUDA: an event recorded on the compute
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Protocol
 
@@ -16,6 +15,7 @@ from kvcompile.errors import ArenaError
 from kvcompile.kv.copy_engine import (CopyEngine, Instrument, SyncCopyEngine,
                                            ThreadedCopyEngine)
 from kvcompile.kv.fences import DONE, Fence, all_done
+from kvcompile.kv.host_memory import check_host_bytes
 
 
 class Backend(Protocol):
@@ -96,22 +96,3 @@ class CpuBackend:
 
     def check_host_bytes(self, nbytes: int) -> None:
         check_host_bytes(nbytes, pinned=False)
-
-
-def host_memory_bytes() -> int:
-    """Physical memory of this machine (0 when the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def check_host_bytes(nbytes: int, pinned: bool) -> None:
-    """KV history that cannot fit in host memory fails now, with what to change, instead of
-    swapping or dying part way through allocating it."""
-    have = host_memory_bytes()
-    if have and nbytes > have:
-        kind = "pinned host memory" if pinned else "host memory"
-        raise ArenaError(f"the KV history needs {nbytes / 2**30:.1f} GiB of {kind}; this "
-                         f"machine has {have / 2**30:.1f} GiB; lower --ctx-size or use a "
-                         f"smaller KV type (--cache-type-k/-v q8_0)")

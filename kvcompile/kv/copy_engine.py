@@ -83,7 +83,7 @@ class CopyEngine(ABC):
 
     def publish_rows(self, pools, hosts, table, positions, maps) -> None:
         """Copy the bytes of `positions` from their K and V arena pages (`table`) to their
-        host pages, on the compute side, in the caller's order (runtime/row_publish.py).
+        host pages, on the compute side, in the caller's order (kv/row_publish.py).
         The CPU does it at once; CUDA launches a kernel on the current stream."""
         from kvcompile.kv.row_publish import publish_rows_reference
         publish_rows_reference(pools, hosts, table, positions, maps)

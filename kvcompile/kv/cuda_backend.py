@@ -13,12 +13,13 @@ copies that land after the host moved on still count for their own forward.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
 
 from kvcompile.errors import ArenaError
-from kvcompile.kv.backend import check_host_bytes
+from kvcompile.kv.host_memory import check_host_bytes
 from kvcompile.kv.checker import FenceChecker
 from kvcompile.kv.copy_engine import CopyEngine, CopyNote, Instrument
 from kvcompile.kv.fences import Fence, all_done, latest_per_stream
@@ -289,29 +290,14 @@ class TimelineChecker:
         ev.record()                              # the current stream: copy or compute
         self._log.append((ev, len(self._log), name, args))
 
-    def fill_start(self, *a):
-        self._mark("fill_start", *a)
+    # the FenceChecker's events, each marked on the stream that performs it
+    EVENTS = frozenset({"fill_start", "fill_end", "publish_start", "publish_end", "claim",
+                        "read_start", "read_end", "release"})
 
-    def fill_end(self, *a):
-        self._mark("fill_end", *a)
-
-    def publish_start(self, *a):
-        self._mark("publish_start", *a)
-
-    def publish_end(self, *a):
-        self._mark("publish_end", *a)
-
-    def claim(self, *a):
-        self._mark("claim", *a)
-
-    def read_start(self, *a):
-        self._mark("read_start", *a)
-
-    def read_end(self, *a):
-        self._mark("read_end", *a)
-
-    def release(self, *a):
-        self._mark("release", *a)
+    def __getattr__(self, name):
+        if name in TimelineChecker.EVENTS:
+            return functools.partial(self._mark, name)
+        raise AttributeError(name)
 
     def replay(self) -> FenceChecker:
         """Wait for the device, then run the recorded events through the checker."""

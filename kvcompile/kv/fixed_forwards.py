@@ -5,7 +5,7 @@ device work whatever the position within its pages: slots from ring slot 0, ever
 page filled whether or not the host holds rows for it yet (a page the context has not
 reached is read as junk and never attended to). It publishes the bytes of its rows (`rows`,
 the step's positions as a device tensor) on the compute side before the consumed fence
-(runtime/row_publish.py), or without row maps every page of `written`. `fill_ahead` issues,
+(kv/row_publish.py), or without row maps every page of `written`. `fill_ahead` issues,
 between two fixed forwards, the fills the next one's begin would issue (its first layers,
 as far as the empty ring takes them), so the copy engine works while the host samples and
 launches; that forward then begins with `ahead=k` and skips them.

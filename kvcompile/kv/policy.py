@@ -11,7 +11,7 @@ save a few percent of the bytes (one layer's ring share becomes resident) but se
 each layer's copy behind the previous layer's attention, which costs more than it saves
 (measured on the H200: the split flipped between 1 and 2 every few steps, each flip a
 drain; the streaming cache therefore keeps depth >= 2 with `min_depth`). Decode steps are
-another matter: their compute per layer is short, so with split fills (runtime/pool.py) a
+another matter: their compute per layer is short, so with split fills (kv/pool.py) a
 ring of one layer's stream plus a margin that lands during that compute keeps the copy
 engine busy: `decode_depth` (e.g. 1.5 layers) is the depth of forwards of few rows, and
 a change of phase (prefill <-> decode) is taken at once, without patience. A request that

@@ -13,21 +13,22 @@ layer only takes slots already released by earlier layers, so a copy waits only 
 consumed fences that exist (recorded), never on future work. Split fills: a layer whose
 first slots are free but whose last ones the layer before it still holds takes and fills
 the free ones now (they land while that layer computes) and the rest once it releases, so
-a ring of one layer's stream plus a margin keeps the copy engine busy (runtime/policy.py,
+a ring of one layer's stream plus a margin keeps the copy engine busy (kv/policy.py,
 `decode_depth`); prefetch of later layers stops at such a layer. Release publishes the
 rows written this forward to host history and records each page's consumed fence.
 
-Fixed forwards (captured steps) and what surrounds them: runtime/fixed_forwards.py.
+Fixed forwards (captured steps) and what surrounds them: kv/fixed_forwards.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
 
 import torch
 
 from kvcompile.errors import KvLayoutError
 from kvcompile.kv.copy_engine import CopyNote
 from kvcompile.kv.fences import DONE, AllOf, device_wait_all, wait_all
+from kvcompile.kv.fills import RingFills
 from kvcompile.kv.fixed_forwards import FilledAhead, FixedForwards
 from kvcompile.kv.placement import Placement
 from kvcompile.kv.span_plan import Ring
@@ -35,17 +36,11 @@ from kvcompile.kv.span_plan import Ring
 UNSAFE = frozenset({"skip_ready_wait", "skip_consumed_wait"})  # test-only broken orderings
 
 
-@dataclass
-class ForwardCounters:
-    misses: int = 0
-    resident_reads: int = 0
-    streamed_reads: int = 0
-    peak_held: int = 0
-    copies: int = 0
-    split: int = 0               # layers filled in two parts (split fills)
+# what a forward's telemetry counts: misses, resident_reads, streamed_reads, peak_held,
+# copies, split (layers filled in two parts: split fills)
 
 
-class StreamingPool(FixedForwards):
+class StreamingPool(RingFills, FixedForwards):
     def __init__(self, kv_pool, pair, host, layers, engine, backend, max_pages: int,
                  unsafe=frozenset(), check_plans: bool | None = None, row_maps=None):
         """kv_pool: uint8 [P, pair.stride], physical pages each a K and a V page
@@ -95,7 +90,7 @@ class StreamingPool(FixedForwards):
         self.ahead = 0                           # its first layers filled by fill_ahead
         self.current = None
         self.order: list[int] = []
-        self.count = ForwardCounters()
+        self.count = Counter()
 
     # ---- layout --------------------------------------------------------------------------
     @property
@@ -189,7 +184,7 @@ class StreamingPool(FixedForwards):
                                 f"{n_pages - self.r} slots; the ring has {self.ring.n_slots}")
         self.active, self.issued, self.current = (n_pages, written), {}, None
         self.partial = None
-        self.count = ForwardCounters()
+        self.count = Counter()
         self._tables_written = self._write_all_tables(n_pages)
         self._prefetch()
         if ahead:                        # the forward took over the fills made ahead
@@ -235,7 +230,7 @@ class StreamingPool(FixedForwards):
             raise KvLayoutError(f"layer {layer} was already acquired in this forward; its "
                                 f"ring slots may be reused by now")
         if not self.fixed and self.backend.readiness_miss(job.ready):   # (a capture cannot ask)
-            self.count.misses += 1
+            self.count["misses"] += 1
         if "skip_ready_wait" not in self.unsafe:
             # The compute side waits for the copies; on CUDA a stream wait, no host sync.
             device_wait_all(job.ready)
@@ -255,8 +250,8 @@ class StreamingPool(FixedForwards):
         delay = self.engine.instrument.compute_delay
         if delay is not None:
             self.backend.compute_delay(delay())
-        self.count.resident_reads += job.r
-        self.count.streamed_reads += job.n_streamed
+        self.count["resident_reads"] += job.r
+        self.count["streamed_reads"] += job.n_streamed
         self.current = layer
         return table
 
@@ -307,110 +302,6 @@ class StreamingPool(FixedForwards):
                     self.checker.release([p for s in job.held for p in s])
                 self._unhold(job, AllOf(job.ready))
         self.active, self.issued, self.rows, self.partial = None, {}, None, None
-
-    # ---- issuing ---------------------------------------------------------------------------
-    def _prefetch(self) -> None:
-        """Issue layers in order from the first not issued, as far as the ring allows (the
-        rest of a layer placed in part first)."""
-        if self.partial is None or self._place(self.partial, self.partial.n):
-            self.partial = None
-            nxt = len(self.issued)
-            while nxt < len(self.order) and self._issue(self.order[nxt],
-                                                         copy=nxt >= self.ahead):
-                nxt += 1
-                if self.partial is not None:
-                    break
-        self.count.peak_held = max(self.count.peak_held, self.held)
-
-    def _issue(self, li: int, copy: bool = True) -> bool:
-        """Place layer li (ring slots, runs) and fill it, or with split fills only the
-        pages whose slots are free now (`partial`); copy=False: its fills were issued ahead
-        into the very slots (fill_ahead), so only the placement is made."""
-        n_pages, _ = self.active
-        r = min(self.r, n_pages)
-        job = Placement.build(li, self.L, r, n_pages, self._ring, self.cursor)
-        free = self._free_prefix(job)
-        if free < job.n_streamed and (not copy or not self.split_fills or not free):
-            return False
-        self.cursor = (self.cursor + job.n_streamed) % max(self._ring.n_slots, 1)
-        v = self.valid_upto[li]
-        self.valid_upto[li] = max(v, r)
-        job.placed = min(v, r)                       # stale resident pages are refilled
-        self.issued[li] = job
-        self._place(job, r + free, copy)
-        if not job.complete:
-            self.partial = job
-            self.count.split += 1
-        return True
-
-    def _free_prefix(self, job: Placement) -> int:
-        """How many of the layer's streamed pages, in order, have a free ring slot."""
-        if "skip_consumed_wait" in self.unsafe:
-            return job.n_streamed
-        free = 0
-        for s in job.slot_ranges():
-            seg = self.holder[s.start:s.stop]
-            k = next((i for i, h in enumerate(seg) if h is not None), len(seg))
-            free += k
-            if k < len(seg):
-                break
-        return free
-
-    def _place(self, job: Placement, upto: int, copy: bool = True) -> bool:
-        """Take the slots of the job's logical pages [placed, upto) and fill them (one
-        copy group: one copy per run, behind each page's last use); False, nothing
-        done, while a slot is still held."""
-        runs = job.runs(job.placed, upto)
-        ring0 = self._ring.first_physical_page
-        slots = [range(p0, p0 + n) for _, p0, n in runs if p0 >= ring0]
-        ignore_held = "skip_consumed_wait" in self.unsafe
-        if not ignore_held and any(self.holder[s.start:s.stop].count(None) != len(s)
-                                   for s in slots):
-            return False
-        layer, li = self.layers[job.li], job.li
-        for s in slots:
-            self.held += self.holder[s.start:s.stop].count(None)
-            self.holder[s.start:s.stop] = [layer] * len(s)
-        job.held += slots
-        job.placed = upto
-        rows_cut = self.host.rows_pages(layer)           # pages from here on have no rows
-        ring_cut = self.host.max_pages if self.fixed else rows_cut
-        chk = self.checker is not None
-        pairs, after, pages, owners = [], set(), [], []
-        hkv = self.host.kv[layer]
-        for lp0, p0, n in runs:
-            k = max(0, min(n, (rows_cut if lp0 < job.r else ring_cut) - lp0))
-            if k:      # published rows: copy them (all runs of the layer in one group)
-                pairs.append((self.kv_pool[p0:p0 + k], hkv[lp0:lp0 + k]))
-                if not ignore_held:
-                    after.update(self.last_use[p0:p0 + k])
-                if chk:
-                    pages += range(p0, p0 + k)
-                    owners += [(li, lp) for lp in range(lp0, lp0 + k)]
-            if n - k:  # nothing published yet: no copy, but the layer's writes must still
-                # wait for the pages' previous users (the checker hears of it at acquire)
-                p1, lp1, m = p0 + k, lp0 + k, n - k
-                job.claims.append((tuple(range(p1, p1 + m)) if chk else (),
-                                   tuple((li, lp) for lp in range(lp1, lp1 + m)) if chk
-                                   else ()))
-                if not ignore_held:
-                    job.ready += set(self.last_use[p1:p1 + m])
-        if not copy:     # a capture forgot them (it drained first); a rerun waits on them
-            job.ready += self.filled_ahead.ready.get(li, [])
-        elif pairs:
-            owners = tuple(owners)
-            job.ready.append(self.engine.copy(pairs, CopyNote("fill", tuple(pages), owners,
-                                                              owners), after=list(after)))
-            self.count.copies += 1
-        return True
-
-    def _unhold(self, job: Placement, fence) -> None:
-        for s in job.held:
-            self.held -= len(s) - self.holder[s.start:s.stop].count(None)
-            self.holder[s.start:s.stop] = [None] * len(s)
-            if fence is not None:
-                self.last_use[s.start:s.stop] = [fence] * len(s)
-        job.held = []
 
     def _idle(self, what: str) -> None:
         if self.active is not None:

@@ -1,4 +1,4 @@
-"""The Triton kernel of runtime/row_publish.py: program (row r, block b) copies one block of
+"""The Triton kernel of kv/row_publish.py: program (row r, block b) copies one block of
 the bytes of position positions[r], K's blocks first and then V's, from the layer's arena
 page (its page table picks it) to the same bytes of its host page. Launched directly (never
 traced: the pool calls it from a lowered ring op or an eager forward), so pinned host

@@ -7,12 +7,12 @@ rotations: layer_kv.py). Beside the pages: how far each layer's history reaches,
 model's recurrent state (and its host checkpoints for prefix reuse), the token ids the
 engine fed, and a telemetry record of every forward.
 
-Where the pages live is a policy of the store, not another class:
-- all resident (`arena_mib=0`): the arena holds every page of the context; the device pages
-  are the history (no host copy), page tables never change;
-- streamed (`arena_mib > 0`): the history is on the host (pinned on CUDA) and a `Streamer`
-  places each forward's pages (resident region and one ring shared by all layers) in the
-  arena, prefetching ahead of the layers that read them (streamer.py, pool.py).
+Where the pages live is a policy of the store (`placement`), not another class:
+- all resident (`arena_mib=0`, resident.py): the arena holds every page of the context; the
+  device pages are the history (no host copy), page tables never change;
+- streamed (`arena_mib > 0`, streamer.py): the history is on the host (pinned on CUDA) and
+  the `Streamer` places each forward's pages (resident region and one ring shared by all
+  layers) in the arena, prefetching ahead of the layers that read them (pool.py).
 
 A forward is bracketed: `open_forward` (checks, the split, bookkeeping), `issue_forward`
 (placement; for a captured step its fixed layout's work), the model's layers (each
@@ -23,23 +23,23 @@ bracket (executor/executor.py); tests may drive it by hand.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kvcompile.errors import ArenaError, ContextLengthError, KvLayoutError
 from kvcompile.kv.arena import MIB, Arena, align, mib_for
 from kvcompile.kv.backend import Backend, make_backend
-from kvcompile.kv.fences import AllOf
 from kvcompile.kv.host_history import HostHistory, RowCounts
 from kvcompile.kv.kv_pages import PagePair, min_arena_bytes, page_bytes
 from kvcompile.kv.layer_kv import LayerKv, check_positions, check_range, decode_workspace_numel
 from kvcompile.kv.prefix import PrefixState
 from kvcompile.kv.recurrent_state import RecurrentState
+from kvcompile.kv.resident import RESIDENT, AllResident
 from kvcompile.kv.rotation import k_rotation, v_rotation
 from kvcompile.kv.streamer import Streamer
 from kvcompile.kv.telemetry import StepStats, summarize
 from kvcompile.ops import kv_format as F
-
-RESIDENT = "resident"     # the layout of every step over an all-resident store
 
 
 class KvStore:
@@ -91,9 +91,10 @@ class KvStore:
         kv_pool = self._leases[1].view().view(n_phys, pair.stride)
         self.pages = kv_pool              # uint8 [physical pages, K page + V page]
         workspace = (self._leases[0].view().view(torch.float32) if scratch else None)
-        self.streamer: Streamer | None = None
+        self.streamer: Streamer | None = None      # the streamed policy's machinery
         if self.resident:
             self.history = RowCounts(self.layers, page_size)
+            self.placement = AllResident(self)
             k_pool, v_pool = pair.views(kv_pool)
             self._tables = (torch.arange(self.num_pages, dtype=torch.int32,
                                          device=self.device)[None, :] * L
@@ -105,6 +106,7 @@ class KvStore:
             self.streamer = Streamer(self, kv_pool, pair, self.history, self.backend,
                                      policy=policy, unsafe=unsafe, depth=decode_depth,
                                      prefetch_next=prefetch_next, fill_ahead=fill_ahead)
+            self.placement = self.streamer
             k_pool, v_pool = self.streamer.pool.k_pool, self.streamer.pool.v_pool
             tables = self.streamer.pool.page_tables
         d = config.head_dim
@@ -199,7 +201,6 @@ class KvStore:
     def open_forward(self, positions: torch.Tensor, lo: int, hi: int, layers=None) -> None:
         """The host half of a forward's begin: checks, the split, its bookkeeping. positions:
         the device tensor the model gets; lo / hi: its smallest and largest value."""
-        import time
         layers = self.layers if layers is None else tuple(layers)
         if self._step is not None:
             raise KvLayoutError("begin_forward called twice without end_forward")
@@ -212,17 +213,15 @@ class KvStore:
             raise ContextLengthError(f"position {lo} leaves a gap after the {have} "
                                      f"positions already in the cache")
         s = dict(t0=time.perf_counter(), lo=lo, hi=hi, layers=layers, positions=positions,
-                 tokens=int(positions.numel()))
-        if self.streamer is not None:
-            self.streamer.open(s)
+                 tokens=hi - lo + 1)
+        self.placement.open(s)
         self.history.truncate(lo, layers)   # rows from lo on are rewritten by this forward
         self._step = s
 
     def issue_forward(self, layout=None) -> None:
         """Issue the open forward's placement and first copies, or with a layout the fixed
         work of a captured step."""
-        if self.streamer is not None:
-            self.streamer.issue(self._step, None if layout == RESIDENT else layout)
+        self.placement.issue(self._step, None if layout == RESIDENT else layout)
 
     def end_forward(self, ok: bool = True, ahead: bool = True) -> None:
         """Close the open forward: its rows become history (ok), its telemetry; ahead=False
@@ -232,70 +231,50 @@ class KvStore:
         s, self._step = self._step, None
         if ok:       # (first: a forward begun ahead copies the pages that hold rows)
             self.history.publish(s["hi"] + 1, s["layers"])
-        if self.streamer is not None:
-            self.streamer.end(s, ok, ahead)
-        elif ok:
-            self._record(s)
+        self.placement.end(s, ok, ahead)
 
+    # ---- captured steps (executor/executor.py) ----------------------------------------------
     def step_layout(self):
         """The fixed layout the open forward runs in as a captured step: RESIDENT for an
         all-resident store (its tables never change), else the streamer's layout."""
-        return RESIDENT if self.streamer is None else self.streamer.step_layout(self._step)
+        return self.placement.step_layout(self._step)
 
     def prepare_capture(self) -> None:
-        if self.streamer is not None:
-            self.streamer.prepare_capture(self._step)
+        """Before capturing the open forward (streamed: no copy in flight, the row publish
+        kernel loaded)."""
+        self.placement.prepare_capture(self._step)
 
     def begin_capture(self) -> None:
         """The copy stream forked into the capture that begins now (streamed)."""
-        if self.streamer is not None:
-            self.streamer.engine.begin_capture()
+        self.placement.begin_capture()
 
     def end_capture(self) -> tuple[int, int]:
         """Join the copy stream back; the (h2d, d2h) bytes a replay of the capture copies."""
-        return self.streamer.engine.end_capture() if self.streamer is not None else (0, 0)
+        return self.placement.end_capture()
 
     def captured(self):
         """After a capture: what its replays fill ahead for the next step (or None)."""
-        return self.streamer.captured() if self.streamer is not None else None
+        return self.placement.captured()
 
     def abandon_capture(self) -> None:
         """After a failed capture (the device synchronized): the placement and events it
         made go; the forward stays open, to run uncaptured."""
-        if self.streamer is not None:
-            self.streamer.abandon_capture()
+        self.placement.abandon_capture()
 
     def end_issue(self) -> None:
         """The end of a captured step's device work (the last layer's release, fills ahead)."""
-        if self.streamer is not None:
-            self.streamer.end_issue(self._step)
+        self.placement.end_issue(self._step)
 
     def join_copies(self) -> None:
         """Order the compute side after every copy issued so far (no host wait)."""
-        if self.streamer is not None:
-            self.streamer.engine.join()
+        self.placement.join_copies()
 
     def end_replayed(self, moved: tuple[int, int] = (0, 0), filled=None) -> None:
         """Close the open forward after its captured work ran (a replay, or on the CPU a
         rerun): `moved` = the bytes a replay copies, `filled` = what it filled ahead."""
         s, self._step = self._step, None
         self.history.publish(s["hi"] + 1, s["layers"])
-        if self.streamer is not None:
-            self.streamer.replayed(s, moved, filled)
-        else:
-            self._record(s, replayed=True)
-
-    def _record(self, s: dict, replayed: bool = False) -> None:
-        """An all-resident forward's telemetry: nothing crossed PCIe."""
-        import time
-        n = s["hi"] // self.page_size + 1
-        self.telemetry.append(StepStats(
-            step=len(self.telemetry), tokens=s["tokens"], context_pages=n,
-            resident_pages=len(self.layers) * self.num_pages, ring_slots=0, h2d_bytes=0,
-            d2h_bytes=0, readiness_misses=0, copy_busy_pct=0.0, ring_occupancy=0.0,
-            resident_reads=n * len(s["layers"]), streamed_reads=0, layers=len(s["layers"]),
-            repartitioned=False, policy="all resident",
-            wall_ms=1e3 * (time.perf_counter() - s["t0"]), replayed=replayed))
+        self.placement.replayed(s, moved, filled)
 
     # ---- the sequence ---------------------------------------------------------------------
     def rows(self, layers=None) -> int:
@@ -306,8 +285,7 @@ class KvStore:
         """Forget the sequence (the split and the telemetry stay)."""
         if self._step is not None:
             self.end_forward(ok=False)
-        if self.streamer is not None:
-            self.streamer.forget()
+        self.placement.forget()
         self.history.reset()
         self.prefix.forget()
         if self.recurrent is not None:
@@ -317,8 +295,7 @@ class KvStore:
         """The sequence will grow to n_tokens (prompt + max new tokens): a streamed store's
         policy splits the arena for that context from the next forward on, instead of
         repartitioning (a drain each time) as prefill and decode grow it."""
-        if self.streamer is not None:
-            self.streamer.planned_pages = -(-int(n_tokens) // self.page_size)
+        self.placement.plan(-(-int(n_tokens) // self.page_size))
 
     def truncate(self, n_tokens: int) -> None:
         """Keep only positions < n_tokens (rejected speculative rows, a diverging prompt)."""
@@ -335,8 +312,7 @@ class KvStore:
     def synchronize(self) -> None:
         """Wait for every copy issued so far, a replayed step's too (before reading host
         history on the host)."""
-        if self.streamer is not None:
-            self.streamer.pool.drain()
+        self.placement.synchronize()
 
     @property
     def nbytes(self) -> int:
@@ -349,11 +325,7 @@ class KvStore:
         """Stop the copy engine and give the regions back, fenced by their last use."""
         if self._step is not None:
             self.end_forward(ok=False)
-        if self.streamer is not None:
-            self.streamer.close()
-            fence = AllOf(self.streamer.pool.last_use)
-        else:
-            fence = AllOf(())
+        fence = self.placement.close()
         for lease in self._leases:
             if lease.active:
                 lease.release(fence)

@@ -19,7 +19,8 @@ import time
 import warnings
 from dataclasses import replace
 
-from kvcompile.errors import ArenaError, ContextLengthError, KvLayoutError
+from kvcompile.errors import ArenaError
+from kvcompile.kv.fences import AllOf
 from kvcompile.kv import policy as P
 from kvcompile.kv.pool import StreamingPool
 from kvcompile.kv.row_publish import RowMap
@@ -82,10 +83,6 @@ class Streamer:
     # ---- one forward ------------------------------------------------------------------------
     def open(self, s: dict) -> None:
         """The host half of a forward's begin: the policy's split for it, its counters."""
-        have = min(self.host.rows[i] for i in s["layers"])
-        if s["lo"] > have:
-            raise ContextLengthError(f"position {s['lo']} leaves a gap after the {have} "
-                                     f"positions already in the cache")
         n_pages = s["hi"] // self.page_size + 1
         if self._next is not None and self._next != (s["lo"], s["hi"], n_pages, s["layers"]):
             self.drop_next()              # begun ahead for another forward
@@ -157,6 +154,18 @@ class Streamer:
                           stacklevel=2)
             self.pool.row_maps = None
 
+    def begin_capture(self) -> None:
+        """Copies issued until end_capture join the CUDA graph being captured."""
+        self.engine.begin_capture()
+
+    def end_capture(self) -> tuple[int, int]:
+        """The copy stream joined back; the (h2d, d2h) bytes a replay of the capture copies."""
+        return self.engine.end_capture()
+
+    def join_copies(self) -> None:
+        """Order the compute side after every copy issued so far (no host wait)."""
+        self.engine.join()
+
     def captured(self):
         """After a capture: the fences it recorded never ran. Returns what the captured
         step fills ahead for the next one (None: nothing), for `replayed`."""
@@ -198,12 +207,12 @@ class Streamer:
             step=len(tel), tokens=s["tokens"], context_pages=s["pages"],
             resident_pages=self.pool.L * self.pool.r, ring_slots=ring,
             h2d_bytes=self.engine.bytes_h2d - s["h2d"],
-            d2h_bytes=self.engine.bytes_d2h - s["d2h"], readiness_misses=c.misses,
+            d2h_bytes=self.engine.bytes_d2h - s["d2h"], readiness_misses=c["misses"],
             copy_busy_pct=_busy_pct(self.engine.busy_s - s["busy"], wall),
-            ring_occupancy=c.peak_held / ring if ring else 0.0,
-            resident_reads=c.resident_reads, streamed_reads=c.streamed_reads,
+            ring_occupancy=c["peak_held"] / ring if ring else 0.0,
+            resident_reads=c["resident_reads"], streamed_reads=c["streamed_reads"],
             layers=len(s["layers"]), repartitioned=s["repart"], policy=s["reason"],
-            wall_ms=1e3 * wall, replayed=replayed, split_layers=c.split))
+            wall_ms=1e3 * wall, replayed=replayed, split_layers=c["split"]))
         self._last = (s["t0"], s["busy"])
 
     def _begin_next(self, hi: int, layers) -> None:
@@ -274,20 +283,25 @@ class Streamer:
         self.drop_next()
         self.pool.forget()
 
+    def plan(self, pages: int) -> None:
+        """The request will reach `pages` pages: the split is made for them at once."""
+        self.planned_pages = pages
+
+    def synchronize(self) -> None:
+        """Wait for every copy issued so far, a replayed step's too."""
+        self.pool.drain()
+
     def drop_resident(self) -> None:
         """Throw away every resident device page; later reads rebuild them from history."""
         self.drop_next()
         self.pool.drop_resident()
 
-    def close(self) -> None:
+    def close(self):
+        """Stop the copy engine; returns the fence of every page's last use."""
         self.drop_next()
         try:
             self.pool.drain()
         except RuntimeError:      # a failed copy was already raised to its forward
             pass
         self.engine.close()
-
-    def check(self) -> None:
-        """Raise if a forward is still open on the pool (a bracket left unclosed)."""
-        if self.pool.active is not None:
-            raise KvLayoutError("a forward is still open on the KV pool")
+        return AllOf(self.pool.last_use)

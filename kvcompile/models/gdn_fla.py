@@ -16,11 +16,12 @@ Decode runs the fused recurrent kernel, which is plain fp32 FMA.
 """
 from __future__ import annotations
 
-import os
 import warnings
 from functools import lru_cache
 
 import torch
+
+from kvcompile.ops import debug
 
 
 @lru_cache(maxsize=None)
@@ -38,7 +39,7 @@ def usable(x: torch.Tensor) -> bool:
     """True when x lives on CUDA, fla-core is importable and not switched off
     (KVCOMPILE_GDN=torch forces the torch reference, to bisect a numerical problem). On CUDA
     without fla-core, warns once that the (much slower) reference runs."""
-    if not x.is_cuda or os.environ.get("KVCOMPILE_GDN", "") == "torch":
+    if not x.is_cuda or debug.GDN_TORCH:
         return False
     if _kernels() is None:
         _warn_no_fla()

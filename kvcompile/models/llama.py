@@ -16,15 +16,11 @@ from kvcompile.models.quant_weight import QuantWeight
 
 # GGUF tensor name (after "blk.{i}.") -> parameter name inside LlamaBlock
 _BLOCK_NAMES = {
+    **{f"attn_{h}.{p}": f"attn.w{h}.{p}" for h in "qkv" for p in ("weight", "bias")},
+    **{f"ffn_{m}.weight": f"mlp.{m}.weight" for m in ("gate", "up", "down")},
     "attn_norm.weight": "attn_norm.weight",
-    "attn_q.weight": "attn.wq.weight", "attn_q.bias": "attn.wq.bias",
-    "attn_k.weight": "attn.wk.weight", "attn_k.bias": "attn.wk.bias",
-    "attn_v.weight": "attn.wv.weight", "attn_v.bias": "attn.wv.bias",
     "attn_output.weight": "attn.wo.weight",
     "ffn_norm.weight": "ffn_norm.weight",
-    "ffn_gate.weight": "mlp.gate.weight",
-    "ffn_up.weight": "mlp.up.weight",
-    "ffn_down.weight": "mlp.down.weight",
 }
 _TOP_NAMES = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight",
               "output.weight": "lm_head.weight"}

@@ -1,9 +1,10 @@
 """Triton GEMV: y [M, N] = x [M, K] @ W [N, K]^T for the few rows of a decode step
 (M <= 8), streaming the weight once at close to HBM bandwidth.
 
-Why not cuBLAS: on the H200 it reads the 8B decode weights at 0.59 (o proj, 4096 x 4096) to
-0.86 (down) of HBM for one row; these kernels measured 0.72 / 0.92 on the same shapes and
-match it on the large ones (benchmarks/results/investigation_log.md, results/decode_overhead.json).
+Why not cuBLAS: for one row it reads the 8B decode weights well below HBM bandwidth (the o
+projection, 4096 x 4096, furthest below); these kernels are faster on the q/k/v, o and down
+shapes and match it on the large ones (docs/findings.md, "The decode step: host overhead
+and kernels").
 - one row (`_gemv_row`): CUDA-core FMAs into a [BLOCK_N, BLOCK_K] fp32 tile, summed once
   at the end; a row needs 1 FMA per weight element, far below the issue rate.
 - 2..8 rows (`_gemv_rows`): one tensor-core dot per weight tile, the rows padded to 16.
@@ -160,12 +161,12 @@ def _gemv_rows(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, HAS_BIAS: tl.cons
 
 
 def row_config(n: int, k: int) -> dict:
-    """One row: long K tiles, few output rows a program (measured inside the captured 8B
-    decode step with PDL, the step-ablation probe's gemv:... variants (benchmarks/results/investigation_log.md), H200,
-    2026-11-30 05:35-05:37 UTC: against the earlier 4 x 512 (N <= 4096), 16 x 512 (N <= 8192)
+    """One row: long K tiles, few output rows a program (swept inside the captured 8B
+    decode step with PDL: against the earlier 4 x 512 (N <= 4096), 16 x 512 (N <= 8192)
     and 16 x 256 tiles, 4 x 1024 for the o and down shapes (N 4096) and 8 x 512 for q/k/v
-    (6144) and gate/up (28672) took the step from 4.59 to 4.49 ms); the LM head (N above
-    32768) keeps 16 x 256. K tiles no longer than K."""
+    (6144) and gate/up (28672) made the step faster; docs/findings.md, "The decode step:
+    host overhead and kernels"); the LM head (N above 32768) keeps 16 x 256. K tiles no
+    longer than K."""
     if n <= 4096:
         block_n, block_k = 4, 1024
     elif n <= 32768:
@@ -178,7 +179,7 @@ def row_config(n: int, k: int) -> dict:
 
 def rows_config(n: int) -> dict:
     """2..8 rows: 64 output rows a program; deeper pipelines and longer K tiles for the
-    small weights (measured, H200; 4 stages at N <= 4096: the first tile loaded ahead of
+    small weights (from a sweep; 4 stages at N <= 4096: the first tile loaded ahead of
     the loop (ops/pdl.py) takes a fifth's shared memory)."""
     if n <= 4096:
         return dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)

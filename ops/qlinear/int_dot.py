@@ -32,7 +32,8 @@ from kvcompile.ops.qlinear.dequant import (IQ4_NL, IQ4_XS, Q8_0, _load, codebook
 
 # the types this kernel takes (dequant.geometry: 32-value groups, or 16 for IQ4 / Q4_0..)
 INT_DOT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "IQ4_XS", "Q4_K")
-# where it is the default (row_config): ahead of the float kernel in the H200 sweep
+# where it is the default (row_config): ahead of the float kernel in the one-row sweep
+# (docs/findings.md, "Quantized weights")
 INT_DOT_DEFAULT = ("IQ4_NL", "IQ4_XS")
 
 ROUND = tl.constexpr(12582912.0)       # 1.5 * 2^23: an fp32 add rounds to an integer there

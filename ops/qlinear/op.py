@@ -6,8 +6,9 @@ qlinear(x, weight, qtype, k, bias=None, silu_mul=False): y = x @ dequant(weight)
   x's dtype. One row: a CUDA-core GEMV; 2..8 rows: tensor-core GEMV; 9..63: a Triton GEMM,
   each weight tile dequantized in registers; 64 and more (prefill ubatches): the weight
   dequantized to x's dtype in row chunks, then cuBLAS (triton_kernel.qlinear_dense). fp32
-  accumulation, one rounding to x's dtype. silu_mul=True (up to 8 rows): weight is a fused [gate; up] projection and
-  the result is silu(gate) * up [M, N / 2], as ops/gemv computes it.
+  accumulation, one rounding to x's dtype. silu_mul=True (up to 8 rows): weight is a fused
+  [gate; up] projection and the result is silu(gate) * up [M, N / 2], as ops/gemv
+  computes it.
   With PDL (ops/pdl.py) the GEMVs wait before their first load.
 qembedding(weight, qtype, k, tokens, dtype): rows `tokens` of the weight dequantized,
   [T, K] in `dtype` (a quantized token embedding).

@@ -7,7 +7,7 @@ GGUF rows (formats.py), dequantized tile by tile in registers (dequant.py).
   columns.
 - 9..63 rows (`_qgemm`): [BM, BN] output tiles, each weight tile dequantized once for BM
   rows of x. From DENSE_MIN_ROWS rows (prefill ubatches) `qlinear_dense` instead: this GEMM
-  reached 0.05-0.07 of cuBLAS on the H200 (benchmarks/results/investigation_log.md).
+  ran far behind cuBLAS there (docs/findings.md, "Quantized weights").
 - `_dequant_rows`: whole rows in element order (the quantized embedding lookup).
 fp32 accumulation; the dots take the weight tile rounded to bf16 (x is bf16 or fp16: x is
 rounded to the weights' dot dtype, fp16 inputs stay fp16); one rounding to x's dtype.

@@ -6,12 +6,12 @@ chunking are unchanged; only the per-tile math differs (see quant_blocks for why
 """
 from __future__ import annotations
 
-import os
 
 import triton
 import triton.language as tl
 
 from kvcompile.ops import kv_format as F
+from kvcompile.ops import debug
 from kvcompile.ops.launching import interpreting, launchable, register_cap
 from kvcompile.ops.pdl import (launch as pdl_launch, wait_for_producers,
                                wait_for_producers_hold_next)
@@ -24,8 +24,8 @@ from kvcompile.ops.span_attention.decode_split import (decode_shape, decode_tile
 from kvcompile.ops.span_attention.decode_transposed import (span_attention_decode_transposed,
                                                             transposed_takes)
 from kvcompile.ops.span_attention.launch import k_split
-from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
-                                                     qk_scores, query_tile, v_operand)
+from kvcompile.ops.span_attention.paged_tile import (causal_softmax, k_value_scores,
+                                                     load_v_tile, query_tile, v_operand)
 from kvcompile.ops.span_attention.quant_blocks import qk_blocks, v_blocks, value_columns
 
 
@@ -40,7 +40,8 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
                          K_SPLIT: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
     KQ: tl.constexpr = K_TYPE == 2 or K_TYPE == 8
     # Quantized K: the reduce launches once this split's programs exited (as the transposed
-    # split); float K keeps the early launch. Measured both ways: benchmarks/results/investigation_log.md.
+    # split), which is faster there; float K keeps the early launch, which the hold slowed
+    # (docs/findings.md, "Decode attention kernels").
     if KQ:
         wait_for_producers_hold_next(PDL)
     else:
@@ -68,12 +69,10 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
             s = qk_blocks(qrow, row_ok, k_vals, k_scl, phys, h * P + off, live, k_page_elems,
                           k_page_halves, k_code_halves, BLOCK_M, BLOCK_N, D, K_TYPE, INTERP)
         else:
-            k = load_tile(k_vals, k_scl, phys, h, off, live, k_page_elems, k_page_halves,
-                          k_code_halves, BLOCK_N, P, D, K_TYPE)
-            s = qk_scores(q, k, K_SPLIT, QK_F16, INTERP)
-        s = s * QK_SCALE
-        s = tl.where(pos[None, :] <= qp[:, None], s, float("-inf"))
-        p, alpha, m_new, l_i = online_softmax(s, m_i, l_i)
+            s = k_value_scores(q, k_vals, k_scl, phys, h, off, live, k_page_elems,
+                               k_page_halves, k_code_halves, BLOCK_N, P, D, K_TYPE, K_SPLIT,
+                               QK_F16, INTERP)
+        p, alpha, m_new, l_i = causal_softmax(s, pos, qp, m_i, l_i, QK_SCALE, True)
         p16 = p.to(tl.float16)
         if VQ:
             va, vb = v_blocks(v_vals, v_scl, phys, h, off, live, v_page_elems,
@@ -97,12 +96,12 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
 
 def blocks_config(head_dim: int, block_m: int, k_quantized: bool) -> dict:
     """Launch defaults. Quantized K with all query rows of a KV head in one 16-row tile
-    (decode, narrow verify): the best of a sweep at 8K-256K (H200, 1 query row, 2026-11-30,
-    the overhead probe's sweep; benchmarks/results/investigation_log.md): small programs, many an
-    SM (the loop is latency bound): 64 positions, 1 warp, 8 programs an SM for D <= 128
-    (0.58 of HBM at 256K in that sweep, 0.44 with the old defaults of 128 positions x 4 warps
-    x 2 programs); 64 positions, 2 warps, 4 programs an SM for D = 256 (0.45, old defaults
-    0.38). No register cap by default (`maxnreg`; none under torch.compile: ops/launching).
+    (decode, narrow verify): the best of a sweep at 8K-256K, 1 query row: small programs,
+    many an SM (the loop is latency bound): 64 positions, 1 warp, 8 programs an SM for
+    D <= 128; 64 positions, 2 warps, 4 programs an SM for D = 256; both well ahead of the
+    defaults they replaced (D <= 128: 128 positions x 4 warps x 2 programs) at long
+    contexts (docs/findings.md, "Decode attention kernels"). No register cap by default
+    (`maxnreg`; none under torch.compile: ops/launching).
     Wider verify: 64 positions (32 past 32 rows: registers), 8 warps; float K keeps
     decode_kernel's tile; both 2 programs an SM."""
     if k_quantized and block_m <= 16:
@@ -147,23 +146,16 @@ DECODE_IMPLS = {"legacy": span_attention_decode, "blocks": span_attention_decode
                 "transposed": span_attention_decode_transposed}
 # The op's decode kernel; KVCOMPILE_DECODE_IMPL=auto|legacy|blocks|transposed, read once at
 # import (a forced transposed refuses shapes it does not take).
-DECODE_IMPL = os.environ.get("KVCOMPILE_DECODE_IMPL", "auto")
+DECODE_IMPL = debug.DECODE_IMPL
 if DECODE_IMPL not in (*DECODE_IMPLS, "auto"):
     raise ValueError(f"KVCOMPILE_DECODE_IMPL={DECODE_IMPL!r}; use auto or one of "
                      f"{sorted(DECODE_IMPLS)}")
 # auto: transposed for quantized K and V up to 8 query rows a KV head (there the blocks
 # kernel's 16-row tile is at least half padding), blocks for other quantized pages up to 32
-# query rows a KV head, legacy otherwise. Measured on the H200, q8_0/q4_0, launch defaults,
-# 1 row, untraced (2026-11-30 13:25 UTC, f1dec60, benchmarks/results/attention.json; the
-# transposed kernel's codes by TMA): transposed 0.56 / 0.80 / 0.87 of HBM at 32K / 128K /
-# 256K with 8 KV heads x 128 against blocks 0.38 / 0.54 / 0.58; 0.51 / 0.73 / 0.80 with
-# 4 x 256 against 0.32 / 0.43 / 0.46. The switch at 8 rows a KV head, re-measured with TMA
-# (2026-11-30 12:55 UTC, decode_probes.json "rows_2_and_4_tma", 32K / 128K): at 8 (8 x 128,
-# 2 rows) transposed 0.52 / 0.77 against blocks 0.37 / 0.55; at 12 (4 x 256, 2 rows) a tie,
-# 0.32 / 0.42 against 0.31 / 0.43; at 16 (8 x 128, 4 rows) 0.38 / 0.52 against 0.35 / 0.54.
-# So it stays at 8. Earlier (position-major V pages, attention_decode.json, 2026-11-29 20:26
-# UTC): 8 rows x 4 heads (32 a KV head): blocks 0.22-0.38 vs legacy 0.11-0.13; 8 rows x 6
-# heads (48): blocks 0.09-0.10 vs 0.12-0.15.
+# query rows a KV head, legacy otherwise. Transposed is well ahead of blocks at 1 row (both
+# geometries, 32K-256K) and at 8 rows a KV head, a tie at 12 and mixed at 16, so the switch
+# stays at 8; blocks is ahead of legacy at 32 query rows a KV head and behind it at 48
+# (docs/findings.md, "Decode attention kernels").
 TRANSPOSED_AUTO_ROWS_PER_KV_HEAD = 8
 BLOCKS_MAX_ROWS_PER_KV_HEAD = 32
 

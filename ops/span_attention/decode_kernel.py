@@ -21,18 +21,18 @@ from kvcompile.ops.span_attention.decode_split import (decode_shape, decode_tile
                                                        split_operands, store_partial_stats,
                                                        partial_rows_ok)
 from kvcompile.ops.span_attention.launch import k_split
-from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
-                                                     qk_quantized, qk_scores, query_tile,
+from kvcompile.ops.span_attention.paged_tile import (causal_softmax, k_value_scores,
+                                                     load_v_tile, qk_quantized, query_tile,
                                                      v_operand)
 
 LOG2E = 1.4426950408889634
 
 
 def legacy_programs_per_sm(head_dim: int, k_quantized: bool) -> int:
-    """Split programs an SM: 4 for float K at D <= 128 (bf16 KV, 1 row: 0.80 / 0.98 of HBM at
-    32K / 128K vs 0.73 / 0.88 with 2), else 2 (D = 256 bf16 measured slower with 4: 0.61 vs
-    0.70 at 32K; quantized K here means a wide verify, not measured with 4); H200 sweep,
-    2026-11-30 (the overhead probe's sweep, benchmarks/results/investigation_log.md)."""
+    """Split programs an SM: 4 for float K at D <= 128 (bf16 KV, 1 row: faster than 2 from
+    32K on), else 2 (D = 256 bf16 was slower with 4; quantized K here means a wide verify,
+    not measured with 4). From a launch-config sweep (docs/findings.md, "Decode attention
+    kernels")."""
     return 4 if head_dim <= 128 and not k_quantized else 2
 
 
@@ -62,12 +62,10 @@ def _decode_split(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
             s = qk_quantized(q, k_vals, k_scl, phys, h, off, live, k_page_elems, k_page_halves,
                              k_code_halves, BLOCK_N, P, D, K_TYPE, INTERP)
         else:
-            k = load_tile(k_vals, k_scl, phys, h, off, live, k_page_elems, k_page_halves,
-                          k_code_halves, BLOCK_N, P, D, K_TYPE)
-            s = qk_scores(q, k, K_SPLIT, QK_F16, INTERP)
-        s = s * QK_SCALE
-        s = tl.where(pos[None, :] <= qp[:, None], s, float("-inf"))
-        p, alpha, m_new, l_i = online_softmax(s, m_i, l_i)
+            s = k_value_scores(q, k_vals, k_scl, phys, h, off, live, k_page_elems,
+                               k_page_halves, k_code_halves, BLOCK_N, P, D, K_TYPE, K_SPLIT,
+                               QK_F16, INTERP)
+        p, alpha, m_new, l_i = causal_softmax(s, pos, qp, m_i, l_i, QK_SCALE, True)
         v = load_v_tile(v_vals, v_scl, phys, h, off, live, v_page_elems, v_page_halves,
                       v_code_halves, BLOCK_N, P, D, V_TYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v_operand(v, V_TYPE))

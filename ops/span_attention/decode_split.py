@@ -251,13 +251,13 @@ def reduce_block(n_chunks: int, columns: int = REDUCE_BLOCK_D,
 def reduce_warps(tile_floats: int, rot: bool, block_d: int, few_warps: bool = False) -> int:
     """Warps of a reduce program: 4, or 8 for tiles over REDUCE_TILE_FLOATS or over 64
     columns. `few_warps` (after the transposed split): 1 without a rotation up to
-    REDUCE_ONE_WARP_FLOATS, 2 with one up to REDUCE_TILE_FLOATS. H200, 2026-11-30,
-    the overhead probe (benchmarks/results/investigation_log.md): after the transposed split (128 chunks a head) one warp
-    saved 0.4-1.0 us a call (outputs within a rounding of the 4-warp ones: another fp32
-    summation order), 2 warps with the models' rotation 0.3-0.8 us; after the legacy split
-    (bf16, 64 chunks) one warp cost 1.2 us (38.9 against 37.7 at 8 x 128, 32K), so the
-    other splits keep 4. Measured while the reduce launched early beside the split; the
-    transposed split holds its launch since 24b5773 (ops/pdl.py): not re-measured since."""
+    REDUCE_ONE_WARP_FLOATS, 2 with one up to REDUCE_TILE_FLOATS. After the transposed
+    split (128 chunks a head) one warp was faster (outputs within a rounding of the 4-warp
+    ones: another fp32 summation order), and 2 warps with the models' rotation; after the
+    legacy split (bf16, 64 chunks) one warp was slower, so the other splits keep 4
+    (docs/findings.md, "Decode attention kernels"). Measured while the reduce launched
+    early beside the split; not re-measured since the transposed split holds its launch
+    (ops/pdl.py)."""
     if few_warps and not rot and tile_floats <= REDUCE_ONE_WARP_FLOATS:
         return 1
     if tile_floats > REDUCE_TILE_FLOATS or block_d > 64:
@@ -273,7 +273,7 @@ def launch_reduce(sh: DecodeShape, bufs, q_pos, n_chunks: int, chunk_len: int,
     in chunk order; with `out_rot` (fp32 diagonal blocks [NB, B, B] of the output's
     rotation, applied before the one rounding), per block of B columns. `few_warps`: see
     reduce_warps. `block_d` (no rotation only), `num_warps`: other launches, for probes
-    (the overhead probe, benchmarks/results/investigation_log.md)."""
+    and sweeps."""
     m_buf, l_buf, acc_buf = bufs
     out = sh.out
     rot = out_rot is not None

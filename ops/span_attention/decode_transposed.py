@@ -120,7 +120,8 @@ def _decode_split_t(q_ptr, k_codes, k_scl, v_codes, v_scl, page_table, q_pos_ptr
     acc_b = tl.zeros([DB, BLOCK_R], tl.float32)
     # Scales are read a tile ahead and their page two tiles ahead: the pipeliner stages
     # only the dots' operands (the codes), and an unstaged scale load waited a whole memory
-    # latency every tile (ncu: most stalls were on them).
+    # latency every tile (Nsight Compute put most stalls on them: docs/findings.md,
+    # "Decode attention kernels").
     ks, vs = tile_scales(page_of(page_table, start, end, P), start, end, k_scl, v_scl, h,
                          k_page_halves, k_code_halves, v_page_halves, v_code_halves, P,
                          BLOCK_N, D)
@@ -165,11 +166,11 @@ def transposed_takes(k_quantized: bool, v_quantized: bool, rows_per_kv_head: int
 
 
 def transposed_config(head_dim: int, tma: bool) -> dict:
-    """Launch defaults from sweeps at 32K-256K (H200, 1 query row, q8_0/q4_0, 2026-11-30,
-    bench_attention.py; benchmarks/results/investigation_log.md): 64 positions; 2 warps x 8 programs an SM for
-    D <= 128, 4 warps x 4 programs an SM for D = 256 (128 registers a thread either way in
-    the offline sm_90 count). Codes read by TMA: 2 stages (at D 256, 3 took 163 registers,
-    3 programs an SM); by pointers (cp.async): 3 stages."""
+    """Launch defaults from sweeps at 32K-256K (1 query row, q8_0/q4_0, bench_attention.py;
+    docs/findings.md, "Decode attention kernels"): 64 positions; 2 warps x 8 programs an SM
+    for D <= 128, 4 warps x 4 programs an SM for D = 256 (128 registers a thread either way
+    in the offline sm_90 count). Codes read by TMA: 2 stages (at D 256, 3 took 163
+    registers, 3 programs an SM); by pointers (cp.async): 3 stages."""
     stages = 2 if tma else 3
     if head_dim <= 128:
         return dict(block_n=64, num_warps=2, num_stages=stages, programs_per_sm=8)

@@ -15,7 +15,8 @@ def span_attention_naive(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     n_kv_heads = F.n_kv_heads_of(k_pool, kt, page_size, head_dim)
     n_ctx = int(q_pos.max()) + 1
     n_pages = (n_ctx + page_size - 1) // page_size
-    phys = page_table[:n_pages].long()  # index_select: row memcpy, ~30x faster than [] on uint8
+    # index_select: a row memcpy, far faster than [] on uint8 (docs/findings.md, "The CPU path")
+    phys = page_table[:n_pages].long()
     # [pages, H, P, D] -> [H, pages * P, D] in logical order
     k = F.decode_pages(k_pool.index_select(0, phys), kt, n_kv_heads, page_size, head_dim,
                        role="k")

@@ -191,6 +191,27 @@ def qk_scores(q, k, K_SPLIT: tl.constexpr, QK_F16: tl.constexpr,
 
 
 @triton.jit
+def k_value_scores(q, k_vals, k_scl, phys, head, off, mask, page_elems, page_halves,
+                   code_halves, BLOCK_N: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+                   K_TYPE: tl.constexpr, K_SPLIT: tl.constexpr, QK_F16: tl.constexpr,
+                   INTERP: tl.constexpr):
+    """Scores q @ K^T of one tile of K pages read as values (load_tile, then qk_scores)."""
+    k = load_tile(k_vals, k_scl, phys, head, off, mask, page_elems, page_halves, code_halves,
+                  BLOCK_N, P, D, K_TYPE)
+    return qk_scores(q, k, K_SPLIT, QK_F16, INTERP)
+
+
+@triton.jit
+def causal_softmax(s, pos, qp, m_i, l_i, QK_SCALE: tl.constexpr, MASKED: tl.constexpr):
+    """A tile's scores scaled (to the log2 domain), positions after a query row's masked
+    (MASKED: the tile may reach past a row), through online_softmax."""
+    s = s * QK_SCALE
+    if MASKED:
+        s = tl.where(pos[None, :] <= qp[:, None], s, float("-inf"))
+    return online_softmax(s, m_i, l_i)
+
+
+@triton.jit
 def v_operand(v, V_TYPE: tl.constexpr):
     """The V tile as the fp16 operand of P @ V (exact for f16 pages and for bf16 values in
     fp16's normal range; one rounding for f32 pages; quantized tiles already are)."""

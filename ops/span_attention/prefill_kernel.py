@@ -22,8 +22,8 @@ import triton.language as tl
 from kvcompile.ops.launching import interpreting, launchable
 from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, k_split,
                                                  page_geometry, pool_args, query_operand)
-from kvcompile.ops.span_attention.paged_tile import (load_tile, load_v_tile, online_softmax,
-                                                     qk_quantized, qk_scores, v_operand)
+from kvcompile.ops.span_attention.paged_tile import (causal_softmax, k_value_scores,
+                                                     load_v_tile, qk_quantized, v_operand)
 
 LOG2E = 1.4426950408889634
 
@@ -46,13 +46,9 @@ def _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_
         s = qk_quantized(q, k_vals, k_scl, phys, hk, off, live, k_page_elems, k_page_halves,
                          k_code_halves, BLOCK_N, P, D, K_TYPE, INTERP)
     else:
-        k = load_tile(k_vals, k_scl, phys, hk, off, live, k_page_elems, k_page_halves,
-                      k_code_halves, BLOCK_N, P, D, K_TYPE)
-        s = qk_scores(q, k, K_SPLIT, QK_F16, INTERP)
-    s = s * QK_SCALE
-    if MASKED:
-        s = tl.where(pos[None, :] <= qp[:, None], s, float("-inf"))
-    p, alpha, m_new, l_i = online_softmax(s, m_i, l_i)
+        s = k_value_scores(q, k_vals, k_scl, phys, hk, off, live, k_page_elems, k_page_halves,
+                           k_code_halves, BLOCK_N, P, D, K_TYPE, K_SPLIT, QK_F16, INTERP)
+    p, alpha, m_new, l_i = causal_softmax(s, pos, qp, m_i, l_i, QK_SCALE, MASKED)
     v = load_v_tile(v_vals, v_scl, phys, hk, off, live, v_page_elems, v_page_halves,
                   v_code_halves, BLOCK_N, P, D, V_TYPE)
     acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v_operand(v, V_TYPE))

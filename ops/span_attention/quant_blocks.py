@@ -13,10 +13,9 @@ the q4_0 nibble interleave) cost more issue slots than the bytes it saved. Here:
   contraction and reach the tensor-core operand without byte-wise shared-memory reads.
 - Codes reach fp16 without int->float converts (quarter-rate on Hopper): 0x6400 | u is
   the fp16 1024 + u for a byte u, so u - bias is one bit-or and one (packed) subtract.
-Measured offline (sm_90 SASS of the split kernel's loop, q8_0 K / q4_0 V, D 256, 64
-positions, 1 row, tools/profile/sass_decode.py): 1211 instructions a warp, no I2F and no
-LDS.U8/U16 (1354 with 128 byte-wise shared loads before V became position-major), against
-2170 plus 256 quarter-rate I2F for decode_kernel.
+The split kernel's loop in sm_90 SASS (tools/profile/sass_decode.py) has no I2F and no
+byte-wise LDS.U8/U16, and far fewer instructions than decode_kernel's (docs/findings.md,
+"KV page format").
 """
 from __future__ import annotations
 

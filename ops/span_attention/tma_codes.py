@@ -3,8 +3,8 @@
 Why: the transposed decode's loop was bound by its own memory requests, not by HBM: asking
 L2 for more (prefetch) made it slower, fewer instructions did not make it faster. One TMA
 copy moves a whole tile (a K block column, all V rows) into shared memory without the
-load/store unit or per-thread addresses; at 8 x 128 and 128K the decode went from 0.71 to
-0.81 of HBM (benchmarks/results/investigation_log.md, "TMA for the code tiles").
+load/store unit or per-thread addresses, and the decode got faster at every context in
+both geometries (docs/findings.md, "Decode attention kernels").
 
 A pool is [pages, page_bytes] uint8, pages stride(0) apart, with the codes first
 (kv_format). The descriptors see only the codes: K as [pages, heads * P, row bytes] (a

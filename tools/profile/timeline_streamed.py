@@ -1,8 +1,9 @@
-"""Where a replayed streamed decode step spends its time (device): the 8B geometry through
-`Engine.from_model` (as benchmarks/bench_runner.py builds it), streamed through an arena;
-a few decode steps of a long request under torch.profiler (the copy engine's and the SMs'
-busy time, the copy engine's idle gaps) and under cProfile (the host's work inside
-`StepRunner.step`).
+"""Where a replayed streamed decode step spends its time (device): the 8B geometry (random
+bf16 weights, bench_streaming's builder) through `Engine.from_model`, streamed through an
+arena; a few decode steps of a long request, run by the Engine's own loop, under
+torch.profiler (the copy engine's and the SMs' busy time, the copy engine's idle gaps) and
+under cProfile (the host's work inside `Executor.step`, which is wrapped to switch both on
+and off around those steps).
 
 usage (device): python3 tools/profile/timeline_streamed.py [--ctx 65536] [--arena-mib 2048]
     [--steps 6] [--out DIR]
@@ -21,7 +22,14 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
 import bench_streaming as S  # noqa: E402
-from bench_runner import build_model, publish_mode  # noqa: E402
+
+
+def publish_mode(e) -> str | None:
+    """How captured streamed steps publish their rows to the host: "rows" (a kernel),
+    "pages" (copies; the kernel could not run) or None (no streamed store)."""
+    streamer = e.store.streamer
+    return None if streamer is None else (
+        "rows" if streamer.pool.row_maps is not None else "pages")
 
 
 def union(spans):
@@ -96,13 +104,13 @@ def main() -> None:
     import kvcompile
     device, dtype = S.device_and_dtype("cuda", "needs CUDA")
     g = S.LLAMA3_8B
-    model = build_model(g, args.ctx, "bf16", device, dtype, 0)
+    model = S.build_models(g, args.ctx, dtype, device, 0, want_hf=False)[0]
     k, v = args.kv.split("/")
     e = kvcompile.Engine.from_model(model, ctx_size=args.ctx, cache_type_k=k, cache_type_v=v,
                                     kv_stream_arena_mib=args.arena_mib, progress=False)
     ids = S.random_ids(args.ctx - 64, g.vocab, 0, "cpu").tolist()
     e.generate(ids[:512], max_tokens=4, temperature=0)
-    runner, step = e.executor, e.executor.step
+    executor, step = e.executor, e.executor.step
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                               torch.profiler.ProfilerActivity.CUDA])
     host = cProfile.Profile()
@@ -127,13 +135,13 @@ def main() -> None:
             prof.stop()
         return step(ids_, start, all_rows)
 
-    runner.step = traced_step
+    executor.step = traced_step
     r = e.generate(ids, max_tokens=args.skip + args.steps + 4, temperature=0)
     os.makedirs(args.out, exist_ok=True)
     trace = os.path.join(args.out, "trace.json")
     prof.export_chrome_trace(trace)
     summary = analyse(trace)
-    summary.update(ctx=args.ctx, arena_mib=args.arena_mib, kv=r.kv, phases=r.programs,
+    summary.update(ctx=args.ctx, arena_mib=args.arena_mib, kv=r.kv, programs=r.programs,
                    publish=publish_mode(e), fill_ahead=e.store.streamer.fill_ahead,
                    decode_depth=e.store.streamer.policy_config.decode_depth,
                    host_step_ms=r.stats()["host_step_ms"], step_ms=r.stats()["step_ms"])
@@ -145,7 +153,7 @@ def main() -> None:
     pstats.Stats(host, stream=s2).sort_stats("tottime").print_stats(25)
     with open(os.path.join(args.out, "timeline.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("kv", "phases")},
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("kv", "programs")},
                      indent=1, default=str))
     print(s2.getvalue()[:6000])
 

@@ -25,7 +25,7 @@ class MtpDrafter(Drafter):
     wants_hidden = True
 
     def __init__(self, mtp_step, n_max: int = 3, p_min: float = 0.7, max_rows: int = 256):
-        self.mtp_step = mtp_step            # StepRunner.mtp: (ids, hidden, start) -> (logits, h)
+        self.mtp_step = mtp_step            # Executor.mtp: (ids, hidden, start) -> (logits, h)
         self.n_max, self.p_min = n_max, p_min
         self.max_rows = max_rows            # rows a step feeds at most (the prefill ubatch)
         self._rows: list[torch.Tensor] = []  # verified trunk hidden rows not yet fed

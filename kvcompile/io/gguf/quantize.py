@@ -17,7 +17,7 @@ largest magnitude goes to the longer, negative side of the code range); the K-qu
 follow llama.cpp (dmin >= 0, min = -dmin * m).
 
 Bytes are the same on every device: the math is elementwise IEEE fp32 ops (no fused
-multiply-add), max / min reductions, and sums over fixed halving trees (`_tsum`), never a
+multiply-add), max / min reductions, and sums over fixed halving trees (`tsum`), never a
 reduction whose order a backend chooses.
 """
 from __future__ import annotations
@@ -26,21 +26,15 @@ import gguf
 import torch
 
 from kvcompile.errors import UnsupportedModelError
+from kvcompile.io.gguf.scale_fit import (Levels, fit_affine, fit_scale, nonzero,
+                                         search_best, signed_absmax, tsum)
 
 F16_MAX = 65504.0
 # ggml's kvalues_iq4nl: an IQ4 code indexes this codebook
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
-# --- sums and roundings ---------------------------------------------------------------------
-
-def _tsum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim (a power of 2) by halving: a fixed order on every device."""
-    while t.shape[-1] > 1:
-        h = t.shape[-1] // 2
-        t = t[..., :h] + t[..., h:]
-    return t
-
+# --- roundings -------------------------------------------------------------------------------
 
 def _f16(t: torch.Tensor) -> torch.Tensor:
     """t rounded to a finite fp16, back in fp32."""
@@ -50,125 +44,6 @@ def _f16(t: torch.Tensor) -> torch.Tensor:
 def _f16_bytes(t: torch.Tensor) -> torch.Tensor:
     """Per-block fp16 scales [N, nb, 1, ...] -> bytes [N, nb, 2]."""
     return _f16(t).half().reshape(t.shape[0], t.shape[1], 1).view(torch.uint8)
-
-
-def _safe(t: torch.Tensor) -> torch.Tensor:
-    """A divisor: zeros replaced by 1 (their quotients are masked or multiplied by 0)."""
-    return torch.where(t == 0, torch.ones_like(t), t)
-
-
-def _signed_absmax(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """The value of largest magnitude along dim, with its sign (the max on a tie)."""
-    hi, lo = t.amax(dim, keepdim=True), t.amin(dim, keepdim=True)
-    return torch.where(hi >= -lo, hi, lo)
-
-
-class _Levels:
-    """The values a code can stand for: integers lo..hi, or a sorted codebook."""
-
-    def __init__(self, lo: int, hi: int, table: tuple[int, ...] | None = None):
-        self.lo, self.hi, self.table = lo, hi, table
-
-    def nearest(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(code index from 0, level value as fp32) nearest to each y."""
-        if self.table is None:
-            v = torch.round(y).clamp(self.lo, self.hi)
-            return (v - self.lo).to(torch.uint8), v
-        t = torch.tensor(self.table, dtype=torch.float32, device=y.device)
-        idx = torch.bucketize(y, (t[1:] + t[:-1]) / 2)
-        return idx.to(torch.uint8), t[idx]
-
-
-# --- searches ---------------------------------------------------------------------------
-
-# candidates are tried side by side along a new leading dim, as many at a time as keep that
-# under this many values: a few hundred kernel launches a call instead of thousands (the
-# writer's threads share one GIL), memory bounded; the bytes do not depend on it
-SEARCH_ELEMENTS = 1 << 25
-
-
-def _better(best, cand):
-    """Per row, whichever tuple has the smaller first entry (an error); ties keep `best`."""
-    if best is None:
-        return cand
-    keep = cand[0] < best[0]
-    return tuple(torch.where(keep, c, b) for c, b in zip(cand, best))
-
-
-def _search(x: torch.Tensor, cands, evaluate, best=None):
-    """Per row, the candidate of least error (the first on ties). cands: numbers or tuples
-    of numbers; evaluate(*columns) gets each as a tensor [G, 1, ..., 1] (x.dim() ones) and
-    returns (error, values...) with G leading; returns the winner's (error, values...)."""
-    cols = torch.tensor(cands, dtype=torch.float32, device=x.device).reshape(len(cands), -1)
-    group = max(1, SEARCH_ELEMENTS // max(1, x.numel()))
-    for at in range(0, len(cands), group):
-        c = cols[at:at + group]
-        out = evaluate(*(c[:, j].reshape(-1, *[1] * x.dim()) for j in range(c.shape[1])))
-        i = out[0].argmin(0, keepdim=True)
-        best = _better(best, tuple(torch.take_along_dim(t, i, 0).squeeze(0) for t in out))
-    return best
-
-
-def _ls_scale(x, v):
-    """Least-squares s for x ~ s v per row of the last dim, and its score sum(xv)^2 / sum(vv)
-    (the squared error is sum(xx) minus the score)."""
-    sxv, svv = _tsum(torch.stack((x * v, v * v)))
-    s = torch.where(svv > 0, sxv / _safe(svv), torch.zeros_like(sxv))
-    return s, s * sxv
-
-
-def _fit_scale(x: torch.Tensor, lv: _Levels, factors, rounds: int = 2) -> torch.Tensor:
-    """Signed scale s [..., 1] for x [..., B] ~ s * level. A candidate factor f > 0 maps
-    the value of largest magnitude, mx, to f times the lowest level (the longer side of the
-    asymmetric ranges), f < 0 to |f| times the highest; a round re-codes under the best s."""
-    mx = _safe(_signed_absmax(x, -1))
-
-    def evaluate(f):
-        s, score = _ls_scale(x, lv.nearest(x * (torch.where(f > 0, lv.lo * f, -lv.hi * f) / mx))[1])
-        return -score, s
-    best = _search(x, factors, evaluate)
-    for _ in range(rounds):
-        s, score = _ls_scale(x, lv.nearest(x / _safe(best[1]))[1])
-        best = _better(best, (-score, s))
-    return best[1]
-
-
-def _ls_affine(x, q, sx, sxx, nonneg_min: bool):
-    """Least-squares (s, b) for x ~ s q + b per row, and the squared error left (sx, sxx:
-    the rows' sum and sum of squares); with nonneg_min, b <= 0 (the K-quants store the min
-    as -dmin * m with m >= 0)."""
-    n = x.shape[-1]
-    sq, sqq, sqx = _tsum(torch.stack(torch.broadcast_tensors(q, q * q, q * x)))
-    det = n * sqq - sq * sq                     # exact: small integers
-    ok = det > 0
-    s = torch.where(ok, (n * sqx - sq * sx) / _safe(det), torch.zeros_like(sqx))
-    b = torch.where(ok, (sqq * sx - sq * sqx) / _safe(det), sx / n)
-    if nonneg_min:
-        fix = b > 0
-        s = torch.where(fix, sqx / _safe(sqq), s)
-        b = torch.where(fix, torch.zeros_like(b), b)
-    # at the least-squares optimum the residual is orthogonal to q and 1: error in closed form
-    return sxx - s * sqx - b * sx, s, b
-
-
-def _fit_affine(x: torch.Tensor, nmax: int, factors, nonneg_min: bool, rounds: int = 2):
-    """(s, b) [..., 1] for x [..., B] ~ s q + b with codes q in 0..nmax. Candidates
-    shrink the [min, max] range about its middle by `factors`."""
-    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    if nonneg_min:
-        lo = lo.clamp(max=0)
-    width = hi - lo
-    sx, sxx = _tsum(torch.stack((x, x * x)))
-
-    def evaluate(f):
-        q = torch.round((x - (lo + width * ((1 - f) / 2))) * (nmax / _safe(width * f)))
-        return _ls_affine(x, q.clamp_(0, nmax), sx, sxx, nonneg_min)
-    best = _search(x, factors, evaluate)
-    for _ in range(rounds):      # re-code under the best fit so far, refit
-        q = torch.round((x - best[2]) / _safe(best[1])).clamp_(0, nmax)
-        best = _better(best, _ls_affine(x, q, sx, sxx, nonneg_min))
-    # codes rise with x, so the fitted s >= 0 up to rounding
-    return best[1].clamp(min=0), best[2]
 
 
 # --- shared packing -------------------------------------------------------------------------
@@ -188,20 +63,20 @@ def _pack_fields(codes: torch.Tensor, shifts: int) -> torch.Tensor:
     return out
 
 
-def _super_scale(s: torch.Tensor, lv: _Levels) -> tuple[torch.Tensor, torch.Tensor]:
+def _super_scale(s: torch.Tensor, lv: Levels) -> tuple[torch.Tensor, torch.Tensor]:
     """Sub-block float scales [N, nb, J, 1] -> (fp16 super-block d [N, nb, 1, 1] as fp32,
     integer sub-block scales in lv.lo..lv.hi as fp32): the largest magnitude maps to lv.lo
     when it is negative (signed ranges), else to lv.hi."""
     if lv.lo < 0:
-        d = _f16(_signed_absmax(s, -2) / lv.lo)
+        d = _f16(signed_absmax(s, -2) / lv.lo)
     else:
         d = _f16(s.amax(-2, keepdim=True) / lv.hi)
-    return d, torch.round(s / _safe(d)).clamp(lv.lo, lv.hi)
+    return d, torch.round(s / nonzero(d)).clamp(lv.lo, lv.hi)
 
 
-def _q_nearest(x, scale, lv: _Levels):
+def _q_nearest(x, scale, lv: Levels):
     """Codes of x under the stored per-(sub-)block scale (0 where the scale is 0)."""
-    idx, _ = lv.nearest(x / _safe(scale))
+    idx, _ = lv.nearest(x / nonzero(scale))
     return torch.where(scale == 0, torch.zeros_like(idx), idx)
 
 
@@ -211,8 +86,8 @@ def _grid(lo: float, hi: float, n: int) -> tuple[float, ...]:
     return tuple(lo + (hi - lo) * i / (n - 1) for i in range(n))
 
 
-# candidate factors of each type's scale search (picked on Gaussian rows; _fit_scale and
-# _fit_affine say what a factor means); the IQ4 codebook and Q6_K gain from trying the
+# candidate factors of each type's scale search (picked on Gaussian rows; fit_scale and
+# fit_affine say what a factor means); the IQ4 codebook and Q6_K gain from trying the
 # top level too (and then re-quantize their own output exactly)
 _BOTH_SIDES = _grid(0.9, 1.2, 7) + tuple(-f for f in _grid(0.95, 1.1, 4))
 FACTORS = {
@@ -231,18 +106,18 @@ def _float(dtype):
 
 
 def _q8_0(xb):
-    lv = _Levels(-128, 127)
-    d = _f16(_fit_scale(xb, lv, FACTORS["Q8_0"], rounds=1))
+    lv = Levels(-128, 127)
+    d = _f16(fit_scale(xb, lv, FACTORS["Q8_0"], rounds=1))
     return [_f16_bytes(d), (_q_nearest(xb, d, lv).to(torch.int16) - 128).to(torch.int8)
             .view(torch.uint8)]
 
 
 def _sym_32(name, lo, hi, table=None):
     """Q4_0 / Q5_0 / IQ4_NL: one fp16 d, codes nearest levels of x / d."""
-    lv = _Levels(lo, hi, table)
+    lv = Levels(lo, hi, table)
 
     def q(xb):
-        d = _f16(_fit_scale(xb, lv, FACTORS[name]))
+        d = _f16(fit_scale(xb, lv, FACTORS[name]))
         codes = _q_nearest(xb, d, lv)
         if table is not None or hi - lo < 16:     # 4-bit codes
             return [_f16_bytes(d), _pack_nibbles(codes)]
@@ -259,10 +134,10 @@ def _qh_32(codes):
 def _affine_32(name, nmax):
     """Q4_1 / Q5_1: fp16 d and m, x ~ d q + m."""
     def q(xb):
-        s, b = _fit_affine(xb, nmax, FACTORS[name], nonneg_min=False)
+        s, b = fit_affine(xb, nmax, FACTORS[name], nonneg_min=False)
         d, m = _f16(s), _f16(b)
         codes = torch.where(d == 0, torch.zeros_like(xb),
-                            torch.round((xb - m) / _safe(d)).clamp(0, nmax)).to(torch.uint8)
+                            torch.round((xb - m) / nonzero(d)).clamp(0, nmax)).to(torch.uint8)
         fields = [_f16_bytes(d), _f16_bytes(m)]
         if nmax == 31:
             fields.append(_qh_32(codes))
@@ -275,8 +150,8 @@ def _affine_k(xb, sub: int, nmax: int, smax: int, factors):
     m integers 0..smax. Returns (d, dmin, sc, m, codes [N, nb, J, sub]) (floats, uint8)."""
     n, nb, _ = xb.shape
     xs = xb.reshape(n, nb, -1, sub)
-    s, b = _fit_affine(xs, nmax, factors, nonneg_min=True)
-    lv = _Levels(0, smax)
+    s, b = fit_affine(xs, nmax, factors, nonneg_min=True)
+    lv = Levels(0, smax)
     d, sc0 = _super_scale(s, lv)
     dmin, m0 = _super_scale(-b, lv)
     # rounding sc and m to integers costs more than the float fit left: try the neighbours
@@ -284,11 +159,11 @@ def _affine_k(xb, sub: int, nmax: int, smax: int, factors):
     def evaluate(dsc, dm):
         sc, m = (sc0 + dsc).clamp(0, smax), (m0 + dm).clamp(0, smax)
         scale, offset = d * sc, dmin * m         # as the dequantizer forms them
-        q = torch.round((xs + offset) / _safe(scale)).clamp_(0, nmax)
+        q = torch.round((xs + offset) / nonzero(scale)).clamp_(0, nmax)
         q = torch.where(scale == 0, torch.zeros_like(q), q)
         r = xs - (scale * q - offset)
-        return _tsum(r * r), sc, m, q
-    _, sc, m, q = _search(xs, _NEIGHBOURS_2D, evaluate)
+        return tsum(r * r), sc, m, q
+    _, sc, m, q = search_best(xs, _NEIGHBOURS_2D, evaluate)
     return d, dmin, sc.to(torch.uint8).squeeze(-1), m.to(torch.uint8).squeeze(-1), \
         q.to(torch.uint8)
 
@@ -325,26 +200,26 @@ def _q45_k(name, nmax):
     return q
 
 
-def _sym_k(xb, sub: int, codes_lv: _Levels, scale_lv: _Levels, factors):
+def _sym_k(xb, sub: int, codes_lv: Levels, scale_lv: Levels, factors):
     """The signed-scale super-blocks (Q3_K, Q6_K, IQ4_XS): x ~ d sc level, sc an integer
     in scale_lv. Returns (d, sc [N, nb, J] int, code indices [N, nb, J, sub])."""
     n, nb, _ = xb.shape
     xs = xb.reshape(n, nb, -1, sub)
-    d, sc0 = _super_scale(_fit_scale(xs, codes_lv, factors), scale_lv)
+    d, sc0 = _super_scale(fit_scale(xs, codes_lv, factors), scale_lv)
 
     def evaluate(delta):   # the integer sc nearest the float fit is not always the best
         sc = (sc0 + delta).clamp(scale_lv.lo, scale_lv.hi)
         scale = d * sc
-        idx, v = codes_lv.nearest(xs / _safe(scale))
+        idx, v = codes_lv.nearest(xs / nonzero(scale))
         r = xs - scale * v
-        return _tsum(r * r), sc, torch.where(scale == 0, torch.zeros_like(idx), idx)
-    _, sc, idx = _search(xs, (0, -1, 1), evaluate)
+        return tsum(r * r), sc, torch.where(scale == 0, torch.zeros_like(idx), idx)
+    _, sc, idx = search_best(xs, (0, -1, 1), evaluate)
     return d, sc.squeeze(-1).to(torch.int16), idx
 
 
 def _q3_k(xb):
     n, nb, _ = xb.shape
-    d, sc, codes = _sym_k(xb, 16, _Levels(-4, 3), _Levels(-32, 31), FACTORS["Q3_K"])
+    d, sc, codes = _sym_k(xb, 16, Levels(-4, 3), Levels(-32, 31), FACTORS["Q3_K"])
     codes = codes.reshape(n, nb, 2, 4, 32)      # code = level + 4
     hmask = _pack_fields((codes >> 2).reshape(n, nb, 8, 32), 1)   # element 32i + l: bit i
     qs = _pack_fields(codes & 3, 2).reshape(n, nb, 64)
@@ -356,7 +231,7 @@ def _q3_k(xb):
 
 def _q6_k(xb):
     n, nb, _ = xb.shape
-    d, sc, codes = _sym_k(xb, 16, _Levels(-32, 31), _Levels(-128, 127), FACTORS["Q6_K"])
+    d, sc, codes = _sym_k(xb, 16, Levels(-32, 31), Levels(-128, 127), FACTORS["Q6_K"])
     # element 128h + 64s + l (l < 64) -> nibble s of ql[64h + l]; its top 2 bits, as element
     # 128h + 32t + l (l < 32) -> bits 2t of qh[32h + l]
     ql = _pack_fields((codes & 15).reshape(n, nb, 2, 2, 64), 4).reshape(n, nb, 128)
@@ -366,10 +241,10 @@ def _q6_k(xb):
 
 def _iq4_xs(xb):
     n, nb, _ = xb.shape
-    d, sc, codes = _sym_k(xb, 32, _Levels(-127, 113, IQ4_VALUES), _Levels(-32, 31),
+    d, sc, codes = _sym_k(xb, 32, Levels(-127, 113, IQ4_VALUES), Levels(-32, 31),
                           FACTORS["IQ4_XS"])
     u = (sc + 32).to(torch.int32)
-    h = _tsum((u >> 4) << torch.arange(0, 16, 2, device=u.device))  # scale j: bits 2j of a
+    h = tsum((u >> 4) << torch.arange(0, 16, 2, device=u.device))  # scale j: bits 2j of a
     scales_h = torch.cat((h & 255, h >> 8), dim=-1).to(torch.uint8)   # uint16 (disjoint bits)
     scales_l = _pack_nibbles((u & 15).to(torch.uint8).reshape(n, nb, 4, 2).transpose(-1, -2)
                              .reshape(n, nb, 8))   # scales 2i, 2i + 1 -> byte i

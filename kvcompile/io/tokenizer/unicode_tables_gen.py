@@ -6,7 +6,7 @@ Extended-A, Unicode 16) would split text differently. So the pre-tokenizer uses 
 ranges from the pinned version. Regenerate with a Python whose `unicodedata` is 15.1
 (CPython 3.13):
 
-    python3.13 kvcompile/tokenizer/unicode_tables_gen.py > kvcompile/tokenizer/unicode_tables.py
+    python3.13 kvcompile/io/tokenizer/unicode_tables_gen.py > kvcompile/io/tokenizer/unicode_tables.py
 """
 from __future__ import annotations
 

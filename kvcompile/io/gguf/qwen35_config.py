@@ -1,4 +1,4 @@
-"""GGUF metadata of a `qwen35` file -> ModelConfig (registered in gguf.arch_config).
+"""GGUF metadata of a `qwen35` file -> ModelConfig (registered in arch_config.py).
 
 Keys as llama.cpp reads them: `qwen35.block_count` counts the NextN/MTP layers too (they
 are stored as the last blocks), `qwen35.ssm.*` give the Gated DeltaNet geometry (state_size
@@ -12,7 +12,7 @@ from typing import Mapping
 
 from kvcompile.models.config import ModelConfig
 from kvcompile.errors import ModelFileError, UnsupportedModelError
-from kvcompile.io.gguf.arch_config import _int, base_fields, require
+from kvcompile.io.gguf.config_fields import base_fields, int_field, require
 
 ARCH = "qwen35"
 
@@ -29,7 +29,7 @@ def build_qwen35_config(md: Mapping, tensors: Mapping, path: str = "the model fi
     if n_layers <= 0:
         raise ModelFileError(f"{path}: block_count {base['n_layers']} leaves no main layers "
                              f"besides {nextn} NextN layers; the metadata is corrupt")
-    ssm = {k: _int(md, p + "ssm." + k, path)
+    ssm = {k: int_field(md, p + "ssm." + k, path)
            for k in ("conv_kernel", "state_size", "group_count", "time_step_rank", "inner_size")}
     if ssm["inner_size"] != ssm["state_size"] * ssm["time_step_rank"]:
         raise ModelFileError(

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The GPU tests of the executor and the KV store (kvcompile/executor, kvcompile/kv): captured
+# steps bitwise the eager model (streamed and resident, llama and qwen35, 4K..64K), verify
+# programs, the lowered ring ops, row publishing, PDL, pipelined decode, speculative
+# rounds, the Engine on CUDA, the CUDA streaming backend. Needs the gguf, fla-core and
+# einops wheels (.whl/). KEYS: a pytest -k expression; TESTS: other test files.
+# Writes $OUT/executor_gpu/pytest.log.
+set -uo pipefail
+R=${R:-$(pwd)}
+O="$OUT/executor_gpu"; mkdir -p "$O"
+cd /tmp
+timeout ${TESTS_LIMIT:-540} python3 -m pytest -q -s --maxfail=3 --durations=15 -m gpu -rfEs \
+    -p no:cacheprovider ${KEYS:+-k "$KEYS"} \
+    $(for f in ${TESTS:-tests/test_executor_gpu.py tests/test_lower_ring.py \
+        tests/test_row_publish.py tests/test_pdl_gpu.py tests/test_pipelined_decode.py \
+        tests/test_speculative_hybrid.py tests/test_engine_gpu.py \
+        tests/test_streaming_hybrid_gpu.py tests/test_streaming_gpu.py}; do echo "$R/$f"; done) \
+    2>&1 | grep --line-buffered -v "Warning\|warnings.warn" | tee "$O/pytest.log"
+exit ${PIPESTATUS[0]}
