@@ -237,6 +237,8 @@ class Engine:
                 break
         tokens.close()
         self._check_current(request)      # paused at its last piece: the result would mix
+        if drafter is not None:
+            drafter.finish(history)       # (an MTP drafter's layer catches up with the trunk)
         tail = stops.feed(text_of.flush()) + stops.flush()
         if tail:
             text.append(tail)

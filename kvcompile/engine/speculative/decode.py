@@ -28,6 +28,10 @@ class Drafter(ABC):
     def accepted(self, start: int, emitted: list[int], hidden) -> None:
         """The verify step at start kept len(emitted) rows (hidden: its rows, or None)."""
 
+    def finish(self, history) -> None:
+        """The request ends with `history`: bring what the drafter keeps in the store up
+        to date with it (the next request may resume there)."""
+
 
 def speculative_tokens(verify, rollback, drafter, logits, sampler, history, budget, ctx_size,
                        step_s, stats):

@@ -50,6 +50,11 @@ class MtpDrafter(Drafter):
         """After a verify step at `start`: its first len(emitted) rows were kept."""
         self._append(start, hidden[:len(emitted)])
 
+    def finish(self, history) -> None:
+        """Feed the backlog whose next tokens are known: the MTP layer's rows reach the
+        trunk's, so the next request resumes both where the trunk stands."""
+        self.flush(history)
+
     def _append(self, start: int, rows: torch.Tensor) -> None:
         if not self._rows:
             self._start = start
@@ -111,6 +116,9 @@ class NgramThenMtp(Drafter):
 
     def accepted(self, start, emitted, hidden) -> None:
         self.mtp.accepted(start, emitted, hidden)
+
+    def finish(self, history) -> None:
+        self.mtp.finish(history)
 
     def propose(self, history, limit: int) -> list[int]:
         draft = self.ngram.propose(history, limit)
