@@ -82,7 +82,11 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
     import kvcompile
     k_type, v_type = args.kv.split("/")
     arena = args.arena_mib if mode == "streamed" else 0
-    kv_bytes = ctx * S.kv_bytes_per_token(g, k_type, v_type)
+    # (a next turn needs room after the prompt, in every case alike: the same prompt)
+    room = args.turn + min(args.decode_steps, 16) + 2 if args.turn else 0
+    n_prompt = ctx - args.decode_steps - 2 - room
+    # the KV the measured steps read: the context at their middle
+    kv_bytes = (n_prompt + args.decode_steps // 2) * S.kv_bytes_per_token(g, k_type, v_type)
     row = dict(kind="runner", mode=mode, context=ctx, kv_type=args.kv, arena_mib=arena,
                weights=args.weights, geometry=g.name, decode_steps=args.decode_steps,
                cuda_graphs=args.cuda_graphs, kv_bytes=kv_bytes, **meta)
@@ -99,10 +103,10 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
     row["decode_depth"] = None if streamer is None else streamer.policy_config.decode_depth
     turn = args.turn and mode == "streamed" and ctx == max(
         c for m, c in args.case_list if m == "streamed")
-    # (a next turn needs room after the prompt: its new tokens and a few decode steps)
-    room = args.turn + min(args.decode_steps, 16) + 2 if turn else 0
-    ids = S.random_ids(ctx - args.decode_steps - 2 - room, g.vocab, args.seed, "cpu").tolist()
-    warm = e.generate(ids[:WARM_PROMPT], max_tokens=WARM_STEPS, temperature=0)
+    ids = S.random_ids(n_prompt, g.vocab, args.seed, "cpu").tolist()
+    # (two chunks at least: a prefill program's second chunk is captured)
+    warm = e.generate(ids[:max(WARM_PROMPT, 2 * args.ubatch)], max_tokens=WARM_STEPS,
+                      temperature=0)
     e.store.reset()                       # the measured request prefills from 0
     r = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
     stats = r.stats()

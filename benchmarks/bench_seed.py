@@ -181,7 +181,7 @@ def main() -> None:
             f"{t['decode_vs_bound'] or 0:.3f} x the bound")
         rows.append(row)
     if args.part in ("both", "resident"):
-        ref = [r for r in rows if r.get("part") == "budget"
+        ref = [r for r in rows if r.get("part") in ("budget", "arena")
                and all(r.get(k) == v for k, v in same.items())]
         if not ref:
             raise SystemExit(f"no budget row of this file, context, KV and commit in {args.out}")

@@ -11,9 +11,9 @@ KV arenas of several sizes, `auto` and Hugging Face peers in one run, as JSON ro
     python benchmarks/bench_sweep.py --tiny --device cpu --no-peers    # the same code, seconds
 
 Llama-3-8B geometry, random bf16 weights made on the device once (shared with the peers).
-kvcompile: one `Engine.from_model` per arena (ctx_size: the largest context, `engine_ctx`;
-no prefix reuse; a warm-up request pays for programs and kernels once), then per context bench_runner's
-request (random ids filling the context but for the decode steps, greedy) and the
+kvcompile: one `Engine.from_model` per arena (ctx_size: the largest context, `engine_ctx`; no
+prefix reuse; a warm-up request pays for programs and kernels once), then per context
+bench_runner's request (random ids filling the context but for the decode steps, greedy) and the
 GenerationResult's prefill tok/s (to the first token), decode tok/s (steps timed to the
 sampler's read) and step p50. `auto`: the Engine's rule for a model file (plan_budget: all KV
 resident if it fits the free device memory, else the rest as arena), planned here;
@@ -157,7 +157,7 @@ def sweep_arena(model, g, arena, args, device, meta, guard) -> list[dict]:
         r = e.generate(prompt(g, ctx, args), max_tokens=args.decode_steps + 1, temperature=0)
         b = bound(meta, ctx * S.kv_bytes_per_token(g, k, v), int(used * 2**20), not used)
         return [row_of("kvcompile", arena, used, ctx, args.kv, r.prefill_tok_s, r.decode_tok_s,
-                       r.stats()["step_ms"]["p50"], b, args, meta, runner_mode=e.executor.mode,
+                       r.stats()["step_ms"]["p50"], b, args, meta, executor_mode=e.executor.mode,
                        captures=r.programs.get("captures"), kv=r.kv, engine_ctx=top,
                        launches_per_step=launches_per_step(r.programs),
                        prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,

@@ -21,7 +21,7 @@ def logits_of(engine, ids):
     engine.store.reset()
     cut = len(ids) - 16
     # each row copied out at once: a captured program's logits are valid until its next step
-    rows = [engine._prefill(ids[:cut]).float().cpu()]
+    rows = [engine._prefill(ids[:cut], 0).float().cpu()]
     rows += [engine.forward([t], cut + i).float().cpu() for i, t in enumerate(ids[cut:-1])]
     return torch.stack(rows)
 
@@ -30,7 +30,7 @@ def agreement(cpu, gpu, seed: int, what: str) -> tuple[float, float]:
     """(top-1 agreement, max |diff| / max |logit|) of two engines' logits over 600 fresh
     random ids."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cpu.config.vocab_size, (600,), generator=gen).tolist()
+    ids = torch.randint(0, cpu.model.config.vocab_size, (600,), generator=gen).tolist()
     with torch.inference_mode():
         a, b = logits_of(cpu, ids), logits_of(gpu, ids)
     top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()

@@ -220,7 +220,8 @@ def test_resident_programs_of_every_width_equal_eager_bitwise(tmp_path, kv):
     from kvcompile.io.make_model import make_model
     path = tmp_path / "tiny.gguf"
     make_model("llama", "tiny", path, weight_type="f32", seed=SEED % 10_000)
-    loaded = load_model(str(path), device=DEV, progress=False)     # bf16: the GEMV path
+    loaded = load_model(str(path), device=DEV, dtype=torch.bfloat16,   # the GEMV path
+                        progress=False)
     model, cfg = loaded.model, loaded.config
     k, v = (kv, kv) if "/" not in kv else kv.split("/")
     ref = KvStore(cfg, 2048, 0, k, v, device=DEV)
@@ -269,12 +270,12 @@ def test_engine_cuda_graphs_with_a_streamed_store(tmp_path, arch):
     path = tmp_path / f"{arch}.gguf"
     make_model(arch, "tiny", path, weight_type="f32", seed=SEED % 1000)
     ref = Engine(str(path), ctx_size=1024, device=DEV, dtype="f32", progress=False,
-                 cuda_graphs=False, compile=False)
+                 cuda_graphs=False, compile=False, ubatch=32)
     c = ref.model.config
     full = ref.model.layer_plan.kv_config(c)
     mib = min_arena_bytes(full, 1024) * 1.05 / MIB     # ~everything streamed
     eng = Engine(str(path), ctx_size=1024, device=DEV, dtype="f32", progress=False,
-                 kv_stream_arena_mib=mib, cuda_graphs=True)
+                 kv_stream_arena_mib=mib, cuda_graphs=True, ubatch=32)
     assert eng.executor.mode == "cuda graphs" and eng.store.backend.name == "cuda"
     first = ref.tokenizer.encode("the quick brown fox " * 30)
     other = torch.randint(0, c.vocab_size, (len(first),),

@@ -183,7 +183,7 @@ def test_scales_stay_in_range_on_hard_rows(gen):
 
 
 def test_bytes_do_not_depend_on_search_batching(gen, monkeypatch):
-    import kvcompile.io.gguf.quantize as q
+    import kvcompile.io.gguf.scale_fit as q
     x = gaussian(6, 512, gen)
     together = {name: quantize(x, name) for name in TYPES}
     monkeypatch.setattr(q, "SEARCH_ELEMENTS", 1)     # one candidate at a time

@@ -83,9 +83,10 @@ def test_hybrid_model_with_mtp_streams_bitwise(hybrid):
     assert cache.history.rows[hybrid.layer_plan.kv_layers[-1]] == len(tokens) - 1
 
 
-def test_engine_streams_a_hybrid_model_without_touching_the_mtp_pages(tmp_path):
-    """Engine with an arena: plain forwards acquire the trunk's attention layers only (no
-    speculative step reads the MTP layer), and generate what the all-resident engine does."""
+def test_engine_streams_a_hybrid_model_without_mtp_pages(tmp_path):
+    """Engine with an arena and no MTP drafter: the MTP layer gets no pages (the trunk's
+    attention layers get its share of the arena), and it generates what the all-resident
+    engine does."""
     from kvcompile.engine.engine import Engine
     from kvcompile.kv.kv_pages import min_arena_bytes
     path = write_tiny_hybrid(tmp_path / "qwen35-tiny.gguf", SEED % 1000)
@@ -100,6 +101,6 @@ def test_engine_streams_a_hybrid_model_without_touching_the_mtp_pages(tmp_path):
     assert got.token_ids == want.token_ids
     steps = streamed.store.telemetry
     assert steps and all(s.layers == len(trunk) for s in steps)
-    mtp = streamed.model.layer_plan.kv_layers[-1]
-    assert streamed.store.history.rows[mtp] == 0            # never written, never acquired
+    mtp = streamed.model.layer_plan.mtp[0]
+    assert mtp not in streamed.store.layers        # no MTP drafter: the layer has no pages
     assert got.kv["streamed_fraction"] > 0.5

@@ -15,6 +15,7 @@ from kvcompile.engine.dtypes import resolve_dtype
 from kvcompile.engine.speculative.options import SpecOptions
 from kvcompile.errors import ContextLengthError, DeviceError, KvcompileError
 from kvcompile.kv.cuda_backend import COPY_MODES
+from kvcompile.kv.kv_pages import check_arena_mib
 from kvcompile.kv.streamer import decode_depth
 from kvcompile.ops.kv_format import kv_type
 
@@ -69,7 +70,7 @@ class EngineConfig:
 
     def check(self) -> None:
         kv_type(self.cache_type_k), kv_type(self.cache_type_v)   # KvLayoutError names them
-        _arena(self.kv_stream_arena_mib)
+        check_arena_mib(self.kv_stream_arena_mib)
         if self.gpu_memory_gib is not None and not _positive(self.gpu_memory_gib):
             raise KvcompileError(f"gpu_memory_gib (--gpu-memory-gib) must be a positive "
                                  f"number of GiB (or None: the device's free memory), got "
@@ -149,19 +150,6 @@ def parse_device(device: str | torch.device | None) -> torch.device:
     elif dev.type != "cpu":
         raise DeviceError(f"device {device!r} is not supported; use cpu or cuda")
     return dev
-
-
-def _arena(arena_mib) -> None:
-    """0 / None (everything on the device), "auto" (what the memory budget leaves) or a
-    positive size in MiB; ArenaError otherwise."""
-    from kvcompile.errors import ArenaError
-    if arena_mib == "auto" or arena_mib is None:
-        return
-    if not isinstance(arena_mib, (int, float)) or isinstance(arena_mib, bool) \
-            or not arena_mib >= 0:
-        raise ArenaError(f"kv_stream_arena_mib (--kv-stream-arena-mib) must be 0 (everything "
-                         f"on the device), auto (what --gpu-memory-gib leaves) or a positive "
-                         f"size in MiB, got {arena_mib!r}")
 
 
 def _positive(x) -> bool:

@@ -68,7 +68,8 @@ class Engine:
         # the device-memory budget, split before the load (memory_budget.py)
         memory = plan_engine_memory(source, device, dtype, ctx, cfg.ubatch, cfg.cache_type_k,
                                     cfg.cache_type_v, cfg.kv_stream_arena_mib,
-                                    cfg.gpu_memory_gib, cfg.spec.verify_rows)
+                                    cfg.gpu_memory_gib, cfg.spec.verify_rows,
+                                    mtp=cfg.spec.uses_mtp)
         loaded = load_model(source, device=device, dtype=dtype, progress=cfg.progress)
         self._setup(loaded.model, loaded.tokenizer, loaded.path, cfg, device, dtype, ctx,
                     memory)
@@ -106,7 +107,7 @@ class Engine:
         self._request = 0             # the newest request; older streams stop (stream())
         self.store = KvStore.for_model(
             model, ctx, cfg.cache_type_k, cfg.cache_type_v, arena, device=self.device,
-            backend=make_backend(self.device, copy=cfg.stream_copy),
+            mtp=spec.uses_mtp, backend=make_backend(self.device, copy=cfg.stream_copy),
             ctx_checkpoints=cfg.ctx_checkpoints, decode_depth=cfg.decode_depth,
             prefetch_next=cfg.prefetch_next, fill_ahead=cfg.fill_ahead)
         capture, compile = cfg.graphs(self.device)

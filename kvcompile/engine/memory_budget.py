@@ -49,9 +49,11 @@ class BudgetPlan:
                 f"workspace {self.workspace / GIB:.2f} GiB, {kv}")
 
 
-def kv_layer_count(config) -> int:
-    """Layers that hold KV: the attention layers and the MTP (NextN) layers."""
-    return sum(config.is_attention_layer(i) for i in range(config.n_layers)) + config.nextn_layers
+def kv_layer_count(config, mtp: bool = True) -> int:
+    """Layers that hold KV: the attention layers, and the MTP (NextN) layers when an MTP
+    drafter reads them."""
+    return (sum(config.is_attention_layer(i) for i in range(config.n_layers))
+            + (config.nextn_layers if mtp else 0))
 
 
 def kv_bytes(config, kv_layers: int, ctx: int, k_type: str, v_type: str,
@@ -161,7 +163,7 @@ def planned_weight_bytes(source, device: torch.device, dtype: torch.dtype) -> in
 
 def plan_engine_memory(source, device: torch.device, dtype: torch.dtype, ctx: int, ubatch: int,
                        k_type: str, v_type: str, arena_mib, gpu_memory_gib,
-                       verify_rows: int = 0) -> BudgetPlan | None:
+                       verify_rows: int = 0, mtp: bool = True) -> BudgetPlan | None:
     """The Engine's split of the device budget for the model of `source` (loader.ModelSource;
     None on the CPU: no budget there). With gpu_memory_gib given, torch's allocator is capped
     at it (enforce); without, an earlier Engine's cap in this process is lifted (the cap is
@@ -173,7 +175,7 @@ def plan_engine_memory(source, device: torch.device, dtype: torch.dtype, ctx: in
         return None
     from kvcompile.kv.kv_pages import min_arena_bytes
     config = source.config
-    n_kv = kv_layer_count(config)
+    n_kv = kv_layer_count(config, mtp)
     plan = plan_budget(
         budget=device_budget(device, gpu_memory_gib),
         weights=planned_weight_bytes(source, device, dtype),

@@ -80,7 +80,7 @@ class Executor:
         self._inputs: dict[int, StaticInput] = {}
         self._traced = None
         self.trace_error: str | None = None      # why the eager model replaced the traced
-        self.fallback: str | None = None         # why nothing is captured any more
+        self.fallback: dict = {}                 # trace key -> why it captures no more
         self.programs: dict[tuple, OrderedDict] = {}    # trace key -> layout -> Program
         self._warm: set = set()                  # trace keys whose first step ran
         self.counts = dict.fromkeys(COUNTERS, 0)
@@ -195,7 +195,7 @@ class Executor:
         store.open_forward(inp.positions, start, start + n - 1, self.trunk)
         try:
             may_capture = (self.capture and key in self._warm and start > 0
-                           and self.fallback is None)
+                           and key not in self.fallback)
             layout = store.step_layout() if may_capture else None
             progs = self.programs.setdefault(key, OrderedDict())
             if layout is not None and layout not in progs:
@@ -210,16 +210,13 @@ class Executor:
                 self.counts["eager_steps"] += 1
                 return out
             return self._replay(progs, layout, program, rows)
-        except _TraceFailed:
+        except BaseException as e:
             store.end_forward(ok=False)
             if state is not None:
                 state.n_tokens = n_tokens
-            return self._keyed(key, ids, start, n, ahead)   # now with the eager model
-        except BaseException:
-            store.end_forward(ok=False)
-            if state is not None:
-                state.n_tokens = n_tokens
-            raise
+            if not isinstance(e, _TraceFailed):
+                raise
+        return self._keyed(key, ids, start, n, ahead)       # now with the eager model
 
     def _call(self, key, inp: StaticInput, last_only: bool) -> torch.Tensor:
         """The program's function over its static input: the traced forward, or the model
@@ -293,12 +290,14 @@ class Executor:
                 return fn()
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)
-        with torch.cuda.stream(self.stream), torch.inference_mode():
-            out = fn()
+        try:
+            with torch.cuda.stream(self.stream), torch.inference_mode():
+                out = fn()
+        finally:                      # (a failed step's queued work too, before the caller
+            cur.wait_stream(self.stream)   # resets or restores state on its stream)
         for t in (out if isinstance(out, tuple) else (out,)):
             if isinstance(t, torch.Tensor):
                 t.record_stream(cur)
-        cur.wait_stream(self.stream)
         return out
 
     # ---- capture and replay ------------------------------------------------------------------
@@ -317,9 +316,9 @@ class Executor:
                 return
             if self.strict:
                 raise
-            self.fallback = f"{type(e).__name__}: {e}"
-            warnings.warn(f"CUDA graph capture failed ({self.fallback}); steps run "
-                          f"uncaptured from now on", RuntimeWarning, stacklevel=4)
+            self.fallback[key] = f"{type(e).__name__}: {e}"
+            warnings.warn(f"CUDA graph capture of {key} failed ({self.fallback[key]}); its "
+                          f"steps run uncaptured from now on", RuntimeWarning, stacklevel=4)
         finally:
             self._t_begin = time.perf_counter()
 
@@ -386,7 +385,7 @@ class Executor:
         if self.trace_error:
             out["trace_error"] = self.trace_error
         if self.fallback:
-            out["fallback"] = self.fallback
+            out["fallback"] = "; ".join(f"{k}: {v}" for k, v in self.fallback.items())
         return out
 
     def request_stats(self) -> dict:

@@ -11,8 +11,21 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcompile.errors import ArenaError
 from kvcompile.ops import kv_format as F
 from kvcompile.kv.arena import ALIGN, align
+
+
+def check_arena_mib(arena_mib) -> None:
+    """0 / None (everything on the device), "auto" (what the memory budget leaves) or a
+    positive size in MiB; ArenaError otherwise. The one check of an arena size."""
+    if arena_mib == "auto" or arena_mib is None:
+        return
+    if not isinstance(arena_mib, (int, float)) or isinstance(arena_mib, bool) \
+            or not arena_mib >= 0:
+        raise ArenaError(f"kv_stream_arena_mib (--kv-stream-arena-mib) must be 0 (everything "
+                         f"on the device), auto (what --gpu-memory-gib leaves) or a positive "
+                         f"size in MiB, got {arena_mib!r}")
 
 
 def min_arena_bytes(config, max_tokens: int, k_type="f32", v_type="f32", page_size=256,

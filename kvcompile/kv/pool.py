@@ -140,6 +140,7 @@ class StreamingPool(RingFills, FixedForwards):
         n = self.L * self.r
         wait_all(set(self.last_use[:n]))
         self.kv_pool[:n].fill_(0x7F)
+        self.last_use[:n] = [self.backend.compute_fence()] * n   # refills follow the junk
         self.valid_upto = [0] * self.L
         if self.checker is not None:
             self.checker.release(range(n))

@@ -31,7 +31,7 @@ from kvcompile.errors import ArenaError, ContextLengthError, KvLayoutError
 from kvcompile.kv.arena import MIB, Arena, align, mib_for
 from kvcompile.kv.backend import Backend, make_backend
 from kvcompile.kv.host_history import HostHistory, RowCounts
-from kvcompile.kv.kv_pages import PagePair, min_arena_bytes, page_bytes
+from kvcompile.kv.kv_pages import PagePair, check_arena_mib, min_arena_bytes, page_bytes
 from kvcompile.kv.layer_kv import LayerKv, check_positions, check_range, decode_workspace_numel
 from kvcompile.kv.prefix import PrefixState
 from kvcompile.kv.recurrent_state import RecurrentState
@@ -96,10 +96,13 @@ class KvStore:
             self.history = RowCounts(self.layers, page_size)
             self.placement = AllResident(self)
             k_pool, v_pool = pair.views(kv_pool)
-            self._tables = (torch.arange(self.num_pages, dtype=torch.int32,
+            # rows 16-byte aligned (a multiple of 4 entries), like the pool's tables
+            width = -(-self.num_pages // 4) * 4
+            self._tables = (torch.arange(width, dtype=torch.int32,
                                          device=self.device)[None, :] * L
                             + torch.arange(L, dtype=torch.int32, device=self.device)[:, None])
-            tables = {layer: self._tables[li] for li, layer in enumerate(self.layers)}
+            tables = {layer: self._tables[li, :self.num_pages]
+                      for li, layer in enumerate(self.layers)}
         else:
             self.history = HostHistory(self.layers, self.num_pages, pair, page_size,
                                        alloc=self.backend.host_buffer)
@@ -123,11 +126,10 @@ class KvStore:
         self._step: dict | None = None
 
     def _streamed_pages(self, arena_mib, max_tokens: int, pair: PagePair) -> int:
-        if (not isinstance(arena_mib, (int, float)) or isinstance(arena_mib, bool)
-                or arena_mib < 0):
-            raise ArenaError(f"kv_stream_arena_mib (--kv-stream-arena-mib) must be 0 "
-                             f"(everything on the device) or a positive size in MiB, got "
-                             f"{arena_mib!r}")
+        if arena_mib == "auto":
+            raise ArenaError("kv_stream_arena_mib='auto' is what the Engine's memory budget "
+                             "leaves: give the store a size in MiB")
+        check_arena_mib(arena_mib)
         nbytes = int(arena_mib * MIB)
         need = min_arena_bytes(self.config, max_tokens, self.k_type, self.v_type,
                                self.page_size)
@@ -332,14 +334,16 @@ class KvStore:
 
     @classmethod
     def for_model(cls, model, max_tokens: int, k_type="f32", v_type="f32", arena_mib=0,
-                  *, device=None, page_size: int = 256, **options) -> "KvStore":
+                  *, device=None, page_size: int = 256, mtp: bool = True,
+                  **options) -> "KvStore":
         """The request slot of `model`: KV pages for the layers its plan declares (the
-        attention layers and the MTP layers), its recurrent state beside them."""
+        attention layers, and the MTP layers unless mtp=False: only an MTP drafter reads
+        them), its recurrent state beside them."""
         plan = model.layer_plan
         device = torch.device(device) if device is not None else model.device
         recurrent = RecurrentState(model.config, device) if plan.recurrent else None
+        layers = plan.kv_layers if mtp else plan.attention
         return cls(plan.kv_config(model.config), max_tokens, arena_mib, k_type, v_type,
-                   page_size, device=device, layers=plan.kv_layers, recurrent=recurrent,
-                   **options)
+                   page_size, device=device, layers=layers, recurrent=recurrent, **options)
 
 

@@ -3,14 +3,15 @@
 # steps bitwise the eager model (streamed and resident, llama and qwen35, 4K..64K), verify
 # programs, the lowered ring ops, row publishing, PDL, pipelined decode, speculative
 # rounds, the Engine on CUDA, the CUDA streaming backend. Needs the gguf, fla-core and
-# einops wheels (.whl/). KEYS: a pytest -k expression; TESTS: other test files.
+# einops wheels (.whl/). KEYS: a pytest -k expression; TESTS: other test files; WORKERS:
+# pytest-xdist workers (4: correctness tests share the GPU fine; each file on one worker).
 # Writes $OUT/executor_gpu/pytest.log.
 set -uo pipefail
 R=${R:-$(pwd)}
 O="$OUT/executor_gpu"; mkdir -p "$O"
 cd /tmp
-timeout ${TESTS_LIMIT:-540} python3 -m pytest -q -s --maxfail=3 --durations=15 -m gpu -rfEs \
-    -p no:cacheprovider ${KEYS:+-k "$KEYS"} \
+timeout ${TESTS_LIMIT:-540} python3 -m pytest -q --maxfail=3 --durations=15 -m gpu -rfEs \
+    -n ${WORKERS:-4} --dist loadfile -p no:cacheprovider ${KEYS:+-k "$KEYS"} \
     $(for f in ${TESTS:-tests/test_executor_gpu.py tests/test_lower_ring.py \
         tests/test_row_publish.py tests/test_pdl_gpu.py tests/test_pipelined_decode.py \
         tests/test_speculative_hybrid.py tests/test_engine_gpu.py \
