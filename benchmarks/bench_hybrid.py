@@ -21,13 +21,12 @@ Systems (`ours*` run once per --kv entry), each row through its own `Engine.from
   ours-graphs     ours with the executor's programs: each decode step one CUDA graph
   ours-resident   the whole KV on the device (arena 0), eager
 
-The Engine's store holds pages for the KV layers of the model's plan: the 16 main attention
-layers and the MTP layer (its pages stay unread: no speculative step runs here; a trunk
-step places the trunk's layers only); the GDN state (RecurrentState, fp32) stays on the
-device and is never streamed. The measured request prefills the context in --ubatch chunks
-(timed to the first token), then decodes greedily: 1 untimed step (2 for ours-graphs: the
-first step at the context and its capture), --decode-steps timed, each to the sampler's
-read of its token.
+The Engine's store holds pages for the 16 main attention layers (the MTP layer gets pages
+only when a draft-mtp drafter will read them; none runs here); the GDN state
+(RecurrentState, fp32) stays on the device and is never streamed. The measured request
+prefills the context in --ubatch chunks (timed to the first token), then decodes greedily:
+1 untimed step (2 for ours-graphs: the first step at the context and its capture),
+--decode-steps timed, each to the sampler's read of its token.
 
 PCIe bound, as in bench_streaming (whose helpers this script imports): pcie_bound_tok_s =
 pcie_gbps_measured / (attention KV bytes of the context - arena bytes), None when the
@@ -237,8 +236,8 @@ def parse_args(argv=None):
         args.contexts = args.contexts.split(",")[0] if args.tiny else "8192"
         args.decode_steps = min(args.decode_steps, 8)
     if args.arena_mib is None:
-        # tiny: 3 KV layers (2 attention, the MTP layer) of 52 KiB 256-token pages (q8_0/q4_0):
-        # 8 pages; 256 tokens fit (2 pages a layer), 1536 stream (624 KiB of attention KV)
+        # tiny: 2 attention layers of 52 KiB 256-token pages (q8_0/q4_0): 8 pages; 256
+        # tokens fit, 1536 stream (624 KiB of attention KV)
         args.arena_mib = 0.45 if args.tiny else 2240
     args.device = args.device or ("cpu" if args.tiny else "cuda")
     args.out = args.out or (os.path.join(tempfile.gettempdir(), "hybrid_tiny.json")
@@ -283,8 +282,7 @@ def main(argv=None) -> list[dict]:
                 gdn_head_dim=config.ssm_head_dim, conv_kernel=config.ssm_conv_kernel,
                 weights_dtype=str(dtype).replace("torch.", ""), weight_bytes=w_bytes,
                 gdn_backend=gdn,
-                mtp_kv="the Engine's store gives the MTP layer pages; no MTP (speculative) "
-                       "step runs, so none is read",
+                mtp_kv="no MTP drafter runs: the store holds no MTP layer pages",
                 device=torch.cuda.get_device_name(device) if device.type == "cuda"
                 else platform.processor() or platform.machine(),
                 torch=torch.__version__, ubatch=args.ubatch, decode_steps=args.decode_steps,

@@ -158,7 +158,7 @@ def main() -> None:
             from kvcompile.engine.memory_budget import kv_bytes, kv_layer_count
             cfg = _open(args.file).config
             k, v = args.kv.split("/")
-            budget["kv_bytes"] = kv_bytes(cfg, kv_layer_count(cfg), args.context, k, v)
+            budget["kv_bytes"] = kv_bytes(cfg, kv_layer_count(cfg, mtp=False), args.context, k, v)
         streamed = budget["kv_bytes"] - budget["arena_bytes"]
         bound = pcie * 1e9 / streamed if streamed > 0 and pcie else None
         for part in ("prompt", "turn"):

@@ -94,7 +94,9 @@ def oracle_run(args, meta) -> dict:
     widths = [int(w) for w in args.widths.split(",")]
     e = kvcompile.Engine(args.oracle, device=args.device, ctx_size=args.context,
                          cache_type_k=k, cache_type_v=v, kv_stream_arena_mib=args.arena_mib,
-                         progress=False, spec_type="ngram-simple",
+                         progress=False,   # MTP pages only when draft-mtp runs later
+                         spec_type="ngram-simple,draft-mtp" if args.mtp_context
+                         else "ngram-simple",
                          spec_ngram_size_m=max(args.depth, max(widths) - 1))
     vocab = open_model(args.oracle).config.vocab_size
     gen = torch.Generator().manual_seed(0)

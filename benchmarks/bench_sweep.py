@@ -60,7 +60,7 @@ def auto_arena_mib(model, ctx: int, k: str, v: str, ubatch: int, device) -> floa
     return M.plan_budget(budget=M.device_budget(device, None),       # free + torch's reserve
                          weights=torch.cuda.memory_allocated(device),  # every live tensor
                          workspace=M.workspace_bytes(c, min(ubatch, ctx), device),
-                         kv_all=M.kv_bytes(c, M.kv_layer_count(c), ctx, k, v),
+                         kv_all=M.kv_bytes(c, M.kv_layer_count(c, mtp=False), ctx, k, v),
                          min_arena=min_arena_bytes(c, ctx, k, v), arena="auto").arena_mib
 
 

@@ -223,6 +223,20 @@ def test_max_tokens_zero_generates_nothing(hybrid_file, spec):
     assert r.completion_tokens == 0 and r.token_ids == []
 
 
+def test_an_engine_built_without_draft_mtp_refuses_it_clearly(hybrid_file):
+    """The MTP layer gets pages only with an MTP drafter: switching one on later says what to
+    change, and the Engine keeps serving."""
+    from kvcompile.engine.speculative.options import SpecOptions
+    from kvcompile.errors import KvcompileError
+    e = Engine.from_model(_model(hybrid_file), ctx_size=256, progress=False)
+    plain = e.generate(_ids(20, 9), max_tokens=4, temperature=0)
+    e.spec = SpecOptions.checked("draft-mtp")
+    with pytest.raises(KvcompileError, match="spec_type including draft-mtp"):
+        e.generate(_ids(20, 9), max_tokens=4, temperature=0)
+    e.spec = SpecOptions.checked("none")
+    assert e.generate(_ids(20, 9), max_tokens=4, temperature=0).token_ids == plain.token_ids
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("where", list(ARENAS))

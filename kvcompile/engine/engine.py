@@ -140,6 +140,11 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.ctx_size}; "
                 f"shorten the prompt or raise ctx_size / --ctx-size (this model was trained on "
                 f"{self.model.config.context_length})")
+        if self.spec.uses_mtp and not all(map(self.store.has_layer,
+                                              self.model.layer_plan.mtp)):
+            raise KvcompileError("this Engine's store holds no MTP layer KV (it was built "
+                                 "without draft-mtp): build it with spec_type including "
+                                 "draft-mtp to draft with the MTP layer")
         # A newer request takes over the store: an older stream read after this raises
         # StreamInterruptedError instead of continuing over the newer request's KV.
         self._request += 1

@@ -49,7 +49,7 @@ class BudgetPlan:
                 f"workspace {self.workspace / GIB:.2f} GiB, {kv}")
 
 
-def kv_layer_count(config, mtp: bool = True) -> int:
+def kv_layer_count(config, *, mtp: bool) -> int:
     """Layers that hold KV: the attention layers, and the MTP (NextN) layers when an MTP
     drafter reads them."""
     return (sum(config.is_attention_layer(i) for i in range(config.n_layers))
@@ -175,7 +175,7 @@ def plan_engine_memory(source, device: torch.device, dtype: torch.dtype, ctx: in
         return None
     from kvcompile.kv.kv_pages import min_arena_bytes
     config = source.config
-    n_kv = kv_layer_count(config, mtp)
+    n_kv = kv_layer_count(config, mtp=mtp)
     plan = plan_budget(
         budget=device_budget(device, gpu_memory_gib),
         weights=planned_weight_bytes(source, device, dtype),

@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # Issue 5's benchmark: compiled + captured decode (all resident, 8K) and decode graphs
 # (streamed, 128K, arena 2048 MiB) beside their eager twins, Llama-3-8B geometry.
-# ~2.5 min on one H200 with ARGS="--systems ours-captured,ours-captured-nopdl,ours-resident,
-# ours-graphs,ours" (ours-compiled, in the default list, adds ~2.5 min of inductor compile;
-# ARGS takes other options too, e.g. --trials 3). Writes
+# ARGS takes bench_compiled.py's options, e.g. --systems, --trials 3. Writes
 # $OUT/bench_compiled/{streaming.json,log.txt}: merge its rows into
 # benchmarks/results/streaming.json (bench_streaming.save(..., section="compiled")); copy
 # the JSON to $OUT's top level in the same call (many files under $OUT come back as none).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Streaming benchmark, quick subset (one H200: 95 s when last run, before ours-graphs): Llama-3-8B geometry, random bf16
+# Streaming benchmark, quick subset: Llama-3-8B geometry, random bf16
 # weights made on the device, context 32K, every system (ours streaming + all resident, with
 # q8_0/q4_0 and bf16/bf16 KV; transformers DynamicCache() and DynamicCache(offloading=True)).
 # Writes $OUT/bench_streaming/{streaming.json,log.txt}. The full table (32K/64K/128K) takes
