@@ -10,8 +10,9 @@ set -uo pipefail
 R=${R:-$(pwd)}
 O="$OUT/executor_gpu"; mkdir -p "$O"
 cd /tmp
+par=""; python3 -c "import xdist" 2>/dev/null && par="-n ${WORKERS:-4} --dist loadfile"
 timeout ${TESTS_LIMIT:-540} python3 -m pytest -q --maxfail=3 --durations=15 -m gpu -rfEs \
-    -n ${WORKERS:-4} --dist loadfile -p no:cacheprovider ${KEYS:+-k "$KEYS"} \
+    $par -p no:cacheprovider ${KEYS:+-k "$KEYS"} \
     $(for f in ${TESTS:-tests/test_executor_gpu.py tests/test_lower_ring.py \
         tests/test_row_publish.py tests/test_pdl_gpu.py tests/test_pipelined_decode.py \
         tests/test_speculative_hybrid.py tests/test_engine_gpu.py \
