@@ -43,7 +43,11 @@ import bench_streaming as S  # noqa: E402
 from bench_util import free_memory, hbm_bandwidth, log, param_bytes, run_meta  # noqa: E402
 from greedy_check import compare, record_gaps  # noqa: E402
 
-WARM_PROMPT = 512          # tokens of the warm-up request
+WARM_PROMPT = 512          # tokens of the warm-up request (at least two chunks)
+# and its last chunk's rows, no multiple of 16: Triton compiles a kernel per divisibility of
+# its integer arguments, once a process; a later chunk of such a width (a next turn's) then
+# measures no compile
+WARM_TAIL = 100
 WARM_STEPS = 4
 
 
@@ -105,8 +109,8 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
         c for m, c in args.case_list if m == "streamed")
     ids = S.random_ids(n_prompt, g.vocab, args.seed, "cpu").tolist()
     # (two chunks at least: a prefill program's second chunk is captured)
-    warm = e.generate(ids[:max(WARM_PROMPT, 2 * args.ubatch)], max_tokens=WARM_STEPS,
-                      temperature=0)
+    warm = e.generate(ids[:max(WARM_PROMPT, 2 * args.ubatch) + WARM_TAIL],
+                      max_tokens=WARM_STEPS, temperature=0)
     e.store.reset()                       # the measured request prefills from 0
     r = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
     stats = r.stats()

@@ -79,7 +79,7 @@ def test_tiny_run_writes_the_rows(tmp_path):
             assert field in r, field
         assert r["kv_bytes"] == r["context"] * per_token
         assert r["gdn_state_bytes"] == gdn
-        assert r["store_kv_layers"] == n_attn + 1        # the Engine's store: MTP layer too
+        assert r["store_kv_layers"] == n_attn             # no MTP drafter: no MTP pages
         assert r["cached_tokens"] == 0                   # every measured prefill is cold
         assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0
     by = {(r["system"], r["context"]): r for r in saved["rows"]}

@@ -247,3 +247,27 @@ def test_stats_time_steps_to_the_tokens_read(engine, monkeypatch):
     steps = r.step_ms()
     assert 20 <= steps["p50"] <= steps["p90"] <= steps["max"]
     assert r.stats()["ttft_s"] == r.prefill_s and "step p50" in r.stats_line()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+@pytest.mark.parametrize("arena", [0, 1.5], ids=["resident", "streamed"])
+def test_a_dropped_engine_frees_its_store_at_once(tmp_path, arch, arena):
+    """No reference cycle through the store, its policy, its prefix state or the executor's
+    programs: its (device) memory goes back when the last reference does, not at some
+    later garbage collection."""
+    import gc
+    import weakref
+    from kvcompile.io.make_model import make_model
+    path = tmp_path / f"{arch}.gguf"
+    make_model(arch, "tiny", path, weight_type="f32", seed=3)
+    gc.collect()
+    gc.disable()
+    try:
+        e = Engine(str(path), ctx_size=1024, progress=False, kv_stream_arena_mib=arena,
+                   cuda_graphs=True)
+        e.generate(list(range(5, 300)), max_tokens=5, temperature=0)
+        store, executor = weakref.ref(e.store), weakref.ref(e.executor)
+        del e
+        assert store() is None and executor() is None
+    finally:
+        gc.enable()

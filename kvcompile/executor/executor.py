@@ -32,6 +32,7 @@ import contextlib
 import sys
 import time
 import warnings
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -87,8 +88,7 @@ class Executor:
         self.counts.update(warmup_s=0.0, prepare_s=0.0, launch_s=0.0, close_s=0.0)
         self.host_s: list[float] = []
         self._base: dict = {}
-        self._start = 0
-        self._t_begin = 0.0
+        self._start, self._t_begin = 0, 0.0
 
     @property
     def mode(self) -> str:
@@ -327,10 +327,11 @@ class Executor:
         while len(progs) >= self.max_layouts:
             progs.popitem(last=False)
         store = self.store
+        call = weakref.WeakMethod(self._call)     # a CPU rerun keeps work: no cycle
 
         def work():
             store.issue_forward(layout)
-            out = self._call(key, inp, last_only)
+            out = call()(key, inp, last_only)
             store.end_issue()
             return out
         progs[layout] = capture_program(work, self.device, self._graph_pool, store,

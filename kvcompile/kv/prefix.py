@@ -7,18 +7,23 @@ prefill only what is new. The store keeps the token ids its rows were computed f
 (`tokens`, the engine's record of the request: prompt, generated tokens, and a stop token a
 pipelined step fed past the end); `resume` compares a new prompt with them, keeps the
 common prefix's pages and drops the rest. At least the prompt's last token is computed again
-(its logits start the decode); a prompt the store holds whole computes its last prefill
-chunk again, cut where a cold prefill cuts it (on the ubatch grid), so the same prompt
-gives the same logits bit for bit.
+(its logits start the decode). The kept prefix ends on the ubatch grid (up to ubatch - 1
+rows are computed again): the prefill's chunks then fall where a cold prefill's fall, so
+rows that came from prefill give a cold run's logits bit for bit (chunked kernels round
+by where a chunk starts); the same prompt again computes its last chunk again.
 
 A hybrid model's recurrent layers have no pages to cut: their state exists only where it was
 saved. `StateCheckpoints` keeps copies of it in host memory (pinned on CUDA) at positions
-taken during prefill (every `spacing` tokens, and where the prompt ends), up to a number of
-slots (`ctx_checkpoints`, llama.cpp's name), lowest position evicted first. A resume restarts
-the recurrent layers from the live state or the latest checkpoint at or before the prefix end,
-and the attention layers' pages are cut there too.
+taken during prefill (chunk starts every `spacing` tokens and the last chunk's, and where the
+prompt ends), up to a number of slots (`ctx_checkpoints`, llama.cpp's name), lowest
+position evicted first. A resume restarts the recurrent layers at the grid point when the
+state exists there (a checkpoint or the live state), else at the latest point before the
+prefix end where it does (the live state or a checkpoint: exact up to rounding); the
+attention layers' pages are cut at the same point.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -84,7 +89,7 @@ class StateCheckpoints:
 
 class PrefixState:
     def __init__(self, store, ctx_checkpoints: int = 0):
-        self.store = store
+        self.store = weakref.proxy(store)     # the store owns this: no cycle (streamer.py)
         self.tokens: list[int] = []        # ids at positions 0.. (the engine's record)
         state = store.recurrent
         self.checkpoints = (StateCheckpoints(state, ctx_checkpoints) if state is not None
@@ -98,19 +103,19 @@ class PrefixState:
 
     def resume(self, prompt: list[int], ubatch: int, trunk=None, mtp=()) -> int:
         """Keep the longest prefix of the held history that the prompt repeats (all but
-        the prompt's last token at most; for a prompt held whole, up to its last prefill
-        chunk on the ubatch grid), drop the rest; returns the first position to compute (0:
-        nothing reused, the store was reset). trunk: the layers a trunk forward acquires
-        (default: all); mtp: the MTP layers an MTP drafter will read, whose own rows must
-        reach the resume point too (the drafter feeds them from there)."""
+        the prompt's last token at most), cut back to the ubatch grid (module doc), drop the
+        rest; returns the first position to compute (0: nothing reused, the store was
+        reset). trunk: the layers a trunk forward acquires (default: all); mtp: the MTP
+        layers an MTP drafter will read, whose own rows must reach the resume point too
+        (the drafter feeds them from there)."""
         store = self.store
-        n = common_prefix(self.held(trunk), prompt)
-        if n >= len(prompt) - 1:
-            n = (len(prompt) - 1) // ubatch * ubatch
+        n = min(common_prefix(self.held(trunk), prompt), len(prompt) - 1)
         if mtp:
             n = min(n, store.rows(mtp))
-        state = store.recurrent
-        if state is not None and n > 0:
+        grid = n // ubatch * ubatch          # where a cold prefill's chunk starts
+        if store.recurrent is None or grid <= 0 or self._restore_at(grid):
+            n = grid
+        else:
             n = self._recurrent_point(n)
         if n <= 0:
             store.reset()
@@ -118,6 +123,16 @@ class PrefixState:
         store.truncate(n)
         self._last_saved = n
         return n
+
+    def _restore_at(self, p: int) -> bool:
+        """The recurrent state at position p, if it exists: live there, or a checkpoint
+        (restored); False if neither."""
+        if self.store.recurrent.n_tokens == p:
+            return True
+        if self.checkpoints is not None and p in self.checkpoints.saved:
+            self.checkpoints.restore(p)
+            return True
+        return False
 
     def _recurrent_point(self, n: int) -> int:
         """The latest position <= n where the recurrent state exists (live, or a checkpoint,

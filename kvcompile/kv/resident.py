@@ -4,6 +4,7 @@ nothing; it only records its telemetry. The streamed policy's counterpart: strea
 from __future__ import annotations
 
 import time
+import weakref
 
 from kvcompile.kv.fences import DONE
 from kvcompile.kv.telemetry import StepStats
@@ -17,7 +18,7 @@ def _nothing(self, *args) -> None:
 
 class AllResident:
     def __init__(self, store):
-        self.store = store
+        self.store = weakref.proxy(store)     # the store owns this: no cycle (streamer.py)
 
     # nothing to place, copy, fence or publish: the store's bracket and a capture's hooks
     open = issue = prepare_capture = begin_capture = abandon_capture = end_issue = _nothing

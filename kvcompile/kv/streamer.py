@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from dataclasses import replace
 
 from kvcompile.errors import ArenaError
@@ -52,7 +53,9 @@ class Streamer:
     def __init__(self, store, kv_pool, pair, host, backend, *, policy: dict | None = None,
                  unsafe=frozenset(), depth="auto", prefetch_next: bool | None = None,
                  fill_ahead: bool | None = None):
-        self.store, self.host, self.backend = store, host, backend
+        # weakly: the store owns this policy; a cycle would hold the store's device memory
+        # until a garbage collection
+        self.store, self.host, self.backend = weakref.proxy(store), host, backend
         self.layers, self.page_size = store.layers, store.page_size
         self.num_pages, self.capacity = store.num_pages, store.capacity
         self.engine = backend.copy_engine()
