@@ -11,9 +11,11 @@ import kvcompile
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--system", default="You are a helpful assistant. Answer briefly.")
 ap.add_argument("--max-tokens", type=int, default=64)
+ap.add_argument("--ubatch-size", type=int, default=256,
+                help="prefill chunk; a turn reuses the history before it, cut to a multiple of this")
 args = ap.parse_args()
 
-engine = kvcompile.Engine(ctx_size=2048, progress=False)
+engine = kvcompile.Engine(ctx_size=2048, ubatch=args.ubatch_size, progress=False)
 history = [{"role": "system", "content": args.system}]
 interactive = sys.stdin.isatty()
 while True:

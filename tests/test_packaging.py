@@ -1,5 +1,5 @@
 """pyproject.toml lists every package folder (setuptools installs only the listed ones: a
-folder left out imports from a checkout but not from an installed wheel)."""
+folder left out imports from a checkout but not from an installed wheel), and nothing else."""
 from __future__ import annotations
 
 import tomllib
@@ -17,3 +17,6 @@ def test_every_package_folder_is_listed():
             rel = init.parent.relative_to(ROOT / folder).parts
             found.add(".".join((name, *rel)))
     assert found - listed == set(), f"add to pyproject.toml packages: {sorted(found - listed)}"
+    # and a listed package without its folder fails the install (setuptools: "package
+    # directory ... does not exist")
+    assert listed - found == set(), f"remove from pyproject.toml packages: {sorted(listed - found)}"
