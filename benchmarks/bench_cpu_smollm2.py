@@ -33,9 +33,8 @@ def bench_kvcompile(prompt_ids: list[int], n_decode: int, threads: int) -> dict:
     prefill to the first token and decode steps as the GenerationResult times them."""
     from kvcompile.engine.engine import Engine
 
-    torch.set_num_threads(threads)
     engine = Engine(None, ctx_size=len(prompt_ids) + n_decode + 8, cache_prompt=False,
-                    progress=False)
+                    progress=False, threads=threads)
     engine.generate(prompt_ids[:8], max_tokens=2, temperature=0)          # warm-up
     r = engine.generate(prompt_ids, max_tokens=n_decode + 1, temperature=0)
     return dict(system="kvcompile (cpu, fp32 reference)", prefill_tok_s=r.prefill_tok_s,

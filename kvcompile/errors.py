@@ -39,7 +39,10 @@ class DeviceError(KvcompileError):
 
 
 class StreamInterruptedError(KvcompileError):
-    """A stream was read after a newer request on the same Engine took over its cache."""
+    """A stream was read after a newer request on the same Engine took over its cache.
+    `result`: what the stream generated before, with finish_reason "interrupted"."""
+
+    result = None
 
 
 class OpInputError(KvcompileError, ValueError):

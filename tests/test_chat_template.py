@@ -93,9 +93,10 @@ def test_rendered_prompt_tokenizes_like_llama_cpp(tok, smollm2_path):
 
 
 @pytest.mark.parametrize("messages, needle", [
-    ([{"content": "no role"}], "no 'role'"),
+    ([{"content": "no role"}], "role None; a role is one of"),
     ([{"role": "user"}], "no 'content'"),
-    ([{"role": "", "content": "x"}], "no 'role'"),
+    ([{"role": "", "content": "x"}], "role ''"),
+    ([{"role": "wizard", "content": "x"}], "role 'wizard'; a role is one of 'system'"),
     ([{"role": "user", "content": 5}], "content of type int"),
     (["just a string"], "not a dict"),
     ("hello", "must be a list"),

@@ -7,6 +7,7 @@ context, the memory budget) are checked against its header right after it is ope
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -38,6 +39,7 @@ class EngineConfig:
     ctx_checkpoints: int = 8               # host copies of a hybrid's recurrent state
     progress: bool = True                  # bars on long loads and prefills (stderr)
     trace: bool = False                    # one stderr line per streamed forward
+    threads: int | None = None             # CPU threads; None: the physical cores not busy
     # speculative decoding (llama.cpp's flags)
     spec_type: str = "none"
     spec_ngram_size_n: int = 3
@@ -60,10 +62,16 @@ class EngineConfig:
     @classmethod
     def checked(cls, config: "EngineConfig | None" = None, **options) -> "EngineConfig":
         """`config` with `options` replaced, every value checked."""
+        if config is not None and not isinstance(config, EngineConfig):
+            raise KvcompileError(f"config must be an EngineConfig (or None), got "
+                                 f"{type(config).__name__}; pass options as keywords, e.g. "
+                                 f"Engine(model, ctx_size=4096)")
         unknown = sorted(set(options) - set(cls.names()))
         if unknown:
-            raise KvcompileError(f"unknown Engine option(s) {unknown}; the options are "
-                                 f"{', '.join(cls.names())}")
+            near = {u: difflib.get_close_matches(u, cls.names(), n=1, cutoff=0.5) for u in unknown}
+            hint = "; ".join(f"{u!r}: did you mean {m[0]!r}?" for u, m in near.items() if m)
+            raise KvcompileError(f"unknown Engine option(s) {unknown}{'; ' + hint if hint else ''}"
+                                 f"; the options are {', '.join(cls.names())}")
         cfg = replace(config or cls(), **options)
         cfg.check()
         return cfg
@@ -85,6 +93,10 @@ class EngineConfig:
                 or self.ctx_checkpoints < 0:
             raise KvcompileError(f"ctx_checkpoints (--ctx-checkpoints) must be an integer >= "
                                  f"0, got {self.ctx_checkpoints!r}")
+        if self.threads is not None and not _count(self.threads):
+            raise KvcompileError(f"threads (--threads) must be a positive integer (or None: "
+                                 f"the physical cores other processes leave free), got "
+                                 f"{self.threads!r}")
         for name in ("cuda_graphs", "compile", "prefetch_next", "fill_ahead"):
             if getattr(self, name) not in (None, True, False):
                 raise KvcompileError(f"{name} must be True, False or None, got "

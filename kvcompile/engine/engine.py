@@ -10,18 +10,23 @@ from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 
 import torch
 from tqdm import tqdm
 
 from kvcompile.engine.config import EngineConfig
+from kvcompile.engine.finite import check_finite
+from kvcompile.engine.gate import RequestGate
 from kvcompile.engine.memory_budget import plan_engine_memory
+from kvcompile.engine.prompt import encode_prompt
 from kvcompile.engine.result import GenerationResult, TokenStream
 from kvcompile.engine.sampling import Sampler, SamplingParams
 from kvcompile.engine.speculative.decode import speculative_tokens
 from kvcompile.engine.speculative.options import check_model_supports
 from kvcompile.engine.speculative.stats import SpecStats
 from kvcompile.engine.stop_strings import StopStringFilter
+from kvcompile.engine.threads import CpuThreads
 from kvcompile.engine.tokens import pipelined_tokens, plain_tokens
 from kvcompile.errors import ContextLengthError, KvcompileError, StreamInterruptedError
 from kvcompile.executor.executor import Executor
@@ -104,7 +109,8 @@ class Engine:
         arena = (memory.arena_mib if memory is not None
                  else 0 if cfg.kv_stream_arena_mib in ("auto", None) else cfg.kv_stream_arena_mib)
         self.ctx_size, self.ubatch, self.progress = ctx, cfg.ubatch, cfg.progress
-        self._request = 0             # the newest request; older streams stop (stream())
+        self.threads = CpuThreads(cfg.threads) if self.device.type == "cpu" else None
+        self._gate = RequestGate()    # one request at a time (stream())
         self.store = KvStore.for_model(
             model, ctx, cfg.cache_type_k, cfg.cache_type_v, arena, device=self.device,
             mtp=spec.uses_mtp, backend=make_backend(self.device, copy=cfg.stream_copy),
@@ -145,50 +151,48 @@ class Engine:
             raise KvcompileError("this Engine's store holds no MTP layer KV (it was built "
                                  "without draft-mtp): build it with spec_type including "
                                  "draft-mtp to draft with the MTP layer")
-        # A newer request takes over the store: an older stream read after this raises
-        # StreamInterruptedError instead of continuing over the newer request's KV.
-        self._request += 1
-        stream = TokenStream(iter(()))
-        stream._pieces = self._run(prompt_ids, sampling, stream, self._request)
-        return stream
+        # One request holds the store at a time: another thread's waits here for its turn
+        # (first come, first served); a newer request of the holding thread takes over, and
+        # the older stream, read after this, raises StreamInterruptedError instead of
+        # continuing over the newer request's KV. The Engine is held until the stream ends,
+        # is closed or is dropped.
+        ticket = self._gate.enter()
+        return TokenStream(self._run(prompt_ids, sampling, ticket),
+                           release=partial(self._gate.leave, ticket))
 
     def encode_prompt(self, prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
-        if (prompt is None) == (messages is None):
-            raise KvcompileError("pass either a prompt string or chat messages, not both or neither")
-        if messages is not None:
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        elif isinstance(prompt, (list, tuple)):           # token ids, as they are
-            vocab = self.model.config.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-                raise KvcompileError(f"a prompt of token ids takes ints in [0, {vocab}) "
-                                     f"(this model's vocabulary)")
-            prompt = list(prompt)
-            if not prompt:
-                raise KvcompileError("the prompt is empty; give at least one token")
-            return prompt
-        elif not isinstance(prompt, str):
-            raise KvcompileError(f"prompt must be a string or a list of token ids, got "
-                                 f"{type(prompt).__name__}")
-        ids = self.tokenizer.encode(prompt)
-        if not ids:
-            raise KvcompileError("the prompt is empty; give at least one token of text")
-        return ids
+        return encode_prompt(self.tokenizer, self.model.config.vocab_size, prompt, messages)
 
     # ---- the loop -----------------------------------------------------------------------------
-    def _run(self, prompt_ids: list[int], sampling: SamplingParams, stream: TokenStream,
-             request: int):
-        self._check_current(request)
+    def _run(self, prompt_ids: list[int], sampling: SamplingParams, ticket: int):
+        """The request's text pieces; returns its GenerationResult."""
         try:
-            yield from self._request_steps(prompt_ids, sampling, stream, request)
+            return (yield from self._request_steps(prompt_ids, sampling, ticket))
         except (GeneratorExit, StreamInterruptedError):
             raise                         # the history so far is whole: the next request
         except BaseException:             # may resume it
-            self.store.reset()            # a step failed part way: nothing is reusable
+            if self._gate.holds(ticket):
+                self.store.reset()        # a step failed part way: nothing is reusable
             raise
+        finally:
+            self._gate.leave(ticket)
 
     @torch.inference_mode()
-    def _request_steps(self, prompt_ids, sampling, stream, request):
+    def _request_steps(self, prompt_ids, sampling, ticket):
         t0 = time.perf_counter()          # the time to the first token counts the resume
+        out_ids, text, step_s = [], [], []      # filled as the loop runs
+        try:
+            return (yield from self._request_loop(prompt_ids, sampling, ticket, t0, out_ids,
+                                                  text, step_s))
+        except StreamInterruptedError as e:
+            # what the stream gave before a newer request took over (no telemetry: the
+            # store's counters now mix in the newer request's)
+            e.result = GenerationResult("".join(text), out_ids, len(prompt_ids), len(out_ids),
+                                        "interrupted", 0.0, sum(step_s), step_s=step_s)
+            raise
+
+    def _request_loop(self, prompt_ids, sampling, ticket, t0, out_ids, text, step_s):
+        self._check_current(ticket)
         sampler = Sampler(sampling)
         stops = StopStringFilter(sampling.stop)
         text_of = StreamDecoder(self.tokenizer)
@@ -203,14 +207,16 @@ class Engine:
         self.store.prefix.plan(planned, self.ubatch)
         telemetry = self.store.telemetry
         first_step = len(telemetry)
-        out_ids, text, finish = [], [], "length"
+        # "context": the context filled before max_tokens did
+        finish = "length" if budget == sampling.max_tokens else "context"
 
         # each timed span ends with the sampler's read of the token: GPU work completed
         drafter = self.spec.drafter(self.executor)
         if drafter is not None:
             drafter.reset(history)
         logits = self._prefill(prompt_ids, cached, drafter)
-        prefill_s, step_s = 0.0, []
+        check_finite(logits, self.model, self.dtype)
+        prefill_s = 0.0
         if not budget:
             prefill_s = time.perf_counter() - t0
         spec_stats = SpecStats() if drafter is not None else None
@@ -223,7 +229,7 @@ class Engine:
                   plain_tokens(self.forward, logits, sampler, history, budget, step_s))
         for n, token in enumerate(tokens):
             if n:
-                self._check_current(request)
+                self._check_current(ticket)
             else:
                 prefill_s = time.perf_counter() - t0      # to the first token
             history.append(token)
@@ -237,20 +243,20 @@ class Engine:
                 yield piece
                 # a newer request may have taken the store while this stream was paused:
                 # stop before the next forward runs over it
-                self._check_current(request)
+                self._check_current(ticket)
             if stops.stopped:
                 finish = "stop"
                 break
         tokens.close()
-        self._check_current(request)      # paused at its last piece: the result would mix
+        self._check_current(ticket)       # paused at its last piece: the result would mix
         if drafter is not None:
             drafter.finish(history)       # (an MTP drafter's layer catches up with the trunk)
         tail = stops.feed(text_of.flush()) + stops.flush()
         if tail:
             text.append(tail)
             yield tail
-        self._check_current(request)
-        stream.result = GenerationResult("".join(text), out_ids, len(prompt_ids), len(out_ids),
+        self._check_current(ticket)
+        return GenerationResult("".join(text), out_ids, len(prompt_ids), len(out_ids),
                                          finish, prefill_s, sum(step_s),
                                          summarize(telemetry[first_step:]),
                                          self.executor.request_stats(), step_s,
@@ -273,8 +279,8 @@ class Engine:
         """Every row's logits of ids at positions start.. (a verify step)."""
         return self.executor.verify(ids, start)[0]
 
-    def _check_current(self, request: int) -> None:
-        if request != self._request:
+    def _check_current(self, ticket: int) -> None:
+        if not self._gate.holds(ticket):
             raise StreamInterruptedError(
                 "this stream was interrupted: a newer request on the same Engine has taken "
                 "over its KV cache; read a stream to the end before starting the next one, or "
@@ -309,4 +315,6 @@ class Engine:
     def forward(self, ids: list[int], start: int) -> torch.Tensor:
         """Run ids at positions start.. through the model; logits of the last one (with CUDA
         graphs a program's output buffer: valid until the next step, copy it to keep it)."""
+        if self.threads is not None:
+            self.threads.adjust()
         return self.executor.step(ids, start)

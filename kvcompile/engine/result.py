@@ -3,7 +3,10 @@ completion, step percentiles, streaming telemetry, program events, speculation).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Iterator
+import weakref
+from typing import Callable, Generator
+
+from kvcompile.errors import StreamInterruptedError
 
 
 def _ms_at(ordered: list, q: float) -> float:
@@ -17,7 +20,8 @@ class GenerationResult:
     token_ids: list[int]
     prompt_tokens: int
     completion_tokens: int
-    finish_reason: str            # "stop" (EOS / end of turn / stop string) or "length"
+    finish_reason: str            # "stop" (EOS / end of turn / stop string), "length"
+    # (max_tokens), "context" (the context filled first) or "interrupted" (StreamInterruptedError)
     prefill_s: float              # to the first token (its sampling included): the TTFT
     decode_s: float               # the decode steps, each to its token's read (GPU completion)
     kv: dict = field(default_factory=dict)   # the store's telemetry summed over the request
@@ -79,21 +83,48 @@ class GenerationResult:
         warm = (f"; {warm:.2f} s of it warm-up (traces and CUDA graph captures, paid once "
                 f"an Engine)" if warm >= 0.01 else "")
         cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
+        first = (f"first token after {self.prefill_s:.2f} s" if self.completion_tokens
+                 else f"prefill took {self.prefill_s:.2f} s")
         return (f"[{self.prompt_tokens} prompt tokens{cached}, {self.completion_tokens} generated "
-                f"({self.finish_reason}); first token after {self.prefill_s:.2f} s; prefill "
+                f"({self.finish_reason}); {first}; prefill "
                 f"{self.prefill_tok_s:.1f} tok/s, decode {self.decode_tok_s:.1f} tok/s{step}"
                 f"{warm}{spec}]")
 
 
 class TokenStream:
-    """Iterator of text pieces; `.result` holds the GenerationResult once exhausted."""
+    """Iterator of text pieces; `.result` holds the GenerationResult once exhausted (or, after
+    StreamInterruptedError, what was generated, with finish_reason "interrupted"). The stream
+    holds its Engine until it ends: read it to the end, or close() it (a `with` block does)."""
 
-    def __init__(self, pieces: Iterator[str]):
+    def __init__(self, pieces: Generator[str, None, GenerationResult],
+                 release: Callable[[], None]):
         self._pieces = pieces
         self.result: GenerationResult | None = None
+        # a stream dropped unread gives the Engine back too (no cycle holds it)
+        self._release = weakref.finalize(self, release)
 
     def __iter__(self):
         return self
 
     def __next__(self) -> str:
-        return next(self._pieces)
+        try:
+            return next(self._pieces)
+        except StopIteration as end:
+            if end.value is not None:
+                self.result = end.value
+            self._release()
+            raise StopIteration from None
+        except StreamInterruptedError as e:
+            self.result = e.result
+            raise
+
+    def close(self) -> None:
+        """Stop generating and give the Engine back (the tokens so far stay in its history)."""
+        self._pieces.close()
+        self._release()
+
+    def __enter__(self) -> "TokenStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

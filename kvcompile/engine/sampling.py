@@ -36,7 +36,7 @@ class SamplingParams:
     def validated(self) -> "SamplingParams":
         checks = [
             (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-             and self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}"),
+             and self.temperature >= 0, f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"),
             (isinstance(self.top_k, int) and self.top_k >= 0,
              f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}"),
             (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
@@ -45,7 +45,7 @@ class SamplingParams:
              f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}"),
             (isinstance(self.repeat_penalty, (int, float)) and math.isfinite(self.repeat_penalty)
              and self.repeat_penalty > 0,
-             f"repeat_penalty must be > 0 (1 disables it), got {self.repeat_penalty!r}"),
+             f"repeat_penalty must be a finite number > 0 (1 disables it), got {self.repeat_penalty!r}"),
             (isinstance(self.repeat_last_n, int) and self.repeat_last_n >= 0,
              f"repeat_last_n must be an integer >= 0, got {self.repeat_last_n!r}"),
             (isinstance(self.max_tokens, int) and self.max_tokens >= 0,

@@ -59,8 +59,12 @@ def _compile(template: str) -> jinja2.Template:
             f"template or pass another one with template=...") from None
 
 
+# the roles chat templates know (OpenAI's, with "developer" for "system" in newer clients)
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def validate_messages(messages) -> list[dict]:
-    """Each message needs a non-empty string 'role' and a 'content' that is a string (or a
+    """Each message needs a 'role' of ROLES and a 'content' that is a string (or a
     list of content parts, or None for an assistant message that only carries tool calls)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ChatTemplateError(
@@ -74,9 +78,9 @@ def validate_messages(messages) -> list[dict]:
             raise ChatTemplateError(f"message {k} is a {type(msg).__name__}, not a dict with "
                                     f"'role' and 'content'")
         role = msg.get("role")
-        if not isinstance(role, str) or not role:
-            raise ChatTemplateError(f"message {k} has no 'role' string (e.g. 'system', 'user', "
-                                    f"'assistant'); got {role!r}")
+        if role not in ROLES:
+            raise ChatTemplateError(f"message {k} has role {role!r}; a role is one of "
+                                    f"{', '.join(map(repr, ROLES))}")
         if "content" not in msg:
             raise ChatTemplateError(f"message {k} ({role}) has no 'content'; add the message "
                                     f"text as 'content'")
