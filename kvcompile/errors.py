@@ -45,6 +45,11 @@ class StreamInterruptedError(KvcompileError):
     result = None
 
 
+class SessionError(KvcompileError):
+    """A saved session cannot be loaded: another model's, a newer format, a truncated file,
+    or a name that leaves the session directory."""
+
+
 class OpInputError(KvcompileError, ValueError):
     """A kvcompile row op (rms_norm, rope_rotate, silu_mul) got inputs that do not fit
     together."""
