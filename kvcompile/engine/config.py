@@ -16,6 +16,7 @@ from kvcompile.engine.dtypes import resolve_dtype
 from kvcompile.engine.speculative.options import SpecOptions
 from kvcompile.errors import ContextLengthError, DeviceError, KvcompileError
 from kvcompile.kv.cuda_backend import COPY_MODES
+from kvcompile.kv.host_memory import available_host_bytes
 from kvcompile.kv.kv_pages import check_arena_mib
 from kvcompile.kv.streamer import decode_depth
 from kvcompile.ops.kv_format import kv_type
@@ -37,6 +38,8 @@ class EngineConfig:
     compile: bool | None = None            # programs run the traced model; None: = cuda
     cache_prompt: bool = True              # resume at the longest common prefix
     ctx_checkpoints: int = 8               # host copies of a hybrid's recurrent state
+    cache_ram_gib: float | None = None     # prompt cache of recent conversations' KV in
+    # host RAM (with cache_prompt); None: a quarter of the memory available at the build
     progress: bool = True                  # bars on long loads and prefills (stderr)
     trace: bool = False                    # one stderr line per streamed forward
     threads: int | None = None             # CPU threads; None: the physical cores not busy
@@ -93,6 +96,12 @@ class EngineConfig:
                 or self.ctx_checkpoints < 0:
             raise KvcompileError(f"ctx_checkpoints (--ctx-checkpoints) must be an integer >= "
                                  f"0, got {self.ctx_checkpoints!r}")
+        if self.cache_ram_gib is not None and not (
+                isinstance(self.cache_ram_gib, (int, float)) and
+                not isinstance(self.cache_ram_gib, bool) and 0 <= self.cache_ram_gib < 1e6):
+            raise KvcompileError(f"cache_ram_gib (--cache-ram) must be a number of GiB >= 0 "
+                                 f"(0: no prompt cache; None: a quarter of the available "
+                                 f"memory), got {self.cache_ram_gib!r}")
         if self.threads is not None and not _count(self.threads):
             raise KvcompileError(f"threads (--threads) must be a positive integer (or None: "
                                  f"the physical cores other processes leave free), got "
@@ -117,6 +126,14 @@ class EngineConfig:
         return SpecOptions.checked(self.spec_type, self.spec_ngram_size_n,
                                    self.spec_ngram_size_m, self.spec_draft_n_max,
                                    self.spec_draft_p_min)
+
+    def cache_ram_bytes(self) -> int:
+        """The prompt cache's budget (0 without cache_prompt)."""
+        if not self.cache_prompt:
+            return 0
+        if self.cache_ram_gib is None:
+            return available_host_bytes() // 4
+        return int(self.cache_ram_gib * 2**30)
 
     @property
     def torch_device(self) -> torch.device:

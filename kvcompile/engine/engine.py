@@ -21,6 +21,7 @@ from kvcompile.engine.gate import RequestGate
 from kvcompile.engine.memory_budget import plan_engine_memory
 from kvcompile.engine.prompt import encode_prompt
 from kvcompile.engine.result import GenerationResult, TokenStream
+from kvcompile.engine import session
 from kvcompile.engine.sampling import Sampler, SamplingParams
 from kvcompile.engine.speculative.decode import speculative_tokens
 from kvcompile.engine.speculative.options import check_model_supports
@@ -34,6 +35,8 @@ from kvcompile.io.default_model import resolve_model_path
 from kvcompile.io.loader import load_model, open_model
 from kvcompile.io.tokenizer import StreamDecoder
 from kvcompile.kv.backend import make_backend
+from kvcompile.kv.prompt_cache import PromptCache, swap_in
+from kvcompile.kv.snapshot import layout, put, take
 from kvcompile.kv.store import KvStore
 from kvcompile.kv.telemetry import summarize
 
@@ -116,6 +119,7 @@ class Engine:
             mtp=spec.uses_mtp, backend=make_backend(self.device, copy=cfg.stream_copy),
             ctx_checkpoints=cfg.ctx_checkpoints, decode_depth=cfg.decode_depth,
             prefetch_next=cfg.prefetch_next, fill_ahead=cfg.fill_ahead)
+        self.prompt_cache = PromptCache(cfg.cache_ram_bytes())   # other conversations
         capture, compile = cfg.graphs(self.device)
         self.executor = Executor(model, self.store, ubatch=cfg.ubatch, capture=capture,
                                  compile=compile, trace=cfg.trace)
@@ -272,8 +276,36 @@ class Engine:
             self.store.reset()
             return 0
         plan = self.model.layer_plan
+        if self.prompt_cache.budget:
+            swap_in(self.store, self.prompt_cache, prompt_ids, self.ubatch,
+                    trunk=plan.trunk_kv_layers)
         return self.store.prefix.resume(prompt_ids, self.ubatch, trunk=plan.trunk_kv_layers,
                                         mtp=plan.mtp if self.spec.uses_mtp else ())
+
+    # ---- sessions ----------------------------------------------------------------------------
+    def save_session(self, path) -> dict:
+        """Write the history this Engine holds (its KV, token ids, recurrent state) to
+        `path` (engine/session.py); returns its tokens and bytes."""
+        ticket = self._gate.enter()           # not under another thread's request
+        try:
+            h = take(self.store)
+        finally:
+            self._gate.leave(ticket)
+        nbytes = session.save(path, h, session.model_identity(self.model, self.path))
+        return dict(tokens=len(h.held()), bytes=nbytes)
+
+    def load_session(self, path) -> int:
+        """Make a saved session this Engine's history (no prefill: the next request resumes
+        from it); returns the tokens it holds. Another model's session, another KV layout,
+        a newer format or a torn file raise SessionError and leave the history as it was."""
+        h = session.load(path, session.model_identity(self.model, self.path),
+                         layout(self.store))
+        ticket = self._gate.enter()
+        try:
+            put(self.store, h)
+        finally:
+            self._gate.leave(ticket)
+        return len(h.held())
 
     def forward_rows(self, ids: list[int], start: int) -> torch.Tensor:
         """Every row's logits of ids at positions start.. (a verify step)."""

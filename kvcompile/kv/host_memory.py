@@ -15,6 +15,19 @@ def host_memory_bytes() -> int:
         return 0
 
 
+def available_host_bytes() -> int:
+    """Memory the OS could give now without swapping (Linux's MemAvailable; else the
+    physical memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return host_memory_bytes()
+
+
 def check_host_bytes(nbytes: int, pinned: bool) -> None:
     """KV history that cannot fit in host memory fails now, with what to change, instead of
     swapping or dying part way through allocating it."""

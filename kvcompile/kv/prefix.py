@@ -78,6 +78,15 @@ class StateCheckpoints:
         self.state.ssm.copy_(ssm, non_blocking=True)
         self.state.n_tokens = position
 
+    def put(self, position: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """A checkpoint at `position` from copies held elsewhere (a saved history)."""
+        if not self.slots or position <= 0:
+            return
+        mine = self.saved.pop(position, None) or self._buffers()
+        mine[0].copy_(conv)
+        mine[1].copy_(ssm)
+        self.saved[position] = mine
+
     def truncate(self, n: int) -> None:
         """Checkpoints past position n are of another history now."""
         for p in [p for p in self.saved if p > n]:
@@ -171,6 +180,15 @@ class PrefixState:
         if self.checkpoints is not None:
             self.checkpoints.truncate(n)
         self._last_saved = min(self._last_saved, n)
+
+    def adopt(self, tokens: list[int], checkpoints: dict) -> None:
+        """A saved history's ids and recurrent checkpoints (position -> (conv, ssm)) are
+        the store's now (after its pages and state: kv/snapshot.py)."""
+        self.tokens = list(tokens)
+        for p, (conv, ssm) in sorted(checkpoints.items()):
+            if self.checkpoints is not None:
+                self.checkpoints.put(p, conv, ssm)
+        self._last_saved = max(checkpoints, default=0)
 
     def forget(self) -> None:
         self.tokens = []

@@ -304,6 +304,26 @@ class KvStore:
         self.history.truncate(n_tokens)
         self.prefix.truncate(n_tokens)
 
+    def history_pages(self, layer: int) -> torch.Tensor:
+        """Layer's pages that hold rows, as stored (uint8 [pages, K page + V page]): a view
+        of the host history (streamed; synchronize() first) or a gathered copy of the
+        device pages (resident)."""
+        n = self.history.rows_pages(layer)
+        if self.streamer is not None:
+            return self.history.kv[layer][:n]
+        return self.pages[self._tables[self.layers.index(layer), :n].long()]
+
+    def adopt_pages(self, layer: int, pages: torch.Tensor, rows: int) -> None:
+        """Make `pages` (as history_pages gives them) layer's history of `rows` positions,
+        after a reset(): no device page of a streamed store holds history then."""
+        n = pages.shape[0]
+        if self.streamer is not None:
+            self.history.kv[layer][:n].copy_(pages)
+        else:
+            self.pages[self._tables[self.layers.index(layer), :n].long()] = \
+                pages.to(self.device)
+        self.history.rows[layer] = rows
+
     def drop_resident(self) -> None:
         """Throw away every resident device page of a streamed store; later reads rebuild
         them from host history."""

@@ -1,0 +1,166 @@
+"""Saved sessions and the prompt cache: a history taken off the store (kv/snapshot.py) and
+put back, in memory (other conversations) or on disk (another process), resumes exactly as
+the store's own history does; files of another model, of a newer format or torn are
+refused; a failed write leaves the previous file whole."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvcompile.engine.engine import Engine
+from kvcompile.errors import SessionError
+from kvcompile.io.make_model import make_model
+
+UB = 64
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models")
+    out = {}
+    for arch in ("llama", "qwen35"):
+        out[arch] = d / f"{arch}.gguf"
+        make_model(arch, "tiny", out[arch], weight_type="f32", seed=21)
+    out["other"] = d / "other.gguf"
+    make_model("llama", "tiny", out["other"], weight_type="f32", seed=22)   # same geometry
+    return out
+
+
+def ids(n, v=4000):
+    return [int(t) for t in np.random.default_rng().integers(5, v, size=n)]
+
+
+def engine(path, arena=0, **options):
+    return Engine(str(path), ctx_size=2560, ubatch=UB, kv_stream_arena_mib=arena,
+                  progress=False, **options)
+
+
+RESTORE = """
+import json, sys
+from kvcompile.engine.engine import Engine
+path, session, arena, kv, turn = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5])
+e = Engine(path, ctx_size=2560, ubatch=64, kv_stream_arena_mib=arena, progress=False,
+           cache_type_k=kv, cache_type_v=kv)
+held = e.load_session(session)
+r = e.generate(turn, max_tokens=12, temperature=0)
+print(json.dumps(dict(held=held, cached=r.cached_tokens, tokens=r.token_ids)))
+"""
+
+
+@pytest.mark.parametrize("arch,arena,kv", [("llama", 0, "f32"), ("llama", 4, "q8_0"),
+                                           ("qwen35", 0, "q4_0"), ("qwen35", 4, "f32")],
+                         ids=["llama-resident-f32", "llama-streamed-q8_0",
+                              "qwen35-resident-q4_0", "qwen35-streamed-f32"])
+def test_a_session_resumes_in_a_new_process(models, tmp_path, arch, arena, kv):
+    """Save after a 2K prompt, restore in a new process, continue: the tokens of an
+    uninterrupted run, from the same resume point, with no prefill of the history."""
+    e = engine(models[arch], arena, cache_type_k=kv, cache_type_v=kv)
+    prompt = ids(2048)
+    first = e.generate(prompt, max_tokens=6, temperature=0)
+    info = e.save_session(tmp_path / "s.session")
+    assert info["tokens"] >= len(prompt)
+    turn = prompt + first.token_ids + ids(9)
+    want = e.generate(turn, max_tokens=12, temperature=0)
+    r = subprocess.run([sys.executable, "-c", RESTORE, str(models[arch]),
+                        str(tmp_path / "s.session"), str(arena), kv, json.dumps(turn)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["held"] == info["tokens"]
+    assert got["cached"] == want.cached_tokens >= (len(prompt) // UB) * UB
+    assert got["tokens"] == want.token_ids
+
+
+def test_sessions_that_do_not_fit_are_refused(models, tmp_path):
+    e = engine(models["llama"])
+    e.generate(ids(300), max_tokens=4, temperature=0)
+    good = tmp_path / "good.session"
+    e.save_session(good)
+    checks = {
+        "another model": (engine(models["other"]), good, "another model"),
+        "another architecture": (engine(models["qwen35"]), good, "another model"),
+        "another KV layout": (engine(models["llama"], cache_type_k="q8_0"), good,
+                              "another KV layout"),
+    }
+    torn = tmp_path / "torn.session"
+    torn.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    checks["truncated"] = (e, torn, "truncated")
+    newer = tmp_path / "newer.session"
+    rewrite_format(good, newer, 99)
+    checks["newer format"] = (e, newer, "format 99")
+    for what, (target, path, words) in checks.items():
+        before = target.store.prefix.tokens[:]
+        with pytest.raises(SessionError, match=words):
+            target.load_session(path)
+        assert target.store.prefix.tokens == before, what      # the history is untouched
+    with pytest.raises(SessionError, match="no session file"):
+        e.load_session(tmp_path / "missing.session")
+
+
+def rewrite_format(src, dst, fmt: int) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    with safe_open(str(src), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    m = json.loads(meta["kvcompile-session"])
+    m["format"] = fmt
+    save_file(tensors, str(dst), metadata={"kvcompile-session": json.dumps(m)})
+
+
+def test_a_failed_write_leaves_the_previous_file(models, tmp_path, monkeypatch):
+    import safetensors.torch
+    e = engine(models["llama"])
+    e.generate(ids(200), max_tokens=3, temperature=0)
+    path = tmp_path / "s.session"
+    e.save_session(path)
+    before = path.read_bytes()
+    e.generate(ids(500), max_tokens=3, temperature=0)
+
+    def crash(tensors, filename, metadata=None):       # half a file, then the process dies
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 1000)
+        raise OSError("injected crash")
+    monkeypatch.setattr(safetensors.torch, "save_file", crash)
+    with pytest.raises(OSError, match="injected"):
+        e.save_session(path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["s.session"]      # no temporary left
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_two_conversations_taking_turns_keep_their_histories(models, arch):
+    """The prompt cache: A, B, A's next turn, B's next turn: each resumes its own history
+    (cold without the cache), with the tokens of a cold run."""
+    e = engine(models[arch])
+    a, b = ids(10 * UB), ids(9 * UB)     # the reused rows all come from prefill: bitwise
+    ra = e.generate(a, max_tokens=5, temperature=0)
+    rb = e.generate(b, max_tokens=5, temperature=0)
+    a2 = a + ra.token_ids + ids(20)
+    b2 = b + rb.token_ids + ids(20)
+    ra2 = e.generate(a2, max_tokens=6, temperature=0)
+    rb2 = e.generate(b2, max_tokens=6, temperature=0)
+    assert ra2.cached_tokens == len(a2) // UB * UB and rb2.cached_tokens == len(b2) // UB * UB
+    assert e.prompt_cache.nbytes <= e.prompt_cache.budget
+    cold = engine(models[arch], cache_ram_gib=0)
+    cold.generate(a, max_tokens=5, temperature=0)
+    cold.generate(b, max_tokens=5, temperature=0)
+    again = cold.generate(a2, max_tokens=6, temperature=0)
+    assert again.cached_tokens == 0 and again.token_ids == ra2.token_ids
+
+
+def test_the_prompt_cache_keeps_to_its_budget(models):
+    one = engine(models["llama"], cache_ram_gib=0)
+    one.generate(ids(700), max_tokens=2, temperature=0)
+    from kvcompile.kv.snapshot import take
+    size = take(one.store).nbytes
+    e = engine(models["llama"], cache_ram_gib=1.5 * size / 2**30)   # room for one
+    convs = [ids(700) for _ in range(3)]
+    for c in convs:
+        e.generate(c, max_tokens=2, temperature=0)
+    assert len(e.prompt_cache.entries) == 1 and e.prompt_cache.nbytes <= e.prompt_cache.budget
+    assert e.prompt_cache.entries[0].tokens[:700] == convs[1]      # the most recent one
