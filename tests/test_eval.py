@@ -81,7 +81,7 @@ def test_cli_prints_a_row_per_chunk(tiny, tmp_path):
     assert r.returncode == 0
     rows = [l for l in r.stdout.splitlines() if l.startswith("[")]
     assert len(rows) >= 2 and all("KL 0.000e+00  top-1 1.0000" in l for l in rows)
-    assert "perplexity" in r.stderr and "mean KL 0.000e+00" in r.stderr
+    assert "perplexity" in r.stdout and "mean KL 0.000e+00" in r.stdout
     bad = subprocess.run([sys.executable, "-m", "kvcompile", "eval", "-m", str(tiny), "-f",
                           str(text), "--reference", "bogus"], capture_output=True, text=True,
                          timeout=300)

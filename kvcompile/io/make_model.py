@@ -13,16 +13,25 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvcompile.errors import KvcompileError, ModelFileError, UnsupportedModelError
-from kvcompile.io.gguf.synthetic import (WEIGHT_TYPES, PlannedTensor, preset_config, tensor_plan,
-                                      write_synthetic_gguf)
-from kvcompile.io.gguf.synthetic_presets import PRESETS, SyntheticConfig
+from kvcompile.io.gguf.synthetic_presets import PRESETS, SyntheticConfig, preset_config
+
+if TYPE_CHECKING:
+    from kvcompile.io.gguf.synthetic import PlannedTensor
+
+# synthetic.WEIGHT_TYPES' names (tests/test_cli_newcomer.py checks they agree): the parser
+# lists them without importing the writer, which imports torch.
+WEIGHT_TYPE_NAMES = ("bf16", "f16", "f32", "iq4_nl", "iq4_xs", "q2_k", "q3_k", "q4_0", "q4_1",
+                     "q4_k", "q5_0", "q5_1", "q5_k", "q6_k", "q8_0")
 
 
 def make_model(arch: str, preset: str, out_path, weight_type: str = "f32", seed: int = 0,
                progress: bool = False, **overrides) -> list[PlannedTensor]:
     """Write the synthetic model; returns the tensor plan that was written."""
+    from kvcompile.io.gguf.synthetic import tensor_plan, write_synthetic_gguf
+
     cfg = preset_config(arch, preset, **overrides)
     plan = tensor_plan(cfg, weight_type)
     out = Path(out_path)
@@ -40,6 +49,9 @@ def make_model(arch: str, preset: str, out_path, weight_type: str = "f32", seed:
 
 
 def describe(cfg: SyntheticConfig, plan: list[PlannedTensor]) -> str:
+    """One line, with the units and rounding of `kvcompile info` on the written file."""
+    from kvcompile.io.model_info import format_bytes, format_count
+
     n_params = sum(_numel(t.shape) for t in plan)
     n_bytes = sum(t.n_bytes for t in plan)
     parts = [f"{cfg.arch} {cfg.name}: {cfg.n_layers} layers"]
@@ -47,8 +59,8 @@ def describe(cfg: SyntheticConfig, plan: list[PlannedTensor]) -> str:
         n_attn = sum(cfg.is_full_attention(i) for i in range(cfg.n_layers))
         parts.append(f"({n_attn} attention + {cfg.n_layers - n_attn} Gated DeltaNet, "
                      f"{cfg.nextn_layers} MTP)")
-    parts.append(f"hidden {cfg.hidden}, vocab {cfg.vocab_size}: {n_params / 1e9:.2f} B params, "
-                 f"{n_bytes / 2**30:.2f} GiB in {len(plan)} tensors")
+    parts.append(f"hidden {cfg.hidden}, vocab {cfg.vocab_size}: {format_count(n_params)} params, "
+                 f"{format_bytes(n_bytes)} in {len(plan)} tensors")
     return " ".join(parts)
 
 
@@ -67,7 +79,7 @@ def add_make_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                                                       for a, p in PRESETS.items()))
     parser.add_argument("--out", "-o", required=True, help="output .gguf file")
     parser.add_argument("--type", "--outtype", dest="weight_type", default="f32",
-                        choices=sorted(WEIGHT_TYPES), help="weight type of the matrices")
+                        choices=WEIGHT_TYPE_NAMES, help="weight type of the matrices")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the weights")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="FIELD=VALUE",
@@ -96,6 +108,8 @@ def parse_overrides(items: list[str]) -> dict:
 
 def run_make_model(args: argparse.Namespace) -> int:
     """CLI body: returns a process exit code, errors as one readable line."""
+    from kvcompile.io.gguf.synthetic import tensor_plan
+
     try:
         overrides = parse_overrides(args.overrides)
         cfg = preset_config(args.arch, args.preset, **overrides)

@@ -9,7 +9,6 @@ from collections import Counter
 from pathlib import Path
 
 from kvcompile.errors import KvLayoutError
-from kvcompile.ops.kv_format import KV_TYPES, bytes_per_token
 
 
 def _gguf_listing(path):
@@ -49,6 +48,7 @@ def _hf_listing(path):
 
 def model_info(path: str | os.PathLike) -> dict:
     from kvcompile.io.weights import is_hf_checkpoint
+    from kvcompile.ops.kv_format import KV_TYPES, bytes_per_token   # torch: not at import
 
     if is_hf_checkpoint(path) and Path(path).exists():
         cfg, file_type, listing = _hf_listing(path)
@@ -106,7 +106,9 @@ def _disk_bytes(path: Path) -> int:
     return path.stat().st_size
 
 
-def _size(n: int) -> str:
+def format_bytes(n: int) -> str:
+    """A byte count in the largest binary unit under 1024 (2.40 MiB), as info and
+    make-model print it."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -114,14 +116,17 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+def format_count(n: int) -> str:
+    """A parameter count in thousands, millions or billions (4.5 M, 1.23 B)."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} B"
+    return f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n / 1e3:.1f} K"
 
 
 def format_model_info(info: dict) -> str:
     rope = info["rope"]
     lines = [
-        f"model          {info['path']} ({_size(info['file_bytes'])})",
+        f"model          {info['path']} ({format_bytes(info['file_bytes'])})",
         f"architecture   {info['architecture']}" + (f"  ({info['name']})" if info["name"] else ""),
         f"layers         {info['layers']}" + (f" ({info['kv_layers']} with KV cache)"
                                               if info["kv_layers"] != info["layers"] else ""),
@@ -133,10 +138,10 @@ def format_model_info(info: dict) -> str:
         f"context        {info['context_length']}",
         f"rope           theta {rope['theta']:g}, {rope['dim']} dims, {rope['layout']}"
         + (f", scaling {rope['scaling']}" if rope["scaling"] else ""),
-        f"parameters     {_count(info['params'])} in {info['tensor_count']} tensors, "
-        f"{_size(info['param_bytes'])}",
+        f"parameters     {format_count(info['params'])} in {info['tensor_count']} tensors, "
+        f"{format_bytes(info['param_bytes'])}",
         "tensor types   " + ", ".join(
-            f"{name} x{q['tensors']} ({_size(q['bytes'])})"
+            f"{name} x{q['tensors']} ({format_bytes(q['bytes'])})"
             for name, q in info["quant_types"].items()),
         "KV per token   (K + V, all layers)",
     ]
@@ -145,8 +150,8 @@ def format_model_info(info: dict) -> str:
             lines.append(f"  {name:<6} not available for head dim {info['head_dim']}")
         else:
             per_k = b * 1024
-            lines.append(f"  {name:<6} {b:>8} B   {_size(per_k):>11} per 1K tokens   "
-                         f"{_size(per_k * 128):>11} per 128K")
+            lines.append(f"  {name:<6} {b:>8} B   {format_bytes(per_k):>11} per 1K tokens   "
+                         f"{format_bytes(per_k * 128):>11} per 128K")
     return "\n".join(lines)
 
 
@@ -162,9 +167,9 @@ def format_gguf_metadata(path: str | os.PathLike) -> str | None:
     types = Counter()
     for t in h.tensors:
         types[t.ggml_type] += t.n_bytes
-    lines = [f"file          {h.path} ({_size(h.file_size)}, GGUF v{h.version})",
+    lines = [f"file          {h.path} ({format_bytes(h.file_size)}, GGUF v{h.version})",
              f"tensors       {len(h.tensors)}" + "".join(
-                 f", {name} {_size(n)}" for name, n in types.most_common())]
+                 f", {name} {format_bytes(n)}" for name, n in types.most_common())]
     for key, value in h.metadata.items():
         if isinstance(value, list):
             value = f"[{len(value)} values]"
