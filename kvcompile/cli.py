@@ -65,12 +65,16 @@ def _add_model_options(p) -> None:
                         "cpu), f32, f16 or bf16")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bars (loading, prefill of long prompts)")
+    p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
+                   help="CPU threads (default: the physical cores other processes leave "
+                        "free, followed as the load changes)")
 
 
 def _engine_options(args) -> dict:
     return dict(ctx_size=args.ctx_size, cache_type_k=args.cache_type_k,
                 cache_type_v=args.cache_type_v, kv_stream_arena_mib=args.kv_stream_arena_mib,
-                device=args.device, dtype=args.dtype, progress=not args.no_progress)
+                device=args.device, dtype=args.dtype, progress=not args.no_progress,
+                threads=args.threads)
 
 
 def _add_generate(sub) -> None:
@@ -111,6 +115,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--cache-prompt", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of the longest common prefix with what the engine holds "
                         "(on by default; one request per process has nothing to reuse)")
+    p.add_argument("--cache-ram", type=float, default=None, metavar="GIB",
+                   help="host RAM for the KV of recent conversations besides the one held "
+                        "(default: a quarter of the available memory; 0: none)")
     p.add_argument("--ctx-checkpoints", type=int, default=8,
                    help="hybrid models: copies of the recurrent state kept in host memory "
                         "for prefix reuse (8)")
@@ -201,7 +208,8 @@ def _run_generate(args) -> int:
     engine = Engine(args.model, **_engine_options(args), ubatch=args.ubatch_size,
                     trace=args.trace, cuda_graphs=args.cuda_graphs,
                     gpu_memory_gib=args.gpu_memory_gib, cache_prompt=args.cache_prompt,
-                    ctx_checkpoints=args.ctx_checkpoints, spec_type=args.spec_type,
+                    cache_ram_gib=args.cache_ram, ctx_checkpoints=args.ctx_checkpoints,
+                    spec_type=args.spec_type,
                     spec_ngram_size_n=args.spec_ngram_size_n,
                     spec_ngram_size_m=args.spec_ngram_size_m,
                     spec_draft_n_max=args.spec_draft_n_max,

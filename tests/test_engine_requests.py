@@ -150,3 +150,16 @@ def test_nan_weights_are_named(tiny_path, tmp_path, temperature):
         e.generate([5, 6, 7], max_tokens=4, temperature=temperature)
     with pytest.raises(ModelFileError):                # and again: it keeps answering
         e.generate([8, 9], max_tokens=2, temperature=temperature)
+
+
+def test_the_cli_names_nan_weights_and_exits_1(tiny_path, tmp_path):
+    import subprocess
+    import sys
+    bad = tmp_path / "bad.gguf"
+    poison(tiny_path, bad, "blk.0.attn_q.weight")
+    for temperature in ("0", "0.8"):
+        r = subprocess.run([sys.executable, "-m", "kvcompile", "generate", "-m", str(bad),
+                            "hello there", "-n", "4", "--temperature", temperature,
+                            "--no-progress"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "weight blocks.0" in r.stderr and "NaN" in r.stderr, r.stderr
