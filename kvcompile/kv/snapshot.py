@@ -74,6 +74,7 @@ def put(store, h: History) -> None:
     if h.layout != layout(store):
         raise KvLayoutError(f"this history was taken from a store of another layout "
                             f"({h.layout}); this store is {layout(store)}")
+    store.synchronize()                            # no copy still reads the history
     store.reset()
     for i in store.layers:
         store.adopt_pages(i, h.pages[i], h.rows[i])
