@@ -424,6 +424,9 @@ def test_slot_save_erase_restore_continues(srv, engine):
         assert restored.json()["n_restored"] == saved.json()["n_saved"]
         missing = h.post("/slots/0?action=restore", json={"filename": "nope"})
         assert missing.status_code == 404
+        (srv.server.settings.slot_save_path / "torn.session").write_bytes(b"not a session")
+        torn = h.post("/slots/0?action=restore", json={"filename": "torn.session"})
+        assert torn.status_code == 400 and torn.json()["error"]["code"] == "invalid_session"
     follow = first + [{"role": "user", "content": "And a TLB?"}]
     r = c.chat.completions.create(model=MODEL, messages=follow, **GREEDY)
     assert r.usage.prompt_tokens_details.cached_tokens > 0
