@@ -1,5 +1,5 @@
 """Command line: `kvcompile generate`, `kvcompile info`, `kvcompile make-model`,
-`kvcompile eval` (kvcompile/engine/evaluate.py).
+`kvcompile eval` (kvcompile/engine/evaluate.py), `kvcompile serve` (kvcompile/server/).
 
 Flag names follow llama.cpp where the concept is the same. Nothing here imports torch until
 a command runs: `--help` answers at once, and a bad argument or prompt is reported before
@@ -12,6 +12,7 @@ import math
 import sys
 
 from kvcompile.errors import KvcompileError
+from kvcompile.server.cli_serve import add_serve_parser   # (imports no torch or starlette)
 
 # The drafters of --spec-type, in the order the engine combines them (the engine's
 # speculative.options.SPEC_TYPES, which imports torch, lists the same).
@@ -337,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_info(sub)
     _add_make_model(sub)
     _add_eval(sub)
+    add_serve_parser(sub, _add_model_options, _engine_options)
     return parser
 
 

@@ -141,9 +141,15 @@ class Engine:
         return stream.result
 
     def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
-               **params) -> TokenStream:
+               cache_prompt: bool | None = None, **params) -> TokenStream:
+        """cache_prompt: False computes this request from position 0 (None: the Engine's
+        option); the rest are SamplingParams."""
         # Everything that can reject the request runs before any state changes.
         sampling = SamplingParams.from_options(**params)
+        if cache_prompt not in (None, True, False):
+            raise KvcompileError(f"cache_prompt must be True, False or None, got "
+                                 f"{cache_prompt!r}")
+        reuse = self.config.cache_prompt if cache_prompt is None else cache_prompt
         prompt_ids = self.encode_prompt(prompt, messages)
         if len(prompt_ids) >= self.ctx_size:
             raise ContextLengthError(
@@ -161,17 +167,17 @@ class Engine:
         # continuing over the newer request's KV. The Engine is held until the stream ends,
         # is closed or is dropped.
         ticket = self._gate.enter()
-        return TokenStream(self._run(prompt_ids, sampling, ticket),
+        return TokenStream(self._run(prompt_ids, sampling, ticket, reuse),
                            release=partial(self._gate.leave, ticket))
 
     def encode_prompt(self, prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
         return encode_prompt(self.tokenizer, self.model.config.vocab_size, prompt, messages)
 
     # ---- the loop -----------------------------------------------------------------------------
-    def _run(self, prompt_ids: list[int], sampling: SamplingParams, ticket: int):
+    def _run(self, prompt_ids: list[int], sampling: SamplingParams, ticket: int, reuse: bool):
         """The request's text pieces; returns its GenerationResult."""
         try:
-            return (yield from self._request_steps(prompt_ids, sampling, ticket))
+            return (yield from self._request_steps(prompt_ids, sampling, ticket, reuse))
         except (GeneratorExit, StreamInterruptedError):
             raise                         # the history so far is whole: the next request
         except BaseException:             # may resume it
@@ -182,12 +188,12 @@ class Engine:
             self._gate.leave(ticket)
 
     @torch.inference_mode()
-    def _request_steps(self, prompt_ids, sampling, ticket):
+    def _request_steps(self, prompt_ids, sampling, ticket, reuse):
         t0 = time.perf_counter()          # the time to the first token counts the resume
         out_ids, text, step_s = [], [], []      # filled as the loop runs
         try:
-            return (yield from self._request_loop(prompt_ids, sampling, ticket, t0, out_ids,
-                                                  text, step_s))
+            return (yield from self._request_loop(prompt_ids, sampling, ticket, reuse, t0,
+                                                  out_ids, text, step_s))
         except StreamInterruptedError as e:
             # what the stream gave before a newer request took over (no telemetry: the
             # store's counters now mix in the newer request's)
@@ -195,14 +201,14 @@ class Engine:
                                         "interrupted", 0.0, sum(step_s), step_s=step_s)
             raise
 
-    def _request_loop(self, prompt_ids, sampling, ticket, t0, out_ids, text, step_s):
+    def _request_loop(self, prompt_ids, sampling, ticket, reuse, t0, out_ids, text, step_s):
         self._check_current(ticket)
         sampler = Sampler(sampling)
         stops = StopStringFilter(sampling.stop)
         text_of = StreamDecoder(self.tokenizer)
         stop_ids = set(self.tokenizer.stop_ids)
         budget = min(sampling.max_tokens, self.ctx_size - len(prompt_ids))
-        cached = self._resume(prompt_ids)
+        cached = self._resume(prompt_ids, reuse)
         planned = len(prompt_ids) + budget
         self.executor.begin_request(planned)
         # the ids the store's rows are computed from: this request's prompt, then every
@@ -268,11 +274,11 @@ class Engine:
                                          spec_stats.as_dict() if spec_stats else {},
                                          cached_tokens=cached)
 
-    def _resume(self, prompt_ids: list[int]) -> int:
-        """The first position this request computes: with cache_prompt the longest prefix
-        of the prompt that the store's history repeats is kept (kv/prefix.py), else the
-        store starts over."""
-        if not self.config.cache_prompt:
+    def _resume(self, prompt_ids: list[int], reuse: bool) -> int:
+        """The first position this request computes: with cache_prompt (`reuse`) the
+        longest prefix of the prompt that the store's history (or a cached one) repeats is
+        kept (kv/prefix.py), else the store starts over."""
+        if not reuse:
             self.store.reset()
             return 0
         plan = self.model.layer_plan

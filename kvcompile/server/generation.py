@@ -10,10 +10,8 @@ def generation_work(req: GenRequest, metrics):
     """work(engine, job) for a Job: emits "start", then "piece"s; returns the
     GenerationResult (None when the client went away first)."""
     def work(engine, job):
-        stream = engine.stream(req.prompt, messages=req.messages, **req.options)
-        if not req.cache_prompt:
-            # this request starts cold (the stream holds the Engine; nothing ran yet)
-            engine.store.reset()
+        stream = engine.stream(req.prompt, messages=req.messages,
+                               cache_prompt=None if req.cache_prompt else False, **req.options)
         job.emit("start")
         try:
             for piece in stream:
