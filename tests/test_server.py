@@ -468,3 +468,14 @@ def test_server_is_imported_lazily():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_timings_and_token_ids(srv, engine):
+    """llama.cpp's extras: `timings` beside `usage`, the choice's token ids on request."""
+    body = dict(prompt=[5, 6, 7, 8, 9], max_tokens=4, temperature=0, return_tokens=True)
+    r = httpx.post(f"{srv.base}/v1/completions", json=body, timeout=60).json()
+    t, u = r["timings"], r["usage"]
+    assert t["prompt_n"] + t["cache_n"] == u["prompt_tokens"] and t["prompt_ms"] > 0
+    assert t["predicted_n"] == u["completion_tokens"] == len(r["choices"][0]["tokens"])
+    want = engine.generate([5, 6, 7, 8, 9], max_tokens=4, temperature=0).token_ids
+    assert r["choices"][0]["tokens"] == want

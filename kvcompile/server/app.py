@@ -109,7 +109,7 @@ class Server:
         req = parse_request(body, chat=chat, ctx_size=self.engine.ctx_size,
                             default_max_tokens=self.settings.default_max_tokens,
                             cache_prompt=self.engine.config.cache_prompt)
-        shapes = Shapes(chat, self._model(req.model))
+        shapes = Shapes(chat, self._model(req.model), req.return_tokens)
         job = self._submit(generation_work(req, self.metrics))
         watcher = watch_disconnect(request, job)
         streaming = False

@@ -38,6 +38,7 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False
     cache_prompt: bool = True
+    return_tokens: bool = False                     # the choice's token ids (llama.cpp's)
     model: str | None = None
 
 
@@ -76,6 +77,7 @@ def parse_request(body, *, chat: bool, ctx_size: int, default_max_tokens: int,
     req.include_usage = bool(typed(stream_options, "include_usage", "a boolean"))
     flag = typed(body, "cache_prompt", "a boolean")
     req.cache_prompt = cache_prompt if flag is None else flag
+    req.return_tokens = bool(typed(body, "return_tokens", "a boolean"))
     return req
 
 

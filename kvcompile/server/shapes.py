@@ -17,6 +17,15 @@ def usage(result) -> dict:
             "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
 
+def timings(result) -> dict:
+    """llama.cpp's server `timings`: the Engine's prefill (to the first token) and decode."""
+    prefilled = result.prompt_tokens - result.cached_tokens
+    return {"cache_n": result.cached_tokens, "prompt_n": prefilled,
+            "prompt_ms": 1e3 * result.prefill_s, "prompt_per_second": result.prefill_tok_s,
+            "predicted_n": result.completion_tokens, "predicted_ms": 1e3 * result.decode_s,
+            "predicted_per_second": result.decode_tok_s}
+
+
 def sse(data) -> str:
     """One server-sent event: `data: <json>` (or the text as it is), a blank line."""
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
@@ -25,8 +34,8 @@ def sse(data) -> str:
 class Shapes:
     """The bodies of one response: chat (chat.completion) or text (text_completion)."""
 
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model = chat, model
+    def __init__(self, chat: bool, model: str, return_tokens: bool = False):
+        self.chat, self.model, self.return_tokens = chat, model, return_tokens
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -40,9 +49,13 @@ class Shapes:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
                       "logprobs": None, "finish_reason": finish}
-            return self._envelope("chat.completion", [choice], usage=usage(result))
-        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish}
-        return self._envelope("text_completion", [choice], usage=usage(result))
+        else:
+            choice = {"index": 0, "text": result.text, "logprobs": None,
+                      "finish_reason": finish}
+        if self.return_tokens:
+            choice["tokens"] = result.token_ids
+        return self._envelope("chat.completion" if self.chat else "text_completion", [choice],
+                              usage=usage(result), timings=timings(result))
 
     def chunk(self, text: str | None = None, finish: str | None = None, *,
               first: bool = False) -> dict:
@@ -60,4 +73,4 @@ class Shapes:
     def usage_chunk(self, result) -> dict:
         """After the last chunk when stream_options.include_usage: no choices, the usage."""
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [],
-                              usage=usage(result))
+                              usage=usage(result), timings=timings(result))
