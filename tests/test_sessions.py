@@ -164,3 +164,72 @@ def test_the_prompt_cache_keeps_to_its_budget(models):
         e.generate(c, max_tokens=2, temperature=0)
     assert len(e.prompt_cache.entries) == 1 and e.prompt_cache.nbytes <= e.prompt_cache.budget
     assert e.prompt_cache.entries[0].tokens[:700] == convs[1]      # the most recent one
+
+
+def rewrite(src, dst, edit) -> None:
+    """dst: src's tensors and metadata after edit(tensors, meta) changed them in place."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    with safe_open(str(src), framework="pt") as f:
+        meta = json.loads(f.metadata()["kvcompile-session"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    edit(tensors, meta)
+    save_file(tensors, str(dst), metadata={"kvcompile-session": json.dumps(meta)})
+
+
+@pytest.mark.parametrize("arena", [0, 4], ids=["resident", "streamed"])
+def test_odd_session_files_are_refused_before_the_store_changes(models, tmp_path, arena):
+    """Files whose tensors do not fit their metadata or this store (missing tensors, rows
+    beyond the pages given, more pages than this Engine's context holds, pages of another
+    width or dtype, a state of another shape) raise SessionError and leave the history as
+    it was: never a KeyError or an index error half way through, never rows that read
+    pages the file did not give (the last conversation's KV)."""
+    import torch
+    e = engine(models["llama"], arena)
+    e.generate(ids(300), max_tokens=4, temperature=0)
+    good = tmp_path / "good.session"
+    e.save_session(good)
+    layer = str(e.store.layers[0])
+
+    def drop(name):
+        return lambda t, m: t.pop(name)
+
+    def meta(key, value):
+        return lambda t, m: m.__setitem__(key, value)
+
+    def rows(n):
+        return lambda t, m: m["rows"].__setitem__(layer, n)
+
+    def pages(fn):
+        return lambda t, m: t.__setitem__(f"pages.{layer}", fn(t[f"pages.{layer}"]))
+
+    edits = {
+        "no tokens": drop("tokens"),
+        "no pages": drop(f"pages.{layer}"),
+        "no rows": lambda t, m: m.pop("rows"),
+        "no identity": lambda t, m: m.pop("identity"),
+        "a layer missing": lambda t, m: m["rows"].pop(layer),
+        "rows beyond the pages": rows(600),
+        "negative rows": rows(-5),
+        "rows not a number": rows("many"),
+        "pages of another width": pages(lambda p: p[:, :16].contiguous()),
+        "pages of another dtype": pages(lambda p: p.view(torch.int16)),
+        "metadata not an object": lambda t, m: (m.clear(), m.update(format=1, identity=[])),
+    }
+    small = engine(models["llama"], arena)          # same layout, a context of 2560
+    small.generate(ids(200), max_tokens=2, temperature=0)
+    for what, edit in edits.items():
+        bad = tmp_path / "bad.session"
+        rewrite(good, bad, edit)
+        before = (small.store.prefix.tokens[:], dict(small.store.history.rows))
+        with pytest.raises(SessionError):
+            small.load_session(bad)
+        assert (small.store.prefix.tokens, dict(small.store.history.rows)) == before, what
+    # a session longer than this Engine's context: same layout, more pages than it holds
+    short = Engine(str(models["llama"]), ctx_size=256, ubatch=UB, kv_stream_arena_mib=arena,
+                   progress=False)
+    short.generate(ids(100), max_tokens=2, temperature=0)
+    before = short.store.prefix.tokens[:]
+    with pytest.raises(SessionError, match="context"):
+        short.load_session(good)
+    assert short.store.prefix.tokens == before

@@ -29,14 +29,15 @@ from kvcompile.engine.speculative.stats import SpecStats
 from kvcompile.engine.stop_strings import StopStringFilter
 from kvcompile.engine.threads import CpuThreads
 from kvcompile.engine.tokens import pipelined_tokens, plain_tokens
-from kvcompile.errors import ContextLengthError, KvcompileError, StreamInterruptedError
+from kvcompile.errors import (ContextLengthError, KvcompileError, KvLayoutError, SessionError,
+                              StreamInterruptedError)
 from kvcompile.executor.executor import Executor
 from kvcompile.io.default_model import resolve_model_path
 from kvcompile.io.loader import load_model, open_model
 from kvcompile.io.tokenizer import StreamDecoder
 from kvcompile.kv.backend import make_backend
 from kvcompile.kv.prompt_cache import PromptCache, swap_in
-from kvcompile.kv.snapshot import layout, put, take
+from kvcompile.kv.snapshot import check, layout, put, take
 from kvcompile.kv.store import KvStore
 from kvcompile.kv.telemetry import summarize
 
@@ -306,6 +307,10 @@ class Engine:
         a newer format or a torn file raise SessionError and leave the history as it was."""
         h = session.load(path, session.model_identity(self.model, self.path),
                          layout(self.store))
+        try:
+            check(self.store, h)          # what the file says fits this store as it is
+        except KvLayoutError as e:
+            raise SessionError(f"{path} does not fit this Engine: {e}") from None
         ticket = self._gate.enter()
         try:
             put(self.store, h)

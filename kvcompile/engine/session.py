@@ -81,24 +81,31 @@ def load(path: str | os.PathLike, identity: dict, layout: dict) -> History:
                            f"truncated: save the session again") from None
     if meta is None:
         raise SessionError(f"{path} is a safetensors file but not a kvcompile session")
+    if not isinstance(meta, dict):
+        raise SessionError(f"{path} has session metadata that is not an object; save the "
+                           f"session again")
     if not isinstance(meta.get("format"), int) or meta["format"] > FORMAT:
         raise SessionError(f"{path} has session format {meta.get('format')!r}; this "
                            f"kvcompile reads format {FORMAT} and older: upgrade kvcompile")
-    if meta["identity"] != identity:
-        raise SessionError(f"{path} was saved from another model ({meta['identity']}); "
+    if meta.get("identity") != identity:
+        raise SessionError(f"{path} was saved from another model ({meta.get('identity')}); "
                            f"this Engine's model is {identity}: load it with that model")
-    if meta["layout"] != layout:
-        raise SessionError(f"{path} was saved with another KV layout ({meta['layout']}); "
+    if meta.get("layout") != layout:
+        raise SessionError(f"{path} was saved with another KV layout ({meta.get('layout')}); "
                            f"this Engine has {layout}: use the same cache types and page size")
-    rows = {int(i): n for i, n in meta["rows"].items()}
-    state = None
-    if meta["state_tokens"] is not None:
-        state = (tensors["state.conv"], tensors["state.ssm"], meta["state_tokens"])
-    checkpoints = {}
-    for k in tensors:
-        if k.startswith("checkpoint.") and k.endswith(".conv"):
-            p = int(k.split(".")[1])
-            checkpoints[p] = (tensors[k], tensors[f"checkpoint.{p}.ssm"])
-    return History(tensors["tokens"].tolist(), rows,
-                   {i: tensors[f"pages.{i}"] for i in rows}, meta["layout"], state,
-                   checkpoints)
+    try:
+        rows = {int(i): n for i, n in meta["rows"].items()}
+        state = None
+        if meta["state_tokens"] is not None:
+            state = (tensors["state.conv"], tensors["state.ssm"], meta["state_tokens"])
+        checkpoints = {}
+        for k in tensors:
+            if k.startswith("checkpoint.") and k.endswith(".conv"):
+                p = int(k.split(".")[1])
+                checkpoints[p] = (tensors[k], tensors[f"checkpoint.{p}.ssm"])
+        return History(tensors["tokens"].tolist(), rows,
+                       {i: tensors[f"pages.{i}"] for i in rows}, meta["layout"], state,
+                       checkpoints)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise SessionError(f"{path} is not a whole session file ({type(e).__name__}: {e}); "
+                           f"save the session again") from None

@@ -68,12 +68,63 @@ def take(store) -> History:
                    state, checkpoints)
 
 
-@torch.inference_mode()
-def put(store, h: History) -> None:
-    """Replace the store's history with h."""
+def _int(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool)
+
+
+def check(store, h: History) -> None:
+    """KvLayoutError unless h fits this store as it is: its layout, a page array of exactly
+    its rows' pages per KV layer, within the context, and a recurrent state and checkpoints
+    of the store's shapes (a history from a file is only what the file says)."""
     if h.layout != layout(store):
         raise KvLayoutError(f"this history was taken from a store of another layout "
                             f"({h.layout}); this store is {layout(store)}")
+    if set(h.rows) != set(store.layers) or not set(store.layers) <= set(h.pages):
+        raise KvLayoutError(f"this history holds KV layers {sorted(h.rows)} (pages of "
+                            f"{sorted(h.pages)}); this store has {list(store.layers)}")
+    if not isinstance(h.tokens, list) or not all(map(_int, h.tokens)):
+        raise KvLayoutError("this history's token ids are not a list of ints")
+    width = int(store.pages.shape[1])
+    for i in store.layers:
+        n, p = h.rows[i], h.pages[i]
+        if not _int(n) or n < 0:
+            raise KvLayoutError(f"layer {i}'s rows must be an int >= 0, got {n!r}")
+        if n > store.capacity:
+            raise KvLayoutError(f"this history holds {n} positions but this store's "
+                                f"context holds {store.capacity}: raise ctx_size")
+        want = (-(-n // store.page_size), width)
+        if not isinstance(p, torch.Tensor):
+            raise KvLayoutError(f"layer {i}'s pages are not a tensor")
+        if p.dtype != torch.uint8 or tuple(p.shape) != want:
+            raise KvLayoutError(f"layer {i}'s pages must be uint8 {list(want)} for its {n} "
+                                f"rows, got {p.dtype} {list(p.shape)}")
+    r = store.recurrent
+    if (r is None) != (h.state is None):
+        raise KvLayoutError("this history's recurrent state does not match the store's "
+                            "(one has a state, the other none)")
+    if r is None:
+        if h.checkpoints:
+            raise KvLayoutError("this history has recurrent checkpoints; this store has no "
+                                "recurrent state")
+        return
+    shapes = (tuple(r.conv.shape), tuple(r.ssm.shape))
+    if len(h.state) != 3 or not _int(h.state[2]) or h.state[2] < 0:
+        raise KvLayoutError("this history's recurrent state is not (conv, ssm, n_tokens)")
+    for what, (conv, ssm) in [("state", h.state[:2]), *h.checkpoints.items()]:
+        if what != "state" and (not _int(what) or what <= 0):
+            raise KvLayoutError(f"a recurrent checkpoint at position {what!r}")
+        pair = ((conv, r.conv), (ssm, r.ssm))
+        if not all(isinstance(t, torch.Tensor) and t.dtype == mine.dtype and
+                   t.shape == mine.shape for t, mine in pair):
+            raise KvLayoutError(f"this history's recurrent {what} is not two tensors of "
+                                f"this store's shapes {shapes}")
+
+
+@torch.inference_mode()
+def put(store, h: History) -> None:
+    """Replace the store's history with h (checked first: a history that does not fit
+    leaves the store's as it was)."""
+    check(store, h)
     store.synchronize()                            # no copy still reads the history
     store.reset()
     for i in store.layers:
