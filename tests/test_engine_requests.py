@@ -163,3 +163,27 @@ def test_the_cli_names_nan_weights_and_exits_1(tiny_path, tmp_path):
                             "--no-progress"], capture_output=True, text=True, timeout=120)
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
         assert "weight blocks.0" in r.stderr and "NaN" in r.stderr, r.stderr
+
+
+def test_a_waiter_that_gives_up_leaves_the_queue():
+    """A thread interrupted while it waits its turn (KeyboardInterrupt in the main thread,
+    any exception out of the wait) takes its ticket out of the line: the threads behind it
+    still get the Engine."""
+    from kvcompile.engine.gate import RequestGate
+    gate = RequestGate()
+    held = gate.enter()                       # this thread holds the gate
+    wait = gate._cond.wait
+
+    def interrupted(timeout=None):
+        gate._cond.wait = wait                # (once)
+        raise KeyboardInterrupt
+
+    gate._cond.wait = interrupted
+    t, out = run_in_thread(lambda: pytest.raises(KeyboardInterrupt, gate.enter))
+    t.join(timeout=10)
+    assert not t.is_alive() and "r" in out
+    t, out = run_in_thread(gate.enter)        # next in line
+    t.join(timeout=0.5)
+    gate.leave(held)
+    t.join(timeout=10)
+    assert not t.is_alive() and gate.holds(out["r"])

@@ -24,8 +24,13 @@ class RequestGate:
                 self._holder = (me, ticket)              # a newer request of this thread
                 return ticket
             self._waiting.append(ticket)
-            while self._holder is not None or self._waiting[0] != ticket:
-                self._cond.wait()
+            try:
+                while self._holder is not None or self._waiting[0] != ticket:
+                    self._cond.wait()
+            except BaseException:                        # (KeyboardInterrupt): out of the
+                self._waiting.remove(ticket)             # line, or those behind wait forever
+                self._cond.notify_all()
+                raise
             self._waiting.popleft()
             self._holder = (me, ticket)
             self._cond.notify_all()                      # the next in line rechecks
