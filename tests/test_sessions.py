@@ -233,3 +233,22 @@ def test_odd_session_files_are_refused_before_the_store_changes(models, tmp_path
     with pytest.raises(SessionError, match="context"):
         short.load_session(good)
     assert short.store.prefix.tokens == before
+
+
+def test_a_history_over_the_budget_is_not_copied(models, monkeypatch):
+    """A live history larger than the whole prompt cache cannot be kept: it is not copied
+    off the store (a copy of the whole KV history, thrown away) when a new conversation
+    comes."""
+    import kvcompile.kv.prompt_cache as pc
+    taken = []
+    real = pc.take
+    monkeypatch.setattr(pc, "take", lambda store: taken.append(1) or real(store))
+    e = engine(models["llama"], cache_ram_gib=1 / 2**30)      # a budget of one byte
+    e.generate(ids(700), max_tokens=2, temperature=0)
+    e.generate(ids(700), max_tokens=2, temperature=0)          # a new conversation
+    assert not e.prompt_cache.entries and not taken
+    roomy = engine(models["llama"])                            # and with room, it is kept
+    roomy.generate(ids(700), max_tokens=2, temperature=0)
+    roomy.generate(ids(700), max_tokens=2, temperature=0)
+    assert len(taken) == 1 and len(roomy.prompt_cache.entries) == 1
+    assert pc.held_nbytes(roomy.store) == real(roomy.store).nbytes       # the estimate

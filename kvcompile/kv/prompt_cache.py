@@ -10,7 +10,7 @@ their own history.
 from __future__ import annotations
 
 from kvcompile.kv.prefix import common_prefix
-from kvcompile.kv.snapshot import History, put, take
+from kvcompile.kv.snapshot import History, held_nbytes, put, take
 
 
 class PromptCache:
@@ -42,13 +42,17 @@ def swap_in(store, cache: PromptCache, prompt: list[int], ubatch: int, trunk=Non
     def reuse(n: int) -> int:                     # what a resume keeps (prefix.py)
         return min(n, len(prompt) - 1) // ubatch * ubatch
 
+    def keep_live() -> None:                      # (a history over the budget: no copy)
+        if held_nbytes(store) <= cache.budget:
+            cache.add(take(store))
+
     held = store.prefix.held(trunk)
     live = reuse(common_prefix(held, prompt))
     n, h = cache.best(prompt)
     if h is not None and reuse(n) > live:
         cache.entries.remove(h)
         if held:
-            cache.add(take(store))
+            keep_live()
         put(store, h)
     elif len(held) >= ubatch and live < len(held) // 2:
-        cache.add(take(store))                     # a new conversation: keep the old one
+        keep_live()                                # a new conversation: keep the old one

@@ -68,6 +68,16 @@ def take(store) -> History:
                    state, checkpoints)
 
 
+def held_nbytes(store) -> int:
+    """What take(store).nbytes will be, without copying anything."""
+    width = int(store.pages.shape[1])
+    n = sum(store.history.rows_pages(i) * width for i in store.layers)
+    if store.recurrent is not None:
+        cps = store.prefix.checkpoints
+        n += store.recurrent.nbytes * (1 + (len(cps.saved) if cps is not None else 0))
+    return n
+
+
 def _int(n) -> bool:
     return isinstance(n, int) and not isinstance(n, bool)
 
