@@ -252,3 +252,16 @@ def test_a_history_over_the_budget_is_not_copied(models, monkeypatch):
     roomy.generate(ids(700), max_tokens=2, temperature=0)
     assert len(taken) == 1 and len(roomy.prompt_cache.entries) == 1
     assert pc.held_nbytes(roomy.store) == real(roomy.store).nbytes       # the estimate
+
+
+def test_a_cold_request_keeps_the_live_conversation(models):
+    """A request with cache_prompt=False computes from position 0, but the conversation
+    the store held goes to the prompt cache first (as a new conversation's would): its
+    next turn still resumes."""
+    e = engine(models["llama"])
+    a = ids(10 * UB)
+    ra = e.generate(a, max_tokens=3, temperature=0)
+    cold = e.generate(ids(5 * UB), max_tokens=3, temperature=0, cache_prompt=False)
+    assert cold.cached_tokens == 0
+    a2 = a + ra.token_ids + ids(20)
+    assert e.generate(a2, max_tokens=3, temperature=0).cached_tokens == len(a2) // UB * UB

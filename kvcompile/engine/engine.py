@@ -36,7 +36,7 @@ from kvcompile.io.default_model import resolve_model_path
 from kvcompile.io.loader import load_model, open_model
 from kvcompile.io.tokenizer import StreamDecoder
 from kvcompile.kv.backend import make_backend
-from kvcompile.kv.prompt_cache import PromptCache, swap_in
+from kvcompile.kv.prompt_cache import PromptCache, set_aside, swap_in
 from kvcompile.kv.snapshot import check, layout, put, take
 from kvcompile.kv.store import KvStore
 from kvcompile.kv.telemetry import summarize
@@ -279,10 +279,11 @@ class Engine:
         """The first position this request computes: with cache_prompt (`reuse`) the
         longest prefix of the prompt that the store's history (or a cached one) repeats is
         kept (kv/prefix.py), else the store starts over."""
-        if not reuse:
+        plan = self.model.layer_plan
+        if not reuse:                     # (the live history stays in the prompt cache)
+            set_aside(self.store, self.prompt_cache, self.ubatch, trunk=plan.trunk_kv_layers)
             self.store.reset()
             return 0
-        plan = self.model.layer_plan
         if self.prompt_cache.budget:
             swap_in(self.store, self.prompt_cache, prompt_ids, self.ubatch,
                     trunk=plan.trunk_kv_layers)

@@ -37,14 +37,24 @@ class PromptCache:
         return max(scored, key=lambda x: x[0], default=(0, None))
 
 
+def keep_live(store, cache: PromptCache) -> None:
+    """A copy of the store's history in the cache (a history over the budget: no copy)."""
+    if held_nbytes(store) <= cache.budget:
+        cache.add(take(store))
+
+
+def set_aside(store, cache: PromptCache, ubatch: int, trunk=None) -> None:
+    """Before a request that starts cold over the store (cache_prompt=False): the live
+    history, when it holds a ubatch or more, goes to the cache as a new conversation's
+    would (swap_in)."""
+    if cache.budget and len(store.prefix.held(trunk)) >= ubatch:
+        keep_live(store, cache)
+
+
 def swap_in(store, cache: PromptCache, prompt: list[int], ubatch: int, trunk=None) -> None:
     """Make the store hold the history this prompt reuses most of (module doc)."""
     def reuse(n: int) -> int:                     # what a resume keeps (prefix.py)
         return min(n, len(prompt) - 1) // ubatch * ubatch
-
-    def keep_live() -> None:                      # (a history over the budget: no copy)
-        if held_nbytes(store) <= cache.budget:
-            cache.add(take(store))
 
     held = store.prefix.held(trunk)
     live = reuse(common_prefix(held, prompt))
@@ -52,7 +62,7 @@ def swap_in(store, cache: PromptCache, prompt: list[int], ubatch: int, trunk=Non
     if h is not None and reuse(n) > live:
         cache.entries.remove(h)
         if held:
-            keep_live()
+            keep_live(store, cache)
         put(store, h)
     elif len(held) >= ubatch and live < len(held) // 2:
-        keep_live()                                # a new conversation: keep the old one
+        keep_live(store, cache)                    # a new conversation: keep the old one
