@@ -265,3 +265,35 @@ def test_a_cold_request_keeps_the_live_conversation(models):
     assert cold.cached_tokens == 0
     a2 = a + ra.token_ids + ids(20)
     assert e.generate(a2, max_tokens=3, temperature=0).cached_tokens == len(a2) // UB * UB
+
+
+def test_two_threads_saving_one_path_both_succeed(models, tmp_path, monkeypatch):
+    """save_session writes outside the Engine's turn: two threads saving to the same path
+    at once each write their own temporary file (one of the two whole files wins), instead
+    of sharing one (a rename of the other's half-written file, or a missing one)."""
+    import threading
+    import safetensors.torch
+    e = engine(models["llama"])
+    e.generate(ids(200), max_tokens=3, temperature=0)
+    real, both = safetensors.torch.save_file, threading.Barrier(2, timeout=30)
+
+    def save_file(tensors, filename, metadata=None):
+        real(tensors, filename, metadata=metadata)
+        both.wait()                       # both temporaries written before either renames
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    path, errors = tmp_path / "s.session", []
+
+    def save():
+        try:
+            e.save_session(path)
+        except BaseException as err:
+            errors.append(err)
+    threads = [threading.Thread(target=save) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert [p.name for p in tmp_path.iterdir()] == ["s.session"]
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    assert engine(models["llama"]).load_session(path) > 0

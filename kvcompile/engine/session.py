@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -49,7 +50,8 @@ def save(path: str | os.PathLike, h: History, identity: dict) -> int:
     meta = dict(format=FORMAT, identity=identity, layout=h.layout,
                 rows={str(i): n for i, n in h.rows.items()},
                 state_tokens=None if h.state is None else h.state[2])
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # one temporary a writer (process and thread): two saves to one path never share one
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         save_file(tensors, str(tmp), metadata={MAGIC: json.dumps(meta)})
         with open(tmp, "rb+") as f:
