@@ -187,3 +187,21 @@ def test_a_waiter_that_gives_up_leaves_the_queue():
     gate.leave(held)
     t.join(timeout=10)
     assert not t.is_alive() and gate.holds(out["r"])
+
+
+def test_a_stream_that_fails_to_start_gives_the_engine_back(engine, monkeypatch):
+    """An exception after the request took its turn but before its stream exists (an
+    asynchronous KeyboardInterrupt, a failure building the stream) leaves no ticket holding
+    the Engine: another thread's request still runs."""
+    import kvcompile.engine.engine as eng
+
+    def broken(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(eng, "TokenStream", broken)
+    p = prompts(1)[0]
+    with pytest.raises(KeyboardInterrupt):
+        engine.stream(p, max_tokens=2, temperature=0)
+    monkeypatch.undo()
+    t, out = run_in_thread(lambda: engine.generate(p, max_tokens=2, temperature=0))
+    t.join(timeout=60)
+    assert not t.is_alive() and len(out["r"].token_ids) <= 2

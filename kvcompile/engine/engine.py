@@ -168,8 +168,12 @@ class Engine:
         # continuing over the newer request's KV. The Engine is held until the stream ends,
         # is closed or is dropped.
         ticket = self._gate.enter()
-        return TokenStream(self._run(prompt_ids, sampling, ticket, reuse),
-                           release=partial(self._gate.leave, ticket))
+        try:
+            return TokenStream(self._run(prompt_ids, sampling, ticket, reuse),
+                               release=partial(self._gate.leave, ticket))
+        except BaseException:             # (no stream to give the Engine back: do it here)
+            self._gate.leave(ticket)
+            raise
 
     def encode_prompt(self, prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
         return encode_prompt(self.tokenizer, self.model.config.vocab_size, prompt, messages)
