@@ -297,3 +297,13 @@ def test_two_threads_saving_one_path_both_succeed(models, tmp_path, monkeypatch)
     assert [p.name for p in tmp_path.iterdir()] == ["s.session"]
     monkeypatch.setattr(safetensors.torch, "save_file", real)
     assert engine(models["llama"]).load_session(path) > 0
+
+
+def test_a_session_name_of_255_bytes_saves(models, tmp_path):
+    """The server takes file names up to 255 bytes (a file system's limit): the temporary
+    file beside the target must not be longer than the longest name it allows."""
+    e = engine(models["llama"])
+    e.generate(ids(100), max_tokens=2, temperature=0)
+    path = tmp_path / ("s" * 255)
+    assert e.save_session(path)["tokens"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]

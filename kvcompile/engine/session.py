@@ -50,8 +50,10 @@ def save(path: str | os.PathLike, h: History, identity: dict) -> int:
     meta = dict(format=FORMAT, identity=identity, layout=h.layout,
                 rows={str(i): n for i, n in h.rows.items()},
                 state_tokens=None if h.state is None else h.state[2])
-    # one temporary a writer (process and thread): two saves to one path never share one
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    # one temporary a writer (process and thread): two saves to one path never share one;
+    # the target's name shortened, so the temporary's stays within a file name's 255 bytes
+    stem = path.name.encode()[:128].decode(errors="ignore")
+    tmp = path.with_name(f".{stem}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         save_file(tensors, str(tmp), metadata={MAGIC: json.dumps(meta)})
         with open(tmp, "rb+") as f:
