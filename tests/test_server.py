@@ -427,6 +427,15 @@ def test_slot_save_erase_restore_continues(srv, engine):
         (srv.server.settings.slot_save_path / "torn.session").write_bytes(b"not a session")
         torn = h.post("/slots/0?action=restore", json={"filename": "torn.session"})
         assert torn.status_code == 400 and torn.json()["error"]["code"] == "invalid_session"
+        # a whole safetensors file that lacks a session's tensor: a 400 too, not a 500
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+        folder = srv.server.settings.slot_save_path
+        with safe_open(str(folder / "conv-1.session"), framework="pt") as f:
+            meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys() if k != "tokens"}
+        save_file(tensors, str(folder / "odd.session"), metadata=meta)
+        odd = h.post("/slots/0?action=restore", json={"filename": "odd.session"})
+        assert odd.status_code == 400 and odd.json()["error"]["code"] == "invalid_session"
     follow = first + [{"role": "user", "content": "And a TLB?"}]
     r = c.chat.completions.create(model=MODEL, messages=follow, **GREEDY)
     assert r.usage.prompt_tokens_details.cached_tokens > 0
