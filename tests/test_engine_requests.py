@@ -205,3 +205,32 @@ def test_a_stream_that_fails_to_start_gives_the_engine_back(engine, monkeypatch)
     t, out = run_in_thread(lambda: engine.generate(p, max_tokens=2, temperature=0))
     t.join(timeout=60)
     assert not t.is_alive() and len(out["r"].token_ids) <= 2
+
+
+def test_an_engines_fixed_threads_hold_beside_another_engine(tiny_path):
+    """torch's thread count is the process's: an Engine built with threads=N runs its steps
+    with N threads even after another Engine (built later, or adjusting to the load) set
+    another count."""
+    import torch
+    one = Engine(str(tiny_path), ctx_size=64, progress=False, threads=1)
+    Engine(str(tiny_path), ctx_size=64, progress=False, threads=2)      # sets 2
+    seen = []
+    step = one.executor.step
+    one.executor.step = lambda *a, **k: seen.append(torch.get_num_threads()) or step(*a, **k)
+    one.generate([5, 6, 7], max_tokens=2, temperature=0)
+    assert seen and set(seen) == {1}
+
+
+def test_a_default_engine_after_one_with_fixed_threads(tiny_path, monkeypatch):
+    """The first Engine of the process built with threads=N, then one with the default:
+    the default's ceiling is the process's count from before any Engine set one (it was
+    None: a TypeError out of min())."""
+    import torch
+    from kvcompile.engine import threads
+    monkeypatch.setitem(threads._process, "set", None)          # a fresh process
+    monkeypatch.setitem(threads._process, "ceiling", None)
+    before = torch.get_num_threads()
+    Engine(str(tiny_path), ctx_size=64, progress=False, threads=2)
+    e = Engine(str(tiny_path), ctx_size=64, progress=False)
+    assert e.threads.cores == min(threads.physical_cores(), before)
+    e.generate([5, 6, 7], max_tokens=1, temperature=0)

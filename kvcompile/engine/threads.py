@@ -50,6 +50,8 @@ def _own_s() -> float:
 
 
 def _set(n: int) -> None:
+    if _process["ceiling"] is None:               # the process's count before any Engine's
+        _process["ceiling"] = torch.get_num_threads()
     torch.set_num_threads(n)
     _process["set"] = n
 
@@ -68,10 +70,14 @@ class CpuThreads:
         self.fixed = threads
         self.cores = ceiling() if threads is None else threads
         self._last = None if threads is not None else (time.monotonic(), _busy_s(), _own_s())
+        self.want = self.cores
         _set(self.cores)
 
     def adjust(self) -> None:
-        """Follow other processes' load (cheap: one read of /proc/stat a second)."""
+        """Follow other processes' load (cheap: one read of /proc/stat a second). The count
+        is the process's: another Engine may have set its own since this one's last step."""
+        if torch.get_num_threads() != self.want:
+            _set(self.want)
         if self.fixed is not None or self._last is None or self._last[1] is None:
             return
         now = time.monotonic()
@@ -81,6 +87,6 @@ class CpuThreads:
         t0, busy0, own0 = self._last
         self._last = (now, busy, own)
         others = max(0.0, (busy - busy0) - (own - own0)) / (now - t0)   # cores' worth
-        want = max(1, min(self.cores, self.cores - math.ceil(others - 0.25)))
-        if want != torch.get_num_threads():
-            _set(want)
+        self.want = max(1, min(self.cores, self.cores - math.ceil(others - 0.25)))
+        if self.want != torch.get_num_threads():
+            _set(self.want)
