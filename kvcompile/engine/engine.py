@@ -9,6 +9,7 @@ string / max_tokens.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from functools import partial
 
@@ -142,14 +143,20 @@ class Engine:
         return stream.result
 
     def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
-               cache_prompt: bool | None = None, **params) -> TokenStream:
+               cache_prompt: bool | None = None, cancel: threading.Event | None = None,
+               **params) -> TokenStream:
         """cache_prompt: False computes this request from position 0 (None: the Engine's
-        option); the rest are SamplingParams."""
+        option). cancel: an Event another thread may set; the request then ends at its next
+        prefill chunk or token (finish_reason "cancelled"; what it computed stays history).
+        The rest are SamplingParams."""
         # Everything that can reject the request runs before any state changes.
         sampling = SamplingParams.from_options(**params)
         if cache_prompt not in (None, True, False):
             raise KvcompileError(f"cache_prompt must be True, False or None, got "
                                  f"{cache_prompt!r}")
+        if cancel is not None and not isinstance(cancel, threading.Event):
+            raise KvcompileError(f"cancel must be a threading.Event, got "
+                                 f"{type(cancel).__name__}")
         reuse = self.config.cache_prompt if cache_prompt is None else cache_prompt
         prompt_ids = self.encode_prompt(prompt, messages)
         if len(prompt_ids) >= self.ctx_size:
@@ -169,7 +176,7 @@ class Engine:
         # is closed or is dropped.
         ticket = self._gate.enter()
         try:
-            return TokenStream(self._run(prompt_ids, sampling, ticket, reuse),
+            return TokenStream(self._run(prompt_ids, sampling, ticket, reuse, cancel),
                                release=partial(self._gate.leave, ticket))
         except BaseException:             # (no stream to give the Engine back: do it here)
             self._gate.leave(ticket)
@@ -179,10 +186,12 @@ class Engine:
         return encode_prompt(self.tokenizer, self.model.config.vocab_size, prompt, messages)
 
     # ---- the loop -----------------------------------------------------------------------------
-    def _run(self, prompt_ids: list[int], sampling: SamplingParams, ticket: int, reuse: bool):
+    def _run(self, prompt_ids: list[int], sampling: SamplingParams, ticket: int, reuse: bool,
+             cancel: threading.Event | None):
         """The request's text pieces; returns its GenerationResult."""
         try:
-            return (yield from self._request_steps(prompt_ids, sampling, ticket, reuse))
+            return (yield from self._request_steps(prompt_ids, sampling, ticket, reuse,
+                                                   cancel))
         except (GeneratorExit, StreamInterruptedError):
             raise                         # the history so far is whole: the next request
         except BaseException:             # may resume it
@@ -193,12 +202,12 @@ class Engine:
             self._gate.leave(ticket)
 
     @torch.inference_mode()
-    def _request_steps(self, prompt_ids, sampling, ticket, reuse):
+    def _request_steps(self, prompt_ids, sampling, ticket, reuse, cancel):
         t0 = time.perf_counter()          # the time to the first token counts the resume
         out_ids, text, step_s = [], [], []      # filled as the loop runs
         try:
-            return (yield from self._request_loop(prompt_ids, sampling, ticket, reuse, t0,
-                                                  out_ids, text, step_s))
+            return (yield from self._request_loop(prompt_ids, sampling, ticket, reuse, cancel,
+                                                  t0, out_ids, text, step_s))
         except StreamInterruptedError as e:
             # what the stream gave before a newer request took over (no telemetry: the
             # store's counters now mix in the newer request's)
@@ -206,7 +215,8 @@ class Engine:
                                         "interrupted", 0.0, sum(step_s), step_s=step_s)
             raise
 
-    def _request_loop(self, prompt_ids, sampling, ticket, reuse, t0, out_ids, text, step_s):
+    def _request_loop(self, prompt_ids, sampling, ticket, reuse, cancel, t0, out_ids, text,
+                      step_s):
         self._check_current(ticket)
         sampler = Sampler(sampling)
         stops = StopStringFilter(sampling.stop)
@@ -229,14 +239,17 @@ class Engine:
         drafter = self.spec.drafter(self.executor)
         if drafter is not None:
             drafter.reset(history)
-        logits = self._prefill(prompt_ids, cached, drafter)
-        check_finite(logits, self.model, self.dtype)
+        logits = self._prefill(prompt_ids, cached, drafter, cancel)
         prefill_s = 0.0
+        if logits is None:                # cancelled part way: no token
+            finish, budget = "cancelled", 0
+        else:
+            check_finite(logits, self.model, self.dtype)
         if not budget:
             prefill_s = time.perf_counter() - t0
         spec_stats = SpecStats() if drafter is not None else None
         ex = self.executor
-        tokens = (speculative_tokens(ex.verify, ex.rollback, drafter, logits, sampler,
+        tokens = (t for t in ()) if logits is None else (speculative_tokens(ex.verify, ex.rollback, drafter, logits, sampler,
                                      history, budget, self.ctx_size, step_s, spec_stats)
                   if drafter is not None else
                   pipelined_tokens(self.forward, logits, sampler.pick, history, budget, step_s)
@@ -248,6 +261,9 @@ class Engine:
             else:
                 prefill_s = time.perf_counter() - t0      # to the first token
             history.append(token)
+            if cancel is not None and cancel.is_set():
+                finish = "cancelled"
+                break
             if token in stop_ids:
                 finish = "stop"
                 break
@@ -334,10 +350,11 @@ class Engine:
                 "over its KV cache; read a stream to the end before starting the next one, or "
                 "use one Engine per concurrent stream")
 
-    def _prefill(self, ids: list[int], start: int, drafter=None) -> torch.Tensor:
+    def _prefill(self, ids: list[int], start: int, drafter=None,
+                 cancel: threading.Event | None = None) -> torch.Tensor | None:
         """The prompt from position `start` (what the store did not hold) in chunks on the
         ubatch grid (the first one ends at the next multiple of the ubatch: a resumed
-        prefill cuts where a cold one does)."""
+        prefill cuts where a cold one does); None if `cancel` was set before the last."""
         # a bar once the rest is long enough to take a while (progress=False: none)
         bar = tqdm(total=len(ids) - start, desc="prefill", unit="tok", leave=False,
                    file=sys.stderr,
@@ -347,6 +364,8 @@ class Engine:
         with bar:
             s = start
             while s < len(ids):
+                if cancel is not None and cancel.is_set():
+                    return None           # the chunks so far stay history
                 end = min(len(ids), (s // ub + 1) * ub)
                 prefix.prefill_chunk(s, last=end == len(ids))   # recurrent checkpoints
                 piece = ids[s:end]

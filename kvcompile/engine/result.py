@@ -21,7 +21,8 @@ class GenerationResult:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str            # "stop" (EOS / end of turn / stop string), "length"
-    # (max_tokens), "context" (the context filled first) or "interrupted" (StreamInterruptedError)
+    # (max_tokens), "context" (the context filled first), "cancelled" (the request's cancel
+    # event) or "interrupted" (StreamInterruptedError)
     prefill_s: float              # to the first token (its sampling included): the TTFT
     decode_s: float               # the decode steps, each to its token's read (GPU completion)
     kv: dict = field(default_factory=dict)   # the store's telemetry summed over the request

@@ -7,7 +7,7 @@ import time
 import uuid
 
 # the Engine's finish reasons that OpenAI's clients do not know
-FINISH = {"context": "length"}
+FINISH = {"context": "length", "cancelled": "stop"}
 
 
 def usage(result) -> dict:

@@ -40,6 +40,11 @@ class Job:
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
+    @property
+    def cancel_event(self) -> threading.Event:
+        """Set when the client goes: the Engine stops at its next prefill chunk or token."""
+        return self._cancelled
+
 
 class EngineWorker:
     def __init__(self, engine, queue_size: int):
