@@ -52,9 +52,9 @@ class ServerMetrics:
             Gauge(f"kvcompile_{name}", doc, registry=r).set_function(read)
 
     def observe(self, result) -> None:
-        """A finished generation (None: its client went away first)."""
+        """A finished generation (None or "cancelled": its client went away first)."""
         count, last = self.count, self.last
-        if result is None:
+        if result is None or result.finish_reason == "cancelled":
             count["requests_cancelled"].inc()
             return
         count["prompt_tokens"].inc(result.prompt_tokens)
