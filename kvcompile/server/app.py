@@ -142,6 +142,8 @@ class Server:
             kind, value = await job.events.get()
             if kind == "piece":
                 yield sse(shapes.chunk(value))
+            elif kind == "done" and value is None:        # no result: the server stopping
+                return
             elif kind == "done":
                 yield sse(shapes.chunk(finish=value.finish_reason))
                 if include_usage:
