@@ -15,6 +15,7 @@ import torch
 
 from kvcompile.errors import KvLayoutError
 from kvcompile.kv.recurrent_state import RecurrentSnapshot
+from kvcompile.kv.store import copy_in_runs
 
 
 def layout(store) -> dict:
@@ -55,7 +56,11 @@ def take(store) -> History:
     store.synchronize()
     if store.device.type == "cuda":
         torch.cuda.synchronize(store.device)      # checkpoints are queued copies
-    pages = {i: store.history_pages(i).to("cpu", copy=True) for i in store.layers}
+    pages = {}
+    for i in store.layers:
+        view = store.history_pages(i)
+        pages[i] = torch.empty(view.shape, dtype=torch.uint8)
+        copy_in_runs(pages[i], view)
     state, checkpoints = None, {}
     if store.recurrent is not None:
         r = store.recurrent

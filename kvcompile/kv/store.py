@@ -42,6 +42,16 @@ from kvcompile.kv.telemetry import StepStats, summarize
 from kvcompile.ops import kv_format as F
 
 
+COPY_RUN_PAGES = 64        # pages a history copy moves at once (its device temporaries)
+
+
+def copy_in_runs(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) a run of pages at a time: a copy between devices of a strided view
+    stages through a temporary, which stays this small."""
+    for i in range(0, src.shape[0], COPY_RUN_PAGES):
+        dst[i:i + COPY_RUN_PAGES].copy_(src[i:i + COPY_RUN_PAGES])
+
+
 class KvStore:
     def __init__(self, config, max_tokens: int, arena_mib: float = 0, k_type="f32",
                  v_type="f32", page_size: int = 256, *, device=None, layers=None,
@@ -306,22 +316,22 @@ class KvStore:
 
     def history_pages(self, layer: int) -> torch.Tensor:
         """Layer's pages that hold rows, as stored (uint8 [pages, K page + V page]): a view
-        of the host history (streamed; synchronize() first) or a gathered copy of the
-        device pages (resident)."""
+        of the host history (streamed; synchronize() first) or of the device pages
+        (resident: page p of the layer at index l is physical page p * layers + l, a
+        strided view, nothing gathered)."""
         n = self.history.rows_pages(layer)
         if self.streamer is not None:
             return self.history.kv[layer][:n]
-        return self.pages[self._tables[self.layers.index(layer), :n].long()]
+        per_page = self.pages.view(self.num_pages, len(self.layers), -1)
+        return per_page[:n, self.layers.index(layer)]
 
     def adopt_pages(self, layer: int, pages: torch.Tensor, rows: int) -> None:
         """Make `pages` (as history_pages gives them) layer's history of `rows` positions,
         after a reset(): no device page of a streamed store holds history then."""
         n = pages.shape[0]
-        if self.streamer is not None:
-            self.history.kv[layer][:n].copy_(pages)
-        else:
-            self.pages[self._tables[self.layers.index(layer), :n].long()] = \
-                pages.to(self.device)
+        mine = self.history.kv[layer][:n] if self.streamer is not None else \
+            self.pages.view(self.num_pages, len(self.layers), -1)[:n, self.layers.index(layer)]
+        copy_in_runs(mine, pages)
         self.history.rows[layer] = rows
 
     def drop_resident(self) -> None:
