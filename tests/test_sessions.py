@@ -307,3 +307,36 @@ def test_a_session_name_of_255_bytes_saves(models, tmp_path):
     path = tmp_path / ("s" * 255)
     assert e.save_session(path)["tokens"] > 0
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+@pytest.mark.parametrize("arena", [0, 4], ids=["resident", "streamed"])
+def test_histories_move_on_and_off_a_cuda_store(models, tmp_path, arch, arena):
+    """On CUDA (pinned host history, captured steps, pipelined decode): a conversation's
+    history saved, another conversation run, the session loaded back: the next turn resumes
+    it and gives the tokens of the same Engine that never left it; two conversations taking
+    turns through the prompt cache likewise. fp32 weights keep rounding far below the
+    logit gaps."""
+    opts = dict(ctx_size=2560, ubatch=UB, kv_stream_arena_mib=arena, progress=False,
+                device="cuda", dtype="f32", cache_type_k="q8_0", cache_type_v="q4_0")
+    e = Engine(str(models[arch]), **opts)
+    a, b = ids(10 * UB), ids(9 * UB)
+    ra = e.generate(a, max_tokens=5, temperature=0)
+    e.save_session(tmp_path / "a.session")
+    a2 = a + ra.token_ids + ids(20)
+    want = e.generate(a2, max_tokens=8, temperature=0)          # never left the store
+    e.generate(b, max_tokens=5, temperature=0)                  # another conversation
+    assert e.load_session(tmp_path / "a.session") >= len(a)
+    got = e.generate(a2, max_tokens=8, temperature=0)
+    assert got.cached_tokens == want.cached_tokens == len(a2) // UB * UB
+    assert got.token_ids == want.token_ids
+    # the prompt cache: b's next turn swaps b's history back in
+    rb = e.generate(b, max_tokens=5, temperature=0)
+    b2 = b + rb.token_ids + ids(20)
+    e.generate(a2 + ids(30), max_tokens=3, temperature=0)
+    back = e.generate(b2, max_tokens=6, temperature=0)
+    assert back.cached_tokens == len(b2) // UB * UB
+    cold = Engine(str(models[arch]), cache_prompt=False, **opts)
+    assert back.token_ids == cold.generate(b2, max_tokens=6, temperature=0).token_ids
