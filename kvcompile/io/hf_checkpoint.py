@@ -1,4 +1,5 @@
-"""Hugging Face llama-family checkpoints (config.json + *.safetensors) as GGUF-named tensors.
+"""Hugging Face checkpoints (config.json + *.safetensors) as GGUF-named tensors; the family of
+config.json's model_type (models/registry.py) reads its config and names its tensors.
 
 HF stores q/k projection rows in the NEOX rope layout (rotation pairs (i, i + d/2));
 llama.cpp's converter permutes them into adjacent pairs for GGUF. Here the weights are kept
@@ -15,38 +16,32 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvcompile.models.config import ModelConfig
 from kvcompile.errors import ModelFileError, UnsupportedModelError
+from kvcompile.models.config import ModelConfig
+from kvcompile.models.families.dense import HF_LAYER_NAMES, HF_TOP_NAMES
+from kvcompile.models.family import Family
+from kvcompile.models.registry import family_for_hf
 
-# HF model_type -> kvcompile arch (the model class that runs it)
-HF_ARCHS = {"llama": "llama"}
-
-_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
-              "model.norm.weight": "output_norm.weight",
-              "lm_head.weight": "output.weight"}
-_LAYER_NAMES = {
-    **{f"self_attn.{h}_proj.{p}": f"attn_{h}.{p}" for h in "qkv" for p in ("weight", "bias")},
-    **{f"mlp.{m}_proj.weight": f"ffn_{m}.weight" for m in ("gate", "up", "down")},
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-}
+# a llama-style checkpoint's names (each family declares its layers' map: hf_tensor_names)
+_TOP_NAMES, _LAYER_NAMES = HF_TOP_NAMES, HF_LAYER_NAMES
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _SKIPPED = re.compile(r".*rotary_emb\.inv_freq")  # recomputed from rope_theta
 
 
-def gguf_name(hf_name: str) -> str | None:
-    """HF tensor name -> GGUF tensor name (None for buffers that are recomputed)."""
+def gguf_name(hf_name: str, family: Family | None = None) -> str | None:
+    """HF tensor name -> GGUF tensor name (None for buffers that are recomputed) in
+    `family`'s checkpoints (default: llama's)."""
+    family = family or family_for_hf("llama")
     if hf_name in _TOP_NAMES:
         return _TOP_NAMES[hf_name]
     m = _LAYER.fullmatch(hf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in family.hf_tensor_names:
+        return f"blk.{m.group(1)}.{family.hf_tensor_names[m.group(2)]}"
     if _SKIPPED.fullmatch(hf_name):
         return None
     raise UnsupportedModelError(
-        f"checkpoint tensor {hf_name!r} has no place in a llama-family model; kvcompile "
-        f"reads HF model types {', '.join(sorted(HF_ARCHS))} only")
+        f"checkpoint tensor {hf_name!r} has no place in a {family.name} model; the checkpoint "
+        f"is of another architecture than its config.json's model_type says")
 
 
 def _folder(path: Path) -> Path:
@@ -67,42 +62,7 @@ def read_hf_config(folder: Path) -> dict:
 
 
 def config_from_hf(hf: dict, path: str = "config.json") -> ModelConfig:
-    model_type = hf.get("model_type")
-    if model_type not in HF_ARCHS:
-        raise UnsupportedModelError(
-            f"{path}: Hugging Face model_type {model_type!r} is not supported; supported: "
-            f"{', '.join(sorted(HF_ARCHS))}")
-
-    def need(key):
-        if key not in hf:
-            raise ModelFileError(f"{path} lacks {key!r}; re-download the checkpoint's config.json")
-        return hf[key]
-
-    hidden, n_heads = int(need("hidden_size")), int(need("num_attention_heads"))
-    head_dim = int(hf.get("head_dim") or hidden // n_heads)
-    scaling = dict(hf.get("rope_scaling") or {})
-    if "rope_type" in scaling:  # newer configs name the kind rope_type; GGUF calls it type
-        scaling["type"] = scaling.pop("rope_type")
-    if scaling.get("type") == "default":
-        scaling = {}
-    return ModelConfig(
-        arch=HF_ARCHS[model_type],
-        n_layers=int(need("num_hidden_layers")),
-        hidden=hidden,
-        ffn=int(need("intermediate_size")),
-        n_heads=n_heads,
-        n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-        head_dim=head_dim,
-        vocab_size=int(need("vocab_size")),
-        context_length=int(need("max_position_embeddings")),
-        rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
-        rope_dim=None,
-        rope_neox=True,  # HF q/k rows are in the NEOX (rotate-halves) layout
-        rope_scaling=scaling,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        name=str(hf.get("_name_or_path", "")),
-    )
+    return family_for_hf(hf.get("model_type"), path).config_from_hf(hf, path)
 
 
 def load_hf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
@@ -113,7 +73,8 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float
 
     folder = _folder(Path(path))
     hf = read_hf_config(folder)
-    config = config_from_hf(hf, str(folder / "config.json"))
+    family = family_for_hf(hf.get("model_type"), str(folder / "config.json"))
+    config = family.config_from_hf(hf, str(folder / "config.json"))
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelFileError(f"{str(folder)!r} has config.json but no *.safetensors weights; "
@@ -128,7 +89,7 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float
     bar = tqdm(names, desc=f"loading {folder.name}", unit="tensor", disable=not progress,
                file=sys.stderr, leave=False)
     for handle, name in bar:
-        target = gguf_name(name)
+        target = gguf_name(name, family)
         if target is None:
             continue
         try:

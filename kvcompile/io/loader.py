@@ -1,4 +1,5 @@
-"""Model file -> (config, tokenizer, nn.Module): picks the model class by architecture."""
+"""Model file -> (config, tokenizer, nn.Module): the family registry (models/registry.py)
+picks the model class by architecture."""
 from __future__ import annotations
 
 import time
@@ -8,7 +9,7 @@ import torch
 
 from kvcompile.models.config import ModelConfig
 from kvcompile.io.default_model import resolve_model_path
-from kvcompile.errors import UnsupportedModelError
+from kvcompile.models.registry import family_for_gguf
 
 
 @dataclass
@@ -53,17 +54,6 @@ def read_config(path) -> ModelConfig:
     return open_model(path).config
 
 
-def _model_classes() -> dict:
-    from kvcompile.models.llama import LlamaModel
-    classes = {"llama": LlamaModel}
-    try:
-        from kvcompile.models.qwen35 import Qwen35Model
-        classes["qwen35"] = Qwen35Model
-    except ImportError:
-        pass
-    return classes
-
-
 def load_model(model=None, *, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, progress: bool = True) -> LoadedModel:
     """model: None (the default model), a path, or a ModelSource (its header already
@@ -82,12 +72,7 @@ def load_model(model=None, *, device: str | torch.device = "cpu",
     weights = load_weights(path, dtype=dtype, progress=progress, device=device,
                            opened=source.gguf if source else None)
     seconds = {"weights": lap(), **{f"weights.{k}": v for k, v in (weights.seconds or {}).items()}}
-    classes = _model_classes()
-    cls = classes.get(weights.config.arch)
-    if cls is None:
-        raise UnsupportedModelError(
-            f"architecture {weights.config.arch!r} has no model class; supported: "
-            f"{', '.join(sorted(classes))}")
+    cls = family_for_gguf(weights.config.arch, path).model_class()
     meta = weights.metadata
     if weights.source == "hf":                # HF folders keep the vocabulary in tokenizer.json
         from pathlib import Path

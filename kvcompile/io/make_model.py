@@ -55,7 +55,7 @@ def describe(cfg: SyntheticConfig, plan: list[PlannedTensor]) -> str:
     n_params = sum(_numel(t.shape) for t in plan)
     n_bytes = sum(t.n_bytes for t in plan)
     parts = [f"{cfg.arch} {cfg.name}: {cfg.n_layers} layers"]
-    if cfg.arch == "qwen35":
+    if cfg.hybrid:
         n_attn = sum(cfg.is_full_attention(i) for i in range(cfg.n_layers))
         parts.append(f"({n_attn} attention + {cfg.n_layers - n_attn} Gated DeltaNet, "
                      f"{cfg.nextn_layers} MTP)")
@@ -73,7 +73,7 @@ def _numel(shape) -> int:
 
 def add_make_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--arch", required=True, choices=sorted(PRESETS),
-                        help="model architecture")
+                        help="model family (its GGUF architecture: llama for mistral)")
     parser.add_argument("--preset", default="tiny",
                         help="geometry: " + "; ".join(f"{a}: {', '.join(p)}"
                                                       for a, p in PRESETS.items()))

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str                     # "llama" (more later)
+    arch: str                     # GGUF general.architecture (models/registry.py)
     n_layers: int
     hidden: int
     ffn: int
@@ -22,6 +22,9 @@ class ModelConfig:
     rope_scaling: dict = field(default_factory=dict)
     tie_embeddings: bool = False
     name: str = ""
+    # attention variants of the dense families (models/families/)
+    qkv_bias: bool = False        # qwen2: biases on the q, k and v projections
+    qk_norm: bool = False         # qwen3: per-head RMSNorm of q and k before rope
     # hybrid models (qwen35): Gated DeltaNet recurrent layers between full-attention layers
     full_attention_interval: int = 1   # layer i is attention iff (i + 1) % interval == 0
     ssm_conv_kernel: int = 0

@@ -15,8 +15,9 @@ from torch import nn
 import kvcompile.ops  # noqa: F401  (registers torch.ops.kvcompile.*)
 from kvcompile.ops import rows
 from kvcompile.ops.rope_rotate.naive import rope_f32
-from kvcompile.errors import ContextLengthError, UnsupportedModelError
+from kvcompile.errors import ContextLengthError
 from kvcompile.models.quant_weight import QuantWeight, cat_rows, join_rows
+from kvcompile.models.rope import rope_tables  # noqa: F401  (its older home: tests import it here)
 
 
 class RMSNorm(nn.Module):
@@ -32,22 +33,6 @@ class RMSNorm(nn.Module):
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, its norm): the residual add fused into the norm's kernel."""
         return rows.add_rms_norm(x, residual, self.weight, self.eps)
-
-
-def rope_tables(rotary_dim: int, max_positions: int, theta: float,
-                scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin float32 [max_positions, rotary_dim / 2]; angles computed in float64."""
-    scaling = scaling or {}
-    factor = float(scaling.get("factor") or 1.0)
-    kind = scaling.get("type", "linear" if factor != 1.0 else "none")
-    if kind not in ("none", "linear"):
-        raise UnsupportedModelError(
-            f"rope scaling {kind!r} is not supported yet; use a model with no rope scaling "
-            f"or linear rope scaling")
-    inv_freq = theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
-    pos = torch.arange(max_positions, dtype=torch.float64) / factor
-    angles = pos[:, None] * inv_freq[None, :]
-    return torch.cos(angles).float(), torch.sin(angles).float()
 
 
 def check_rope_range(lo_hi: tuple[int, int], n_rope: int) -> tuple[int, int]:
@@ -217,10 +202,12 @@ class SwiGLU(nn.Module):
 
 
 class PagedAttention(nn.Module):
-    """GQA attention whose KV lives in page pools, read and written through the kvcompile ops."""
+    """GQA attention whose KV lives in page pools, read and written through the kvcompile ops.
+    Variants: biases on q, k and v (qwen2); an RMSNorm over each q and k head before rope
+    (qwen3, `qk_norm_eps` given)."""
 
     def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                 rope_neox: bool, qkv_bias: bool = False):
+                 rope_neox: bool, qkv_bias: bool = False, qk_norm_eps: float | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.rope_neox = rope_neox
@@ -230,17 +217,26 @@ class PagedAttention(nn.Module):
         self.wv = Linear(hidden, n_kv_heads * head_dim, bias=qkv_bias)
         self.wo = Linear(n_heads * head_dim, hidden, bias=False)
         self.wqkv: nn.Linear | None = None        # set by fuse()
+        norms = qk_norm_eps is not None
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if norms else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if norms else None
 
     def fuse(self) -> None:
         """q, k and v as one GEMM (after the weights are loaded)."""
         self.wqkv = fuse_linears(self.wq, self.wk, self.wv)
 
     def heads(self, x: torch.Tensor) -> torch.Tensor:
-        """The q, k and v heads of x as one [T, Hq + 2 Hk, D] tensor."""
-        t, d = x.shape[0], self.head_dim
+        """The q, k and v heads of x as one [T, Hq + 2 Hk, D] tensor (q and k normed per head
+        where the model has q/k norms)."""
+        t, d, hq, hk = x.shape[0], self.head_dim, self.n_heads, self.n_kv_heads
         if self.wqkv is None:
-            return torch.cat([self.wq(x), self.wk(x), self.wv(x)], -1).view(t, -1, d)
-        return self.wqkv(x).view(t, -1, d)
+            qkv = torch.cat([self.wq(x), self.wk(x), self.wv(x)], -1).view(t, -1, d)
+        else:
+            qkv = self.wqkv(x).view(t, -1, d)
+        if self.q_norm is None:
+            return qkv
+        q, k, v = qkv.split([hq, hk, hk], dim=1)
+        return torch.cat([self.q_norm(q), self.k_norm(k), v], 1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 q_pos: torch.Tensor, kv) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""Llama-family decoder (SmolLM2, Llama 2/3, ...) as a plain nn.Module over a paged KV cache."""
+"""The dense decoder of the llama-like families (llama, mistral, qwen2, qwen3: SmolLM2, Llama
+2/3, Mistral, Qwen2.5, Qwen3, ...) as a plain nn.Module over a paged KV cache. The config
+switches the attention variants (QKV bias, per-head q/k norm); a file's rope_freqs.weight
+(Llama 3.1+) divides the rope frequencies."""
 from __future__ import annotations
 
 import re
@@ -11,8 +14,9 @@ from kvcompile.models.config import ModelConfig
 from kvcompile.errors import ModelFileError, UnsupportedModelError
 from kvcompile.models.layer_plan import LayerPlan
 from kvcompile.models.layers import (Embedding, Linear, PagedAttention, RMSNorm, SwiGLU,
-                                     check_rope_range, rope_rows, rope_tables, tie_head)
+                                     check_rope_range, rope_rows, tie_head)
 from kvcompile.models.quant_weight import QuantWeight
+from kvcompile.models.rope import config_rope_tables
 
 # GGUF tensor name (after "blk.{i}.") -> parameter name inside LlamaBlock
 _BLOCK_NAMES = {
@@ -20,19 +24,22 @@ _BLOCK_NAMES = {
     **{f"ffn_{m}.weight": f"mlp.{m}.weight" for m in ("gate", "up", "down")},
     "attn_norm.weight": "attn_norm.weight",
     "attn_output.weight": "attn.wo.weight",
+    "attn_q_norm.weight": "attn.q_norm.weight",
+    "attn_k_norm.weight": "attn.k_norm.weight",
     "ffn_norm.weight": "ffn_norm.weight",
 }
 _TOP_NAMES = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight",
               "output.weight": "lm_head.weight"}
-_IGNORED = re.compile(r"blk\.\d+\.attn_rot_embd\.weight")  # unused by llama.cpp too
+# unused by llama.cpp too; rope_freqs.weight becomes the rope tables, not a parameter
+_IGNORED = re.compile(r"blk\.\d+\.attn_rot_embd\.weight|rope_freqs\.weight")
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, c: ModelConfig, qkv_bias: bool):
+    def __init__(self, c: ModelConfig):
         super().__init__()
         self.attn_norm = RMSNorm(c.hidden, c.rms_eps)
         self.attn = PagedAttention(c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_neox,
-                                   qkv_bias)
+                                   c.qkv_bias, c.rms_eps if c.qk_norm else None)
         self.ffn_norm = RMSNorm(c.hidden, c.rms_eps)
         self.mlp = SwiGLU(c.hidden, c.ffn)
 
@@ -49,17 +56,16 @@ class LlamaBlock(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, qkv_bias: bool = False):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.embed = Embedding(config.vocab_size, config.hidden)
-        self.blocks = nn.ModuleList(LlamaBlock(config, qkv_bias) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.hidden, config.rms_eps)
         self.lm_head = Linear(config.hidden, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        cos, sin = rope_tables(config.rotary_dim, config.context_length, config.rope_theta,
-                               config.rope_scaling)
+        cos, sin = config_rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -68,18 +74,17 @@ class LlamaModel(nn.Module):
                      dtype=torch.float32, device="cpu") -> "LlamaModel":
         """Build from tensors keyed by GGUF names (weights [out, in], dense tensors or
         QuantWeights kept in their block format); output.weight absent means the head is
-        tied to token_embd."""
-        tied = "output.weight" not in tensors
-        if tied != config.tie_embeddings:
-            config = replace(config, tie_embeddings=tied)
-        qkv_bias = "blk.0.attn_q.bias" in tensors
+        tied to token_embd; rope_freqs.weight, where present, divides the rope frequencies."""
+        config = replace(config, tie_embeddings="output.weight" not in tensors,
+                         qkv_bias=config.qkv_bias or "blk.0.attn_q.bias" in tensors)
+        tied = config.tie_embeddings
         state = {}
         for name, t in tensors.items():
             key = _module_name(name)
             if key is not None:
                 state[key] = t
         with torch.device("meta"):
-            model = cls(config, qkv_bias)
+            model = cls(config)
         expected = dict(model.named_parameters(remove_duplicate=True))
         missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
         if extra:
@@ -103,8 +108,8 @@ class LlamaModel(nn.Module):
                               strict=False, assign=True)
         if tied:
             tie_head(model.lm_head, model.embed)
-        cos, sin = rope_tables(config.rotary_dim, config.context_length, config.rope_theta,
-                               config.rope_scaling)
+        factors = tensors.get("rope_freqs.weight")
+        cos, sin = config_rope_tables(config, None if factors is None else factors.float())
         model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
         model.fuse_projections()
         return model.eval().requires_grad_(False)   # inference only: no autograd bookkeeping
@@ -174,8 +179,5 @@ def _module_name(gguf_name: str) -> str | None:
         return f"blocks.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
     if _IGNORED.fullmatch(gguf_name):
         return None
-    if gguf_name == "rope_freqs.weight":
-        raise UnsupportedModelError("rope frequency factors (llama 3.1 style rope scaling) are "
-                                    "not supported yet; use a model without rope_freqs.weight")
     raise UnsupportedModelError(f"tensor {gguf_name!r} has no place in a llama-family model; "
                                 f"this file needs a different architecture")

@@ -18,13 +18,14 @@ from torch import nn
 from kvcompile.models.config import ModelConfig
 from kvcompile.errors import ModelFileError, UnsupportedModelError
 from kvcompile.models.layers import (Embedding, Linear, RMSNorm, check_rope_range, rope_rows,
-                                     rope_tables, tie_head)
+                                     tie_head)
 from kvcompile.models.llama import set_quantized
 from kvcompile.models.layer_plan import LayerPlan
 from kvcompile.models.qwen35_layers import HybridBlock, NextNLayer
 from kvcompile.kv.recurrent_state import RecurrentState
 from kvcompile.models.contract import KvAccess
 from kvcompile.models.quant_weight import QuantWeight
+from kvcompile.models.rope import config_rope_tables
 
 _COMMON = {"attn_norm.weight": "attn_norm.weight", "post_attention_norm.weight": "post_norm.weight",
            "ffn_gate.weight": "mlp.gate.weight", "ffn_up.weight": "mlp.up.weight",
@@ -64,7 +65,7 @@ class Qwen35Model(nn.Module):
         self._set_rope(config)
 
     def _set_rope(self, c: ModelConfig, device=None):
-        cos, sin = rope_tables(c.rotary_dim, c.context_length, c.rope_theta, c.rope_scaling)
+        cos, sin = config_rope_tables(c)
         if device is not None:  # (re)build on a real device after a meta-device init
             cos, sin = cos.to(device), sin.to(device)
         self.register_buffer("rope_cos", cos, persistent=False)

@@ -1,5 +1,5 @@
 """The metadata keys every llama-like GGUF architecture shares, read into ModelConfig's
-keyword arguments (`base_fields`); a family's builder adds its own keys (arch_config.py)."""
+keyword arguments (`base_fields`); a family adds its own keys (models/families/)."""
 from __future__ import annotations
 
 from typing import Mapping

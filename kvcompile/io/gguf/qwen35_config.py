@@ -1,4 +1,4 @@
-"""GGUF metadata of a `qwen35` file -> ModelConfig (registered in arch_config.py).
+"""GGUF metadata of a `qwen35` file -> ModelConfig (the qwen35 family's, models/families/).
 
 Keys as llama.cpp reads them: `qwen35.block_count` counts the NextN/MTP layers too (they
 are stored as the last blocks), `qwen35.ssm.*` give the Gated DeltaNet geometry (state_size

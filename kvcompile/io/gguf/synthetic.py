@@ -47,6 +47,7 @@ class PlannedTensor:
     init: str                   # see synthetic_values._values
     scale: float                # normal: std; norm: spread around 1; uniform: width
     low: float = 0.0            # uniform, neg_log_uniform: lower end
+    values: tuple[float, ...] = ()   # init "values": the tensor itself (rope_freqs)
 
     @property
     def n_bytes(self) -> int:
@@ -78,13 +79,18 @@ def tensor_plan(cfg: SyntheticConfig, weight_type: str = "f32") -> list[PlannedT
     h, q_rows = cfg.hidden, cfg.n_heads * cfg.head_dim
     kv_rows = cfg.n_kv_heads * cfg.head_dim
     plan.append(PlannedTensor("token_embd.weight", (cfg.vocab_size, h), qtype, "normal", 1.0))
+    if cfg.rope_scaling == "llama3":
+        plan.append(_rope_freqs(cfg))
 
     def attention(p, gated):
         mat(f"{p}.attn_q.weight", q_rows * (2 if gated else 1), h)
         mat(f"{p}.attn_k.weight", kv_rows, h)
         mat(f"{p}.attn_v.weight", kv_rows, h)
+        if cfg.qkv_bias:            # qwen2's biases are large next to the projections
+            for name, n in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+                vec(f"{p}.attn_{name}.bias", n, "normal", 0.5)
         mat(f"{p}.attn_output.weight", h, q_rows, gain=cfg.residual_gain)
-        if gated:
+        if gated or cfg.qk_norm:
             vec(f"{p}.attn_q_norm.weight", cfg.head_dim)
             vec(f"{p}.attn_k_norm.weight", cfg.head_dim)
 
@@ -96,7 +102,7 @@ def tensor_plan(cfg: SyntheticConfig, weight_type: str = "f32") -> list[PlannedT
     for i in range(cfg.n_layers):
         p = f"blk.{i}"
         vec(f"{p}.attn_norm.weight", h)
-        if cfg.arch == "llama":
+        if not cfg.hybrid:
             attention(p, gated=False)
             vec(f"{p}.ffn_norm.weight", h)
         else:
@@ -119,6 +125,17 @@ def tensor_plan(cfg: SyntheticConfig, weight_type: str = "f32") -> list[PlannedT
     vec("output_norm.weight", h)
     mat("output.weight", cfg.vocab_size, h, gain=cfg.logit_gain)
     return plan
+
+
+def _rope_freqs(cfg: SyntheticConfig) -> PlannedTensor:
+    """Llama 3.1-style per-pair rope divisors, as llama.cpp's converter writes them."""
+    from kvcompile.models.rope import llama3_factors
+    factors = llama3_factors(cfg.rotary_dim, cfg.rope_theta, cfg.rope_factor,
+                             cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                             cfg.rope_original_context or cfg.context_length)
+    return PlannedTensor("rope_freqs.weight", (cfg.rotary_dim // 2,),
+                         gguf.GGMLQuantizationType.F32, "values", 0.0,
+                         values=tuple(factors.float().tolist()))
 
 
 def _gdn_tensors(cfg, p, mat, vec, plan):

@@ -57,6 +57,8 @@ def _values(t, rng: np.random.Generator, shape) -> np.ndarray:
         return 1.0 + rng.standard_normal(shape, dtype=np.float32) * np.float32(t.scale)
     if t.init == "uniform":
         return rng.uniform(t.low, t.low + t.scale, shape).astype(np.float32)
+    if t.init == "values":
+        return np.asarray(t.values, dtype=np.float32).reshape(shape)
     if t.init == "neg_log_uniform":
         return -np.exp(rng.uniform(t.low, t.low + t.scale, shape)).astype(np.float32)
     raise ValueError(f"unknown init {t.init!r} for {t.name}")
