@@ -263,3 +263,19 @@ def test_a_default_engine_after_one_with_fixed_threads(tiny_path, monkeypatch):
     e = Engine(str(tiny_path), ctx_size=64, progress=False)
     assert e.threads.cores == min(threads.physical_cores(), before)
     e.generate([5, 6, 7], max_tokens=1, temperature=0)
+
+
+def test_a_quantized_weight_is_checked_a_chunk_at_a_time(monkeypatch):
+    """(CUDA keeps block-format weights: the check dequantizes a run of rows at a time, so
+    it needs no room for a whole weight.) A NaN block scale in row 157 of 300 is found."""
+    from gguf import GGMLQuantizationType, quants
+
+    from kvcompile.engine import finite
+    from kvcompile.models.quant_weight import QuantWeight
+    w = np.random.default_rng().standard_normal((300, 256)).astype(np.float32)
+    raw = quants.quantize(w, GGMLQuantizationType.Q8_0).view(np.uint8).reshape(300, -1)
+    q = QuantWeight.from_gguf_rows(__import__("torch").from_numpy(raw.copy()), "Q8_0", 256)
+    monkeypatch.setattr(finite, "CHUNK_ELEMENTS", 1000)
+    assert finite._quant_finite(q)
+    q.planar[157].fill_(255)
+    assert not finite._quant_finite(q)
