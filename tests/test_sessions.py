@@ -340,3 +340,16 @@ def test_histories_move_on_and_off_a_cuda_store(models, tmp_path, arch, arena):
     assert back.cached_tokens == len(b2) // UB * UB
     cold = Engine(str(models[arch]), cache_prompt=False, **opts)
     assert back.token_ids == cold.generate(b2, max_tokens=6, temperature=0).token_ids
+
+
+def test_loading_a_session_keeps_the_live_conversation(models, tmp_path):
+    """The history held when a session loads goes to the prompt cache: its next turn
+    still resumes it."""
+    e = engine(models["llama"])
+    a, b = ids(8 * UB), ids(8 * UB)
+    e.generate(a, max_tokens=3, temperature=0)
+    e.save_session(tmp_path / "a.session")
+    rb = e.generate(b, max_tokens=3, temperature=0)
+    e.load_session(tmp_path / "a.session")
+    b2 = b + rb.token_ids + ids(10)
+    assert e.generate(b2, max_tokens=3, temperature=0).cached_tokens == len(b2) // UB * UB

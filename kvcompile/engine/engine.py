@@ -334,6 +334,9 @@ class Engine:
             raise SessionError(f"{path} does not fit this Engine: {e}") from None
         ticket = self._gate.enter()
         try:
+            # the conversation held now stays in the prompt cache, as a new one's would
+            set_aside(self.store, self.prompt_cache, self.ubatch,
+                      trunk=self.model.layer_plan.trunk_kv_layers)
             put(self.store, h)
         finally:
             self._gate.leave(ticket)
