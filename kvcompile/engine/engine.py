@@ -21,6 +21,7 @@ from kvcompile.engine.finite import check_finite
 from kvcompile.engine.gate import RequestGate
 from kvcompile.engine.memory_budget import plan_engine_memory
 from kvcompile.engine.prompt import encode_prompt
+from kvcompile.engine.request import Request
 from kvcompile.engine.result import GenerationResult, TokenStream
 from kvcompile.engine import session
 from kvcompile.engine.sampling import Sampler, SamplingParams
@@ -176,7 +177,7 @@ class Engine:
         # is closed or is dropped.
         ticket = self._gate.enter()
         try:
-            return TokenStream(self._run(prompt_ids, sampling, ticket, reuse, cancel),
+            return TokenStream(self._run(Request(prompt_ids, sampling, ticket, reuse, cancel)),
                                release=partial(self._gate.leave, ticket))
         except BaseException:             # (no stream to give the Engine back: do it here)
             self._gate.leave(ticket)
@@ -186,44 +187,42 @@ class Engine:
         return encode_prompt(self.tokenizer, self.model.config.vocab_size, prompt, messages)
 
     # ---- the loop -----------------------------------------------------------------------------
-    def _run(self, prompt_ids: list[int], sampling: SamplingParams, ticket: int, reuse: bool,
-             cancel: threading.Event | None):
+    def _run(self, req: Request):
         """The request's text pieces; returns its GenerationResult."""
         try:
-            return (yield from self._request_steps(prompt_ids, sampling, ticket, reuse,
-                                                   cancel))
+            return (yield from self._request_steps(req))
         except (GeneratorExit, StreamInterruptedError):
             raise                         # the history so far is whole: the next request
         except BaseException:             # may resume it
-            if self._gate.holds(ticket):
+            if self._gate.holds(req.ticket):
                 self.store.reset()        # a step failed part way: nothing is reusable
             raise
         finally:
-            self._gate.leave(ticket)
+            self._gate.leave(req.ticket)
 
     @torch.inference_mode()
-    def _request_steps(self, prompt_ids, sampling, ticket, reuse, cancel):
-        t0 = time.perf_counter()          # the time to the first token counts the resume
-        out_ids, text, step_s = [], [], []      # filled as the loop runs
+    def _request_steps(self, req: Request):
         try:
-            return (yield from self._request_loop(prompt_ids, sampling, ticket, reuse, cancel,
-                                                  t0, out_ids, text, step_s))
+            return (yield from self._request_loop(req))
         except StreamInterruptedError as e:
             # what the stream gave before a newer request took over (no telemetry: the
             # store's counters now mix in the newer request's)
-            e.result = GenerationResult("".join(text), out_ids, len(prompt_ids), len(out_ids),
-                                        "interrupted", 0.0, sum(step_s), step_s=step_s)
+            e.result = GenerationResult("".join(req.text), req.out_ids, len(req.prompt_ids),
+                                        len(req.out_ids), "interrupted", 0.0, sum(req.step_s),
+                                        step_s=req.step_s)
             raise
 
-    def _request_loop(self, prompt_ids, sampling, ticket, reuse, cancel, t0, out_ids, text,
-                      step_s):
+    def _request_loop(self, req: Request):
+        t0 = time.perf_counter()          # the time to the first token counts the resume
+        prompt_ids, sampling, ticket = req.prompt_ids, req.sampling, req.ticket
+        out_ids, text, step_s = req.out_ids, req.text, req.step_s
         self._check_current(ticket)
         sampler = Sampler(sampling)
         stops = StopStringFilter(sampling.stop)
         text_of = StreamDecoder(self.tokenizer)
         stop_ids = set(self.tokenizer.stop_ids)
         budget = min(sampling.max_tokens, self.ctx_size - len(prompt_ids))
-        cached = self._resume(prompt_ids, reuse)
+        cached = self._resume(prompt_ids, req.reuse)
         planned = len(prompt_ids) + budget
         self.executor.begin_request(planned)
         # the ids the store's rows are computed from: this request's prompt, then every
@@ -239,7 +238,7 @@ class Engine:
         drafter = self.spec.drafter(self.executor)
         if drafter is not None:
             drafter.reset(history)
-        logits = self._prefill(prompt_ids, cached, drafter, cancel)
+        logits = self._prefill(prompt_ids, cached, drafter, req)
         prefill_s = 0.0
         if logits is None:                # cancelled part way: no token
             finish, budget = "cancelled", 0
@@ -249,7 +248,7 @@ class Engine:
             prefill_s = time.perf_counter() - t0
         spec_stats = SpecStats() if drafter is not None else None
         ex = self.executor
-        tokens = (t for t in ()) if logits is None else (speculative_tokens(ex.verify, ex.rollback, drafter, logits, sampler,
+        tokens = (speculative_tokens(ex.verify, ex.rollback, drafter, logits, sampler,
                                      history, budget, self.ctx_size, step_s, spec_stats)
                   if drafter is not None else
                   pipelined_tokens(self.forward, logits, sampler.pick, history, budget, step_s)
@@ -261,7 +260,7 @@ class Engine:
             else:
                 prefill_s = time.perf_counter() - t0      # to the first token
             history.append(token)
-            if cancel is not None and cancel.is_set():
+            if req.cancelled():
                 finish = "cancelled"
                 break
             if token in stop_ids:
@@ -304,9 +303,8 @@ class Engine:
             set_aside(self.store, self.prompt_cache, self.ubatch, trunk=plan.trunk_kv_layers)
             self.store.reset()
             return 0
-        if self.prompt_cache.budget:
-            swap_in(self.store, self.prompt_cache, prompt_ids, self.ubatch,
-                    trunk=plan.trunk_kv_layers)
+        swap_in(self.store, self.prompt_cache, prompt_ids, self.ubatch,
+                trunk=plan.trunk_kv_layers)
         return self.store.prefix.resume(prompt_ids, self.ubatch, trunk=plan.trunk_kv_layers,
                                         mtp=plan.mtp if self.spec.uses_mtp else ())
 
@@ -354,10 +352,11 @@ class Engine:
                 "use one Engine per concurrent stream")
 
     def _prefill(self, ids: list[int], start: int, drafter=None,
-                 cancel: threading.Event | None = None) -> torch.Tensor | None:
+                 req: Request | None = None) -> torch.Tensor | None:
         """The prompt from position `start` (what the store did not hold) in chunks on the
         ubatch grid (the first one ends at the next multiple of the ubatch: a resumed
-        prefill cuts where a cold one does); None if `cancel` was set before the last."""
+        prefill cuts where a cold one does); None if the request was cancelled before the
+        last."""
         # a bar once the rest is long enough to take a while (progress=False: none)
         bar = tqdm(total=len(ids) - start, desc="prefill", unit="tok", leave=False,
                    file=sys.stderr,
@@ -367,7 +366,7 @@ class Engine:
         with bar:
             s = start
             while s < len(ids):
-                if cancel is not None and cancel.is_set():
+                if req is not None and req.cancelled():
                     return None           # the chunks so far stay history
                 end = min(len(ids), (s // ub + 1) * ub)
                 prefix.prefill_chunk(s, last=end == len(ids))   # recurrent checkpoints

@@ -53,6 +53,8 @@ def set_aside(store, cache: PromptCache, ubatch: int, trunk=None) -> None:
 
 def swap_in(store, cache: PromptCache, prompt: list[int], ubatch: int, trunk=None) -> None:
     """Make the store hold the history this prompt reuses most of (module doc)."""
+    if not cache.budget:
+        return
     def reuse(n: int) -> int:                     # what a resume keeps (prefix.py)
         return min(n, len(prompt) - 1) // ubatch * ubatch
 
