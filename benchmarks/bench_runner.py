@@ -40,7 +40,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
 import bench_streaming as S  # noqa: E402
-from bench_util import free_memory, hbm_bandwidth, log, param_bytes, run_meta  # noqa: E402
+from bench_util import (free_memory, hbm_bandwidth, kernel_compiles, log,  # noqa: E402
+                        param_bytes, run_meta)
 from greedy_check import compare, record_gaps  # noqa: E402
 
 WARM_PROMPT = 512          # tokens of the warm-up request (at least two chunks)
@@ -161,9 +162,10 @@ def second_request(e, ids: list[int], first, args) -> dict:
     needs was made by the first: captures 0), its time to first token (the store holds the
     prompt: only its last chunk is computed again, as the first request cut it), equal
     tokens."""
-    r = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
+    with kernel_compiles() as compiled:
+        r = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
     out = dict(captures=r.programs.get("captures"), warmup_s=r.programs.get("warmup_s"),
-               ttft_s=r.prefill_s, first_ttft_s=first.prefill_s,
+               kernel_compiles=compiled, ttft_s=r.prefill_s, first_ttft_s=first.prefill_s,
                cached_tokens=r.cached_tokens, decode_tok_s=r.decode_tok_s,
                tokens_equal=r.token_ids == first.token_ids)
     log(f"second request: captures {out['captures']}, TTFT {r.prefill_s:.3f} s (first "
@@ -180,7 +182,8 @@ def next_turn(e, ids: list[int], first, args, vocab: int) -> dict:
     extra = S.random_ids(args.turn, vocab, args.seed + 7, "cpu").tolist()
     turn = ids + extra
     n = min(args.decode_steps, 16) + 1
-    r = e.generate(turn, max_tokens=n, temperature=0)   # resumes the history held now
+    with kernel_compiles() as compiled:
+        r = e.generate(turn, max_tokens=n, temperature=0)   # resumes the history held now
     gaps: list = []
     e.store.reset()                                     # a cold Engine's prefill
     pipeline, e.pipeline = e.pipeline, False            # (the host sampler sees logits)
@@ -189,13 +192,15 @@ def next_turn(e, ids: list[int], first, args, vocab: int) -> dict:
             cold = e.generate(turn, max_tokens=n, temperature=0)
     finally:
         e.pipeline = pipeline
-    out = dict(new_tokens=len(extra), cached_tokens=r.cached_tokens, ttft_s=r.prefill_s,
+    out = dict(new_tokens=len(extra), cached_tokens=r.cached_tokens, kernel_compiles=compiled,
+               ttft_s=r.prefill_s,
                first_ttft_s=first.prefill_s, ttft_over_first=r.prefill_s / first.prefill_s,
                cold_ttft_s=cold.prefill_s, tokens=r.token_ids, cold_tokens=cold.token_ids,
                **compare(r.token_ids, cold.token_ids, gaps))
     log(f"next turn (+{len(extra)} tokens): TTFT {r.prefill_s:.3f} s = "
         f"{out['ttft_over_first']:.4f} x the first request's {first.prefill_s:.2f} s "
-        f"({r.cached_tokens} reused; cold {cold.prefill_s:.2f} s); tokens equal to cold "
+        f"({r.cached_tokens} reused, {len(compiled)} kernels compiled; cold "
+        f"{cold.prefill_s:.2f} s); tokens equal to cold "
         f"{out['tokens_equal']} (near tie: {out['equal_or_near_tie']})")
     return out
 

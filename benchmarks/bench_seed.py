@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH-proof
 from bench_streaming import measure_h2d_gbps  # noqa: E402
-from bench_util import log, run_meta  # noqa: E402
+from bench_util import kernel_compiles, log, run_meta  # noqa: E402
 from greedy_check import compare, record_gaps  # noqa: E402
 
 GIB = 1 << 30
@@ -84,8 +84,10 @@ def run(path, ids, turn, args, cold_turn: bool = False, **options) -> dict:
     else:
         out["prompt"] = summary(e.generate(ids, max_tokens=args.decode_steps + 1,
                                            temperature=0))
-        out["turn"] = summary(e.generate(turn, max_tokens=args.decode_steps + 1,
-                                         temperature=0))
+        with kernel_compiles() as compiled:
+            out["turn"] = summary(e.generate(turn, max_tokens=args.decode_steps + 1,
+                                             temperature=0))
+        out["turn"]["kernel_compiles"] = compiled
         out["turn"]["ttft_over_prompt"] = out["turn"]["ttft_s"] / out["prompt"]["ttft_s"]
     out.update(max_memory_reserved=torch.cuda.max_memory_reserved() if cuda else 0,
                plan=e.memory.describe() if e.memory else None,

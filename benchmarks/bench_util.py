@@ -4,6 +4,7 @@ timing, the HBM bandwidth and the model benchmarks' common options. The measurem
 themselves go through the Engine (or the Executor's own steps), never a loop of these."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
@@ -45,6 +46,26 @@ def run_meta() -> dict:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return dict(commit=commit, date=datetime.datetime.now(datetime.timezone.utc)
                 .strftime("%Y-%m-%dT%H:%M:%SZ"), device=device, torch=torch.__version__)
+
+
+@contextlib.contextmanager
+def kernel_compiles():
+    """The Triton kernels compiled inside the block (the process's cache misses), by name: a
+    measured request should compile none (a compile inside a time to first token is a
+    kernel that specializes on an argument a warm-up did not vary)."""
+    import triton
+    runtime = triton.knobs.runtime
+    names: list[str] = []
+    before = runtime.jit_cache_hook
+
+    def hook(*, fn, **kw):
+        names.append(fn.name)
+        return before(fn=fn, **kw) if before else None
+    runtime.jit_cache_hook = hook
+    try:
+        yield names
+    finally:
+        runtime.jit_cache_hook = before
 
 
 def commit_date() -> dict:

@@ -55,8 +55,12 @@ def _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_
     return acc, m_new, l_i
 
 
-# the piece bounds change every launch of a chunked prefill: no recompile for page 1
-@triton.jit(do_not_specialize=["first_page", "end_page"])
+# Integers that change from call to call are not specialized (Triton compiles a kernel per
+# divisibility of its integer arguments): the piece bounds of a chunked prefill, and a
+# chunk's rows and pages, which a conversation's next turn meets in combinations no earlier
+# chunk had -- a compile inside that turn's time to first token.
+@triton.jit(do_not_specialize=["n_rows", "table_len", "first_page", "end_page", "ws_m_off",
+                               "ws_l_off"])
 def _prefill(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr, out_ptr, ws_ptr,
              stride_qt, stride_qh, stride_ot, stride_oh, n_rows, table_len, first_page,
              end_page, ws_m_off, ws_l_off,
