@@ -62,15 +62,18 @@ def _check_in_table(lo: int, hi: int, page_table: torch.Tensor, page_size: int,
 
 
 def check_context_table(page_table: torch.Tensor, q_pos: torch.Tensor, n_pages: int,
-                        page_size: int) -> None:
+                        page_size: int, window: int = 0) -> None:
     """span_attention: every q_pos in [0, len(page_table) * page_size), and the logical
-    pages up to the last one read each naming a distinct physical page of the pools (a span
-    plan without gaps or overlaps)."""
+    pages read (from the first one some row's window reaches, 0 without a window, up to the
+    last) each naming a distinct physical page of the pools (a span plan without gaps or
+    overlaps)."""
     if q_pos.numel() == 0:
         return
     lo, hi = _bounds(q_pos)
     _check_in_table(lo, hi, page_table, page_size, "q_pos spans")
-    check_distinct_pages(page_table[: hi // page_size + 1], n_pages, "page_table entries")
+    first = max(lo - window + 1, 0) // page_size if window > 0 else 0
+    check_distinct_pages(page_table[first: hi // page_size + 1], n_pages,
+                         "page_table entries")
 
 
 def check_piece_pages(piece_table: torch.Tensor, first_page: int, q_pos: torch.Tensor,

@@ -98,8 +98,10 @@ def fill_pools(k_rows, v_rows, table, k_name, v_name, page_size, n_phys, gen, de
     return kp, vp
 
 
-def dense_reference(q, k_pool, v_pool, table, q_pos, k_name, v_name, page_size, scale):
-    """fp64 causal attention over the dequantized KV that `table` points at."""
+def dense_reference(q, k_pool, v_pool, table, q_pos, k_name, v_name, page_size, scale,
+                    window=0):
+    """fp64 causal attention over the dequantized KV that `table` points at (window > 0:
+    each row over its last `window` positions)."""
     n_rows, n_q, head_dim = q.shape
     kt, vt = F.kv_type(k_name), F.kv_type(v_name)
     n_kv = F.n_kv_heads_of(k_pool, kt, page_size, head_dim)
@@ -112,7 +114,10 @@ def dense_reference(q, k_pool, v_pool, table, q_pos, k_name, v_name, page_size, 
     g = n_q // n_kv
     qd = q.double().to(k.device).reshape(n_rows, n_kv, g, head_dim).permute(1, 2, 0, 3)
     s = torch.einsum("hgtd,hsd->hgts", qd, k) * scale
-    vis = torch.arange(n_ctx, device=k.device)[None, :] <= q_pos.long().to(k.device)[:, None]
+    key, rows = torch.arange(n_ctx, device=k.device)[None, :], q_pos.long().to(k.device)[:, None]
+    vis = key <= rows
+    if window:
+        vis &= key > rows - window
     s = s.masked_fill(~vis, float("-inf"))
     out = torch.einsum("hgts,hsd->hgtd", torch.softmax(s, -1), v)
     return out.permute(2, 0, 1, 3).reshape(n_rows, n_q, head_dim)
@@ -167,6 +172,17 @@ def build(k_name, v_name, n_ctx, n_rows, head_dim, n_kv, group, page_size, q_dty
                             gen, device)
         placed[name] = (table.to(device), kp, vp)
     return q.to(device), q_pos.to(device), placed
+
+
+def stale_before_window(table: torch.Tensor, q_pos: torch.Tensor, window: int,
+                        page_size: int) -> torch.Tensor:
+    """`table` with every logical page wholly before all rows' windows pointed at physical
+    page 0 (garbage in every placement): a kernel that reads such a page gives another
+    result."""
+    first = max(int(q_pos.min()) - window + 1, 0) // page_size
+    stale = table.clone()
+    stale[:first] = 0
+    return stale
 
 
 def args_of(k_name, v_name, q, q_pos, table, kp, vp, page_size):

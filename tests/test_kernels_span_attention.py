@@ -15,7 +15,8 @@ import torch
 
 import kvcompile.ops  # noqa: F401
 from kernel_oracle import (PAIRS, args_of, build, dense_reference, fresh_seed,
-                           paired_pools, rel_err, run_interpreted, spaced_pools)
+                           paired_pools, rel_err, run_interpreted, spaced_pools,
+                           stale_before_window)
 from kvcompile.errors import KvLayoutError
 from kvcompile.kv.rotation import V_BLOCK, diagonal_blocks, v_rotation
 from kvcompile.ops import kv_format as F
@@ -96,6 +97,25 @@ INTERP += [
     ("prefill-scattered-rows-long-table", "prefill", "q8_0", "bf16", 90, 24, 64, 2, 2, 16,
      torch.bfloat16, ALL3, dict(SMALL, block_m=16), dict(scattered_rows=True, table_pad=5)),
 ]
+# sliding windows (span_attention's `window`): rows attend to their last W positions only.
+# Each also runs with the pages before every row's window pointed at a garbage page
+# ("stale"): nothing of them may be read. Windows shorter than a tile, than a chunk, than
+# the rows of a prefill tile; scattered rows; one longer than the context
+WIN = ALL3 + ("stale",)
+INTERP += [
+    ("decode-window24-Kq8_0-Vq4_0-rows4-ctx77", "decode", "q8_0", "q4_0", 77, 4, 64, 2, 2, 16,
+     torch.bfloat16, WIN, dict(SMALL, chunk_len=32, window=24)),
+    ("decode-window1-Kf16-Vbf16-rows2-ctx50", "decode", "f16", "bf16", 50, 2, 64, 2, 2, 16,
+     torch.float16, ("resident", "stale"), dict(SMALL, chunk_len=16, window=1)),
+    ("decode-window37-scattered-rows", "decode", "q4_0", "q8_0", 90, 5, 64, 2, 2, 16,
+     torch.float16, WIN, dict(SMALL, chunk_len=32, window=37), dict(scattered_rows=True)),
+    ("prefill-window24-Kq8_0-Vq4_0-rows40-ctx90", "prefill", "q8_0", "q4_0", 90, 40, 64, 2, 2,
+     16, torch.bfloat16, WIN, dict(SMALL, block_m=16, window=24)),
+    ("prefill-window50-Kbf16-Vf32-rows12-ctx60", "prefill", "bf16", "f32", 60, 12, 64, 1, 2, 16,
+     torch.bfloat16, ("resident", "stale"), dict(SMALL, block_m=16, window=50)),
+    ("prefill-window200-longer-than-ctx", "prefill", "f16", "f16", 60, 12, 64, 1, 2, 16,
+     torch.float16, ("resident",), dict(SMALL, block_m=16, window=200)),
+]
 OPTS = 12   # index of the launcher options in a case
 
 
@@ -146,9 +166,14 @@ def _interp_runs(cases):
     gen = torch.Generator().manual_seed(fresh_seed())
     jobs, keys, inputs = [], [], {}
     for cid, kernel, kn, vn, n_ctx, rows, d, n_kv, g, p, qd, plans, opts, *extra in cases:
-        q, q_pos, placed = build(kn, vn, n_ctx, rows, d, n_kv, g, p, qd, gen, plans,
+        window = opts.get("window", 0)
+        q, q_pos, placed = build(kn, vn, n_ctx, rows, d, n_kv, g, p, qd, gen,
+                                 [n for n in plans if n != "stale"],
                                  **(extra[0] if extra else {}))
-        inputs[cid] = (kn, vn, q, q_pos, placed, p, opts.get("out_rot"))
+        if "stale" in plans:
+            table, kp, vp = placed["resident"]
+            placed["stale"] = (stale_before_window(table, q_pos, window, p), kp, vp)
+        inputs[cid] = (kn, vn, q, q_pos, placed, p, opts.get("out_rot"), window)
         for name, (table, kp, vp) in placed.items():
             jobs.append({"kind": kernel, "opts": opts,
                          "args": args_of(kn, vn, q, q_pos, table, kp, vp, p)})
@@ -201,9 +226,9 @@ def test_interpreted_kernel_exact_and_placement_independent_exhaustive(
 
 def check_interpreted(runs, case):
     inputs, outs = runs
-    kn, vn, q, q_pos, placed, p, out_rot = inputs[case]
+    kn, vn, q, q_pos, placed, p, out_rot, window = inputs[case]
     table, kp, vp = placed["resident"]
-    ref = dense_reference(q, kp, vp, table, q_pos, kn, vn, p, q.shape[-1] ** -0.5)
+    ref = dense_reference(q, kp, vp, table, q_pos, kn, vn, p, q.shape[-1] ** -0.5, window)
     if out_rot is not None:
         ref = ref @ torch.block_diag(*out_rot.double())
     errs = {name: rel_err(o, ref) for name, o in outs[case].items()}

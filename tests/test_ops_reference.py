@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import kvcompile.ops  # noqa: F401
+from kvcompile.errors import KvLayoutError
 from kvcompile.ops import kv_format as F
 
 TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0"]
@@ -36,15 +37,17 @@ def stored_values(rows: torch.Tensor, name: str) -> torch.Tensor:
     return rows.to(dtype).double()
 
 
-def dense_attention(q, k, v, q_pos, scale):
-    """fp64, one (row, head) at a time: q [T, Hq, D], k/v [S, Hkv, D] -> [T, Hq, D]."""
+def dense_attention(q, k, v, q_pos, scale, window=0):
+    """fp64, one (row, head) at a time: q [T, Hq, D], k/v [S, Hkv, D] -> [T, Hq, D]; with a
+    window, each row over its last `window` keys."""
     n_rows, n_q, _ = q.shape
     group = n_q // k.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
     for t in range(n_rows):
         n = int(q_pos[t]) + 1
+        a = max(0, n - window) if window else 0
         for h in range(n_q):
-            keys, vals = k[:n, h // group], v[:n, h // group]
+            keys, vals = k[a:n, h // group], v[a:n, h // group]
             p = torch.softmax(keys @ q[t, h].double() * scale, dim=0)
             out[t, h] = p @ vals
     return out
@@ -121,3 +124,40 @@ def test_real_page_size_gqa_and_placement_independence(k_name, v_name):
     print(f"K {k_name} V {v_name} page 256: max |out - fp64 dense| = {err:.3e}")
     assert err < 2e-5
     assert torch.equal(outs[0], outs[1]), "a permuted page table changed the result"
+
+
+@pytest.mark.parametrize("k_name,v_name", [("f32", "f16"), ("q8_0", "q4_0")])
+@pytest.mark.parametrize("window", [1, 20, 100])
+def test_span_attention_window(k_name, v_name, window):
+    """A sliding window: each row over its last `window` keys (window 100 > the context: all
+    of them). The table entries of pages before every row's window name a page that is not
+    the layer's (an old page a windowed layer dropped): never read, never checked."""
+    g = fresh_generator()
+    kt, vt = F.kv_type(k_name), F.kv_type(v_name)
+    page_size, n_q, n_kv, head_dim, n_ctx, n_pages = 16, 4, 2, 64, 90, 8
+    k = torch.randn(n_ctx, n_kv, head_dim, generator=g)
+    v = torch.randn(n_ctx, n_kv, head_dim, generator=g)
+    q = torch.randn(6, n_q, head_dim, generator=g)
+    q_pos = torch.tensor([89, 70, 88, 75, 71, 86], dtype=torch.int32)
+    table = torch.randperm(n_pages, generator=g).to(torch.int32)
+    k_pool, v_pool = make_pools(n_pages + 1, k_name, v_name, page_size, n_kv, head_dim)
+    write_in_chunks(k_pool, v_pool, k, v, table, kt, vt, page_size, cuts=[70])
+    k_pool[n_pages].fill_(0xff)          # NaN in every float type, -1 codes with NaN scales
+    v_pool[n_pages].fill_(0xff)
+    stale = table.clone()
+    stale[:max(70 - window + 1, 0) // page_size] = n_pages
+    scale = head_dim ** -0.5
+    out = torch.ops.kvcompile.span_attention(q, k_pool, v_pool, stale, q_pos, kt.ggml_id,
+                                             vt.ggml_id, page_size, scale, window=window)
+    ref = dense_attention(q, stored_values(k, k_name), stored_values(v, v_name), q_pos, scale,
+                          window)
+    err = (out.double() - ref).abs().max().item()
+    print(f"K {k_name} V {v_name} window {window}: max |out - fp64 dense| = {err:.3e}")
+    assert err < 2e-5
+    if window < 90:    # the window changes the result
+        full = dense_attention(q, stored_values(k, k_name), stored_values(v, v_name), q_pos,
+                               scale)
+        assert (full - ref).abs().max() > 1e-3
+    with pytest.raises(KvLayoutError, match="window must be 0"):
+        torch.ops.kvcompile.span_attention(q, k_pool, v_pool, table, q_pos, kt.ggml_id,
+                                           vt.ggml_id, page_size, scale, window=-1)

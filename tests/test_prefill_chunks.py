@@ -72,7 +72,8 @@ def run_job(job: dict) -> torch.Tensor:
                            device=q.device)
     ring_v = torch.randint(0, 256, (n_slots, vp.shape[1]), dtype=torch.uint8, generator=gen,
                            device=q.device)
-    first, cursor, res = 0, n_slots - 1, None
+    # a windowed layer's pieces start at the first page some row's window reaches
+    first, cursor, res = acc.first_page, n_slots - 1, None
     for n in job["pieces"]:
         piece = table[first:first + n]
         if job.get("staged"):
@@ -105,11 +106,11 @@ def jobs_of(placed, splits, opts, seed):
     return labels, jobs
 
 
-def check(case, placed, labels, outs):
+def check(case, placed, labels, outs, window=0):
     a = placed["resident"]
     kn, vn = F.kv_type(a["k_type"]).name, F.kv_type(a["v_type"]).name
     ref = dense_reference(a["q"], a["k_pool"], a["v_pool"], a["page_table"], a["q_pos"], kn, vn,
-                          a["page_size"], a["scale"])
+                          a["page_size"], a["scale"], window)
     one = outs[0]
     errs = {lab: rel_err(o, ref) for lab, o in zip(labels, outs)}
     same = {lab: torch.equal(o, one) for lab, o in zip(labels, outs)}
@@ -134,6 +135,9 @@ CPU_CASES = [
     # rows in any order, and table pages past the context (pieces of unread pages)
     ("Kq8_0-Vbf16-scattered-long-table", "q8_0", "bf16", 90, 24, 64, 2, 2, 16, BF,
      [[3, 8], [6, 5]], SMALL, dict(scattered_rows=True, table_pad=5)),
+    # a sliding window of 20 over rows 60..89: pieces from page 2, the first the windows reach
+    ("Kq8_0-Vq4_0-window20", "q8_0", "q4_0", 90, 30, 64, 2, 2, 16, BF, [[1, 3], [2, 1, 1]],
+     dict(SMALL, window=20), {}),
 ]
 
 
@@ -168,7 +172,8 @@ def interp_runs():
 def test_interpreted_pieces_bitwise_equal_one_launch(interp_runs, case):
     where, outs = interp_runs
     placed, labels, lo, hi = where[case]
-    check(case, placed, labels, outs[lo:hi])
+    opts = next(c[11] for c in CPU_CASES if c[0] == case)
+    check(case, placed, labels, outs[lo:hi], opts.get("window", 0))
 
 
 # ---- CPU without Triton: the reference path ------------------------------------------------
@@ -243,7 +248,7 @@ def test_bad_inputs_raise_clear_errors():
 
 # ---- CPU: what the kernel variants compile to for sm_90 (offline, no GPU needed) -----------
 
-def float_ops(k_type, v_type, d, load_state, finish):
+def float_ops(k_type, v_type, d, load_state, finish, windowed=False):
     """Floating-point PTX instructions, in order, of one _prefill variant (fp32 out)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -259,7 +264,7 @@ def float_ops(k_type, v_type, d, load_state, finish):
     bm, bn, nw, ns = prefill_config(d, 256)
     cx = dict(QK_SCALE=0.125, G=4, D=d, P=256, BLOCK_M=bm, BLOCK_N=bn, K_TYPE=k_type,
               V_TYPE=v_type, QK_F16=qk_f16, K_SPLIT=k_split(k_type), LOAD_STATE=load_state,
-              FINISH=finish, INTERP=False)
+              FINISH=finish, WINDOWED=windowed, INTERP=False)
     sig = {n: ptrs.get(n, "constexpr" if n in cx else "i32") for n in _prefill.arg_names}
     kernel = triton.compile(ASTSource(fn=_prefill, signature=sig, constexprs=cx),
                             target=GPUTarget("cuda", 90, 32),
@@ -271,15 +276,18 @@ def float_ops(k_type, v_type, d, load_state, finish):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
                     reason="compiles the kernel itself, not its interpreted form")
-@pytest.mark.parametrize("k_name,v_name", [("q8_0", "q4_0"), ("bf16", "bf16")])
-def test_sm90_variants_run_the_same_float_ops(k_name, v_name):
+@pytest.mark.parametrize("k_name,v_name,windowed", [("q8_0", "q4_0", False),
+                                                    ("bf16", "bf16", False),
+                                                    ("q8_0", "q4_0", True)],
+                         ids=["Kq8_0-Vq4_0", "Kbf16-Vbf16", "Kq8_0-Vq4_0-window"])
+def test_sm90_variants_run_the_same_float_ops(k_name, v_name, windowed):
     """The one launch, the first, middle and last piece compile to the same floating-point
     instructions in the same order (pieces that do not finish lack only the normalizing
     divisions): the GPU-side reason any split is bitwise the one launch."""
     kt, vt = F.kv_type(k_name).ggml_id, F.kv_type(v_name).ggml_id
-    one = float_ops(kt, vt, 128, False, True)
-    last = float_ops(kt, vt, 128, True, True)
-    first, middle = (float_ops(kt, vt, 128, load, False) for load in (False, True))
+    one = float_ops(kt, vt, 128, False, True, windowed)
+    last = float_ops(kt, vt, 128, True, True, windowed)
+    first, middle = (float_ops(kt, vt, 128, load, False, windowed) for load in (False, True))
     divs = sum(o.startswith("div") for o in one)
     print(f"K{k_name}-V{v_name}: {len(one)} float instructions, {divs} divisions")
     assert divs > 0 and any("mma" in o for o in one)

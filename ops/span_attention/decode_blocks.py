@@ -33,11 +33,13 @@ from kvcompile.ops.span_attention.quant_blocks import qk_blocks, v_blocks, value
 def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr,
                          m_ptr, l_ptr, acc_ptr, stride_qt, stride_qh, n_rows, n_chunks,
                          chunk_len, table_len, k_page_elems, k_page_halves, k_code_halves,
-                         v_page_elems, v_page_halves, v_code_halves, QK_SCALE: tl.constexpr,
+                         v_page_elems, v_page_halves, v_code_halves, win,
+                         QK_SCALE: tl.constexpr,
                          G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QK_F16: tl.constexpr,
-                         K_SPLIT: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
+                         K_SPLIT: tl.constexpr, WINDOWED: tl.constexpr, INTERP: tl.constexpr,
+                         PDL: tl.constexpr):
     KQ: tl.constexpr = K_TYPE == 2 or K_TYPE == 8
     # Quantized K: the reduce launches once this split's programs exited (as the transposed
     # split), which is faster there; float K keeps the early launch, which the hold slowed
@@ -52,8 +54,8 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
     DB: tl.constexpr = D // 2 if V4 else 16
     h = tl.program_id(1)
     r = tl.arange(0, BLOCK_M)
-    t, row_ok, qp, n_ctx, start, end = program_rows_and_chunk(q_pos_ptr, r, n_rows,
-                                                              chunk_len, table_len, G, P)
+    t, row_ok, qp, n_ctx, start, first, end, begin = program_rows_and_chunk(
+        q_pos_ptr, r, n_rows, chunk_len, table_len, win, G, P, BLOCK_N, WINDOWED)
     qrow = q_ptr + t.to(tl.int64) * stride_qt + (h * G + r % G) * stride_qh
     if not KQ:
         d = tl.arange(0, D)
@@ -63,8 +65,8 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc_a = tl.zeros([BLOCK_M, DA], tl.float32)
     acc_b = tl.zeros([BLOCK_M, DB], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        off, pos, live, phys = decode_tile(page_table, n0, end, P, BLOCK_N)
+    for n0 in range(first, end, BLOCK_N):
+        off, pos, live, phys = decode_tile(page_table, n0, begin, end, P, BLOCK_N, WINDOWED)
         if KQ:
             s = qk_blocks(qrow, row_ok, k_vals, k_scl, phys, h * P + off, live, k_page_elems,
                           k_page_halves, k_code_halves, BLOCK_M, BLOCK_N, D, K_TYPE, INTERP)
@@ -72,7 +74,7 @@ def _decode_split_blocks(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_
             s = k_value_scores(q, k_vals, k_scl, phys, h, off, live, k_page_elems,
                                k_page_halves, k_code_halves, BLOCK_N, P, D, K_TYPE, K_SPLIT,
                                QK_F16, INTERP)
-        p, alpha, m_new, l_i = causal_softmax(s, pos, qp, m_i, l_i, QK_SCALE, True)
+        p, alpha, m_new, l_i = causal_softmax(s, pos, qp, m_i, l_i, win, QK_SCALE, True, WINDOWED)
         p16 = p.to(tl.float16)
         if VQ:
             va, vb = v_blocks(v_vals, v_scl, phys, h, off, live, v_page_elems,
@@ -119,7 +121,7 @@ def blocks_config(head_dim: int, block_m: int, k_quantized: bool) -> dict:
 def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
                                  page_size, scale, out=None, chunk_len=None, block_n=None,
                                  num_warps=None, num_stages=None, programs_per_sm=None,
-                                 maxnreg=None, workspace=None, out_rot=None):
+                                 maxnreg=None, workspace=None, out_rot=None, window=0):
     """Same contract as decode_kernel.span_attention_decode; `maxnreg` caps registers a
     thread (more programs resident per SM; dropped under torch.compile). Launch options
     left None come from blocks_config."""
@@ -133,10 +135,10 @@ def span_attention_decode_blocks(q, k_pool, v_pool, page_table, q_pos, k_type, v
     launchable(_decode_split_blocks)[(go.n_chunks, sh.n_kv)](
         q, kv, ks, vv, vs, page_table, q_pos, *bufs,
         q.stride(0), q.stride(1), sh.n_rows, go.n_chunks, go.chunk_len, sh.table_len,
-        kpe, kph, kch, vpe, vph, vch,
+        kpe, kph, kch, vpe, vph, vch, window,
         QK_SCALE=scale * LOG2E, G=sh.group, D=head_dim, P=page_size, BLOCK_M=block_m,
         BLOCK_N=go.block_n, K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16,
-        K_SPLIT=k_split(kg.kv_type), INTERP=interpreting(),
+        K_SPLIT=k_split(kg.kv_type), WINDOWED=window > 0, INTERP=interpreting(),
         num_warps=go.num_warps, num_stages=go.num_stages, **pdl_launch(q.device),
         **register_cap(go.maxnreg))
     return launch_reduce(sh, bufs, q_pos, go.n_chunks, go.chunk_len, page_size, out_rot)

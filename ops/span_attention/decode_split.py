@@ -13,6 +13,7 @@ import triton.language as tl
 
 from kvcompile.ops.launching import launchable
 from kvcompile.ops.pdl import launch as pdl_launch, wait_for_producers
+from kvcompile.ops.span_attention.paged_tile import in_span, window_begin
 from kvcompile.ops.span_attention.launch import (PageGeometry, check_launch, dot_mode,
                                                  num_sms, page_geometry, pool_args)
 from kvcompile.ops.span_attention.workspace import carve, chunks_per_head
@@ -116,28 +117,39 @@ def chunks(sh: DecodeShape, page_size: int, block_n: int, chunk_len: int | None,
 
 
 @triton.jit
-def program_rows_and_chunk(q_pos_ptr, r, n_rows, chunk_len, table_len, G: tl.constexpr,
-                           P: tl.constexpr):
+def program_rows_and_chunk(q_pos_ptr, r, n_rows, chunk_len, table_len, win, G: tl.constexpr,
+                           P: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
     """For tile rows r (query row t = r // G): t, which rows exist, their positions, the
-    context length and the program's chunk [start, end) of logical positions (empty past
-    the context). The context is read from q_pos on the device: no host sync."""
+    context length, the program's chunk [start, end) of logical positions (empty past
+    the context), the tile its loop starts at (`first`: the chunk's start, or with a window
+    the tile of `begin`, the first position any row sees, where that is later) and `begin`.
+    Chunks stay cut from the table alone; a chunk before every row's window runs no tile
+    but still stores its (empty) partials. The context is read from q_pos on the device:
+    no host sync."""
     t = r // G
     row_ok = t < n_rows
     qp = tl.load(q_pos_ptr + t, mask=row_ok, other=-1)
     n_ctx = tl.minimum(tl.max(qp, 0) + 1, table_len * P)
     start = tl.program_id(0) * chunk_len
     end = tl.minimum(start + chunk_len, n_ctx)  # start >= end: chunk past the context
-    return t, row_ok, qp, n_ctx, start, end
+    begin = window_begin(qp, row_ok, win, WINDOWED)
+    if WINDOWED:
+        first = tl.maximum(start, begin // BLOCK_N * BLOCK_N)
+    else:
+        first = start
+    return t, row_ok, qp, n_ctx, start, first, end, begin
 
 
 @triton.jit
-def decode_tile(page_table, n0, end, P: tl.constexpr, BLOCK_N: tl.constexpr):
+def decode_tile(page_table, n0, begin, end, P: tl.constexpr, BLOCK_N: tl.constexpr,
+                WINDOWED: tl.constexpr):
     """Tile [n0, n0 + BLOCK_N) of a program's chunk (inside one page): its offsets in the
-    page, its logical positions, which of them lie before the chunk's end, and the page's
-    physical index."""
+    page, its logical positions, which of them lie before the chunk's end (and, WINDOWED,
+    from `begin` on: read; the rest load as 0), and the page's physical index."""
     off = tl.multiple_of(n0 % P, BLOCK_N) + tl.arange(0, BLOCK_N)
     pos = n0 + tl.arange(0, BLOCK_N)
-    return off, pos, pos < end, tl.load(page_table + n0 // P).to(tl.int64)
+    return off, pos, in_span(pos, begin, end, WINDOWED), \
+        tl.load(page_table + n0 // P).to(tl.int64)
 
 
 @triton.jit

@@ -28,7 +28,7 @@ from kvcompile.ops.span_attention.decode_split import (decode_shape, decode_tile
                                                        program_rows_and_chunk, split_launch,
                                                        split_operands, store_partial_stats,
                                                        partial_rows_ok)
-from kvcompile.ops.span_attention.paged_tile import online_softmax_along
+from kvcompile.ops.span_attention.paged_tile import in_span, online_softmax_along, visible
 from kvcompile.ops.span_attention.quant_blocks import (q4_codes_f16, q8_codes_f16,
                                                        scaled_v_codes_t, v_scales_t,
                                                        value_columns)
@@ -43,13 +43,14 @@ def page_of(page_table, n0, end, P: tl.constexpr):
 
 
 @triton.jit
-def tile_scales(phys, n0, end, k_scl, v_scl, h, k_page_halves, k_code_halves, v_page_halves,
-                v_code_halves, P: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+def tile_scales(phys, n0, begin, end, k_scl, v_scl, h, k_page_halves, k_code_halves,
+                v_page_halves, v_code_halves, P: tl.constexpr, BLOCK_N: tl.constexpr,
+                D: tl.constexpr, WINDOWED: tl.constexpr):
     """The K scales [N, NB] and V scales [NB, N] (fp16) of tile [n0, n0 + BLOCK_N) of head h
-    on page `phys`, 0 at positions from `end` on."""
+    on page `phys`, 0 at positions outside [begin, end)."""
     NB: tl.constexpr = D // 32
     off = tl.multiple_of(n0 % P, BLOCK_N) + tl.arange(0, BLOCK_N)
-    live = n0 + tl.arange(0, BLOCK_N) < end
+    live = in_span(n0 + tl.arange(0, BLOCK_N), begin, end, WINDOWED)
     row = h * P + off
     b = tl.arange(0, NB)
     ks = tl.load(k_scl + phys * k_page_halves + k_code_halves + row[:, None] * NB + b[None, :],
@@ -99,11 +100,12 @@ def qk_blocks_t(qrow, row_ok, k_codes, ks, phys, h, n0, off, page_elems, P: tl.c
 def _decode_split_t(q_ptr, k_codes, k_scl, v_codes, v_scl, page_table, q_pos_ptr,
                     m_ptr, l_ptr, acc_ptr, stride_qt, stride_qh, n_rows, n_chunks,
                     chunk_len, table_len, k_page_elems, k_page_halves, k_code_halves,
-                    v_page_elems, v_page_halves, v_code_halves, QK_SCALE: tl.constexpr,
+                    v_page_elems, v_page_halves, v_code_halves, win,
+                    QK_SCALE: tl.constexpr,
                     G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, TMA: tl.constexpr,
-                    INTERP: tl.constexpr, PDL: tl.constexpr):
+                    WINDOWED: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
     wait_for_producers_hold_next(PDL)
     V4: tl.constexpr = V_TYPE == 2
     DA: tl.constexpr = D // 2 if V4 else D        # accumulator heights (q4_0: two halves)
@@ -111,8 +113,8 @@ def _decode_split_t(q_ptr, k_codes, k_scl, v_codes, v_scl, page_table, q_pos_ptr
     W: tl.constexpr = D // 2 if V4 else D         # V code rows a head
     h = tl.program_id(1)
     r = tl.arange(0, BLOCK_R)
-    t, row_ok, qp, n_ctx, start, end = program_rows_and_chunk(q_pos_ptr, r, n_rows,
-                                                              chunk_len, table_len, G, P)
+    t, row_ok, qp, n_ctx, start, first, end, begin = program_rows_and_chunk(
+        q_pos_ptr, r, n_rows, chunk_len, table_len, win, G, P, BLOCK_N, WINDOWED)
     qrow = q_ptr + t.to(tl.int64) * stride_qt + (h * G + r % G) * stride_qh
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
@@ -122,20 +124,20 @@ def _decode_split_t(q_ptr, k_codes, k_scl, v_codes, v_scl, page_table, q_pos_ptr
     # only the dots' operands (the codes), and an unstaged scale load waited a whole memory
     # latency every tile (Nsight Compute put most stalls on them: docs/findings.md,
     # "Decode attention kernels").
-    ks, vs = tile_scales(page_of(page_table, start, end, P), start, end, k_scl, v_scl, h,
-                         k_page_halves, k_code_halves, v_page_halves, v_code_halves, P,
-                         BLOCK_N, D)
-    phys_next = page_of(page_table, start + BLOCK_N, end, P)
-    for n0 in range(start, end, BLOCK_N):
-        off, pos, _, phys = decode_tile(page_table, n0, end, P, BLOCK_N)
-        ks_next, vs_next = tile_scales(phys_next, n0 + BLOCK_N, end, k_scl, v_scl, h,
+    ks, vs = tile_scales(page_of(page_table, first, end, P), first, begin, end, k_scl, v_scl,
+                         h, k_page_halves, k_code_halves, v_page_halves, v_code_halves, P,
+                         BLOCK_N, D, WINDOWED)
+    phys_next = page_of(page_table, first + BLOCK_N, end, P)
+    for n0 in range(first, end, BLOCK_N):
+        off, pos, _, phys = decode_tile(page_table, n0, begin, end, P, BLOCK_N, WINDOWED)
+        ks_next, vs_next = tile_scales(phys_next, n0 + BLOCK_N, begin, end, k_scl, v_scl, h,
                                        k_page_halves, k_code_halves, v_page_halves,
-                                       v_code_halves, P, BLOCK_N, D)
+                                       v_code_halves, P, BLOCK_N, D, WINDOWED)
         phys_next = page_of(page_table, n0 + 2 * BLOCK_N, end, P)
         s = qk_blocks_t(qrow, row_ok, k_codes, ks, phys, h, n0, off, k_page_elems, P,
                         BLOCK_N, BLOCK_R, D, K_TYPE, TMA, INTERP)
         s = s * QK_SCALE
-        s = tl.where(pos[:, None] <= qp[None, :], s, float("-inf"))
+        s = tl.where(visible(pos[:, None], qp[None, :], win, WINDOWED), s, float("-inf"))
         p, alpha, m_new, l_i = online_softmax_along(s, m_i, l_i, 0)   # scores^T
         p16 = p.to(tl.float16)
         va, vb = scaled_v_codes_t(v_code_tile(v_codes, phys, h, n0, off, v_page_elems, P,
@@ -181,7 +183,7 @@ def span_attention_decode_transposed(q, k_pool, v_pool, page_table, q_pos, k_typ
                                      page_size, scale, out=None, chunk_len=None,
                                      block_n=None, num_warps=None, num_stages=None,
                                      programs_per_sm=None, maxnreg=None, workspace=None,
-                                     out_rot=None, tma=None):
+                                     out_rot=None, tma=None, window=0):
     """Same contract as decode_kernel.span_attention_decode, for quantized K and V and at
     most TRANSPOSED_MAX_ROWS query rows a KV head. `tma`: read the codes by TMA (default:
     wherever tma_codes.tma_possible; True where it is not is an error, but for the
@@ -206,10 +208,11 @@ def span_attention_decode_transposed(q, k_pool, v_pool, page_table, q_pos, k_typ
     launchable(_decode_split_t)[(go.n_chunks, sh.n_kv)](
         q, kv, ks, vv, vs, page_table, q_pos, *bufs,
         q.stride(0), q.stride(1), sh.n_rows, go.n_chunks, go.chunk_len, sh.table_len,
-        kpe, kph, kch, vpe, vph, vch,
+        kpe, kph, kch, vpe, vph, vch, window,
         QK_SCALE=scale * LOG2E, G=sh.group, D=head_dim, P=page_size, BLOCK_R=block_r,
         BLOCK_N=go.block_n, K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, TMA=tma,
-        INTERP=interpreting(), num_warps=go.num_warps, num_stages=go.num_stages,
+        WINDOWED=window > 0, INTERP=interpreting(), num_warps=go.num_warps,
+        num_stages=go.num_stages,
         **pdl_launch(q.device), **register_cap(go.maxnreg))
     return launch_reduce(sh, bufs, q_pos, go.n_chunks, go.chunk_len, page_size, out_rot,
                          few_warps=True)

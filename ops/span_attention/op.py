@@ -21,6 +21,10 @@ out_rot:    optional rotation every output head row is multiplied by (the invers
             dense [D, D] is one block). The decode kernels apply it in fp32 inside their
             reduce (no separate kernel, one rounding); prefill and the CPU multiply the
             rounded output in fp32 and round again.
+window:     0, or a sliding window: row t sees keys q_pos[t] - window < key <= q_pos[t]
+            (llama.cpp's sliding window). Pages wholly before every row's window are never
+            read, so their table entries may name any page (a windowed layer keeps only
+            its window's pages).
 """
 from __future__ import annotations
 
@@ -71,7 +75,8 @@ DECODE_MAX_ROWS = 8
 @torch.library.custom_op("kvcompile::span_attention_reference", mutates_args=())
 def span_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                              page_table: torch.Tensor, q_pos: torch.Tensor, k_type: int,
-                             v_type: int, page_size: int, scale: float) -> torch.Tensor:
+                             v_type: int, page_size: int, scale: float,
+                             window: int = 0) -> torch.Tensor:
     """The fp32 reference as an opaque op (the CPU implementation of span_attention). Up
     to DECODE_MAX_ROWS rows (decode and verify steps) each row is its own call, so a row's
     bits do not depend on how many rows came with it (fp32 GEMMs round by row count): a
@@ -79,13 +84,13 @@ def span_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
     if q.shape[0] <= DECODE_MAX_ROWS:
         return torch.cat([span_attention_naive(q[i:i + 1], k_pool, v_pool, page_table,
                                                q_pos[i:i + 1], k_type, v_type, page_size,
-                                               scale) for i in range(q.shape[0])])
+                                               scale, window) for i in range(q.shape[0])])
     return span_attention_naive(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
-                                page_size, scale).contiguous()
+                                page_size, scale, window).contiguous()
 
 
 @span_attention_reference.register_fake
-def _(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, scale):
+def _(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, scale, window=0):
     return torch.empty_like(q)
 
 
@@ -99,18 +104,22 @@ def span_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                    page_table: torch.Tensor, q_pos: torch.Tensor, k_type: int, v_type: int,
                    page_size: int, scale: float,
                    workspace: Optional[torch.Tensor] = None,
-                   out_rot: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   out_rot: Optional[torch.Tensor] = None,
+                   window: int = 0) -> torch.Tensor:
     kt, vt, n_kv = check_span_attention_args(q, k_pool, v_pool, page_table, q_pos, k_type,
                                              v_type, page_size)
+    if window < 0:
+        raise KvLayoutError(f"window must be 0 (no sliding window) or a positive number of "
+                            f"positions, got {window}")
     if values_readable(page_table, q_pos):
-        check_context_table(page_table, q_pos, k_pool.shape[0], page_size)
+        check_context_table(page_table, q_pos, k_pool.shape[0], page_size, window)
     d = q.shape[2]
     out_rot = rotation_blocks(out_rot, d, q.device)
     if q.shape[0] == 0:
         return torch.empty_like(q)
     if q.device.type != "cuda":
         out = span_attention_reference(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
-                                       page_size, scale)
+                                       page_size, scale, window)
         return out if out_rot is None else _rotate_rows(out, out_rot)
     F.check_cuda_head_dim(q.device, d, "span_attention")
     if q.shape[0] <= DECODE_MAX_ROWS:
@@ -119,9 +128,9 @@ def span_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         launch = launcher_for(q, n_kv, kt, vt)
         return launch(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, scale,
                       workspace=workspace,
-                      out_rot=out_rot)
+                      out_rot=out_rot, window=window)
     out = span_attention_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
-                                 page_size, scale)
+                                 page_size, scale, window=window)
     return out if out_rot is None else _rotate_rows(out, out_rot)
 
 

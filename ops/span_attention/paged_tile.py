@@ -202,13 +202,45 @@ def k_value_scores(q, k_vals, k_scl, phys, head, off, mask, page_elems, page_hal
 
 
 @triton.jit
-def causal_softmax(s, pos, qp, m_i, l_i, QK_SCALE: tl.constexpr, MASKED: tl.constexpr):
+def causal_softmax(s, pos, qp, m_i, l_i, win, QK_SCALE: tl.constexpr, MASKED: tl.constexpr,
+                   WINDOWED: tl.constexpr):
     """A tile's scores scaled (to the log2 domain), positions after a query row's masked
-    (MASKED: the tile may reach past a row), through online_softmax."""
+    (MASKED: the tile may reach past a row or, WINDOWED, before its window of `win`
+    positions), through online_softmax."""
     s = s * QK_SCALE
     if MASKED:
-        s = tl.where(pos[None, :] <= qp[:, None], s, float("-inf"))
+        s = tl.where(visible(pos[None, :], qp[:, None], win, WINDOWED), s, float("-inf"))
     return online_softmax(s, m_i, l_i)
+
+
+@triton.jit
+def visible(pos, qp, win, WINDOWED: tl.constexpr):
+    """Key position `pos` is seen by the query row at `qp`: causal and, WINDOWED, one of
+    the row's last `win` positions (qp - pos < win, llama.cpp's sliding window)."""
+    if WINDOWED:
+        return (pos <= qp) & (pos + win > qp)
+    else:
+        return pos <= qp
+
+
+@triton.jit
+def in_span(pos, begin, end, WINDOWED: tl.constexpr):
+    """Positions that are read: before `end` and, WINDOWED, from `begin` on."""
+    if WINDOWED:
+        return (pos >= begin) & (pos < end)
+    else:
+        return pos < end
+
+
+@triton.jit
+def window_begin(qp, row_ok, win, WINDOWED: tl.constexpr):
+    """The first key position any real row sees (0 without a window): positions before it
+    are never read."""
+    if WINDOWED:
+        low = tl.min(tl.where(row_ok, qp, 1 << 30), 0)
+        return tl.maximum(low - win + 1, 0)
+    else:
+        return 0
 
 
 @triton.jit

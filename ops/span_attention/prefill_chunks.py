@@ -7,7 +7,9 @@ many query rows the batch has. Between launches every (query head, query row) ca
 online-softmax state (running max m, sum l, fp32 accumulator) in an fp32 workspace; the
 launch of the last piece normalizes and writes the output.
 
-Pieces come in logical order from page 0 and end at the layer's last page. Any split then
+Pieces come in logical order from page 0 (a windowed layer's: from the first page some
+row's window reaches, `first_page`; earlier pages are never read) and end at the layer's
+last page. Any split then
 gives bitwise the output of span_attention_prefill in one launch over the same pages: the
 same key tiles in the same order through the same kernel code (prefill_kernel.py).
 
@@ -23,7 +25,7 @@ from kvcompile.errors import KvLayoutError
 from kvcompile.ops import kv_format as F
 from kvcompile.ops.launching import interpreting
 from kvcompile.ops.span_attention.launch import dot_mode, query_operand
-from kvcompile.ops.span_attention.naive import span_attention_naive
+from kvcompile.ops.span_attention.naive import span_attention_naive, window_first_page
 from kvcompile.ops.index_checks import check_piece_pages, values_readable
 from kvcompile.ops.span_attention.op import check_span_attention_args
 from kvcompile.ops.span_attention.prefill_kernel import (  # noqa: F401  (its public home)
@@ -39,11 +41,13 @@ class PrefillAccumulator:
     the pages consumed so far). workspace: fp32, contiguous, at least workspace_numel(T,
     Hq, D) elements, untouched by others until the last piece (allocated when None).
     out: [T, Hq, D] with a dense last dim (q's dtype when None). Launcher options
-    (block_m, block_n, num_warps, num_stages) go to every launch; keep them fixed."""
+    (block_m, block_n, num_warps, num_stages) go to every launch; keep them fixed.
+    window > 0: a sliding window (span_attention's); the first piece starts at
+    `first_page` (read from q_pos once, on the host)."""
 
     def __init__(self, q, q_pos, k_type: int, v_type: int, page_size: int, scale: float,
                  n_pages: int, *, out=None, workspace=None, use_kernel: bool | None = None,
-                 **launch_opts):
+                 window: int = 0, **launch_opts):
         if q.dim() != 3:
             raise KvLayoutError(f"q must be [T, n_q_heads, head_dim], got {tuple(q.shape)}")
         if not isinstance(n_pages, int) or n_pages < 1:
@@ -71,7 +75,9 @@ class PrefillAccumulator:
         self.k_type, self.v_type = k_type, v_type
         self.page_size, self.scale, self.n_pages = page_size, scale, n_pages
         self.launch_opts = launch_opts
-        self.next_page = 0
+        self.window = window
+        self.first_page = window_first_page(q_pos, window, page_size)
+        self.next_page = self.first_page
         self._q16 = None          # the query operand, converted once for all launches
         self._pieces = []         # reference path: (K pages, V pages) copied aside
 
@@ -119,7 +125,8 @@ class PrefillAccumulator:
         launch_prefill(self._q16, k_pool, v_pool, piece_table, self.q_pos, self.k_type,
                        self.v_type, self.page_size, self.scale, self.out,
                        n_pages=self.n_pages, first_page=first, workspace=self.workspace,
-                       load_state=first > 0, finish=last, **self.launch_opts)
+                       load_state=first > self.first_page, finish=last, window=self.window,
+                       **self.launch_opts)
 
     def _reference(self):
         if int(self.q_pos.max()) >= self.n_pages * self.page_size:
@@ -128,6 +135,9 @@ class PrefillAccumulator:
         kp = torch.cat([k for k, _ in self._pieces])
         vp = torch.cat([v for _, v in self._pieces])
         self._pieces = []
-        table = torch.arange(self.n_pages, dtype=torch.int32, device=kp.device)
+        # logical page i is piece page i - first_page (earlier entries are never read)
+        table = (torch.arange(self.n_pages, dtype=torch.int32, device=kp.device)
+                 - self.first_page).clamp_(min=0)
         self.out.copy_(span_attention_naive(self.q, kp, vp, table, self.q_pos, self.k_type,
-                                            self.v_type, self.page_size, self.scale))
+                                            self.v_type, self.page_size, self.scale,
+                                            self.window))

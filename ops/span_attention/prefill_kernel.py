@@ -23,24 +23,26 @@ from kvcompile.ops.launching import interpreting, launchable
 from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, k_split,
                                                  page_geometry, pool_args, query_operand)
 from kvcompile.ops.span_attention.paged_tile import (causal_softmax, k_value_scores,
-                                                     load_v_tile, qk_quantized, v_operand)
+                                                     in_span, load_v_tile, qk_quantized,
+                                                     v_operand, window_begin)
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_scl,
-               page_table, table_base, hk, n_ctx, k_page_elems, k_page_halves, k_code_halves,
-               v_page_elems,
+               page_table, table_base, hk, begin, n_ctx, win, k_page_elems, k_page_halves,
+               k_code_halves, v_page_elems,
                v_page_halves, v_code_halves, QK_SCALE: tl.constexpr,
                MASKED: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_TYPE: tl.constexpr,
                V_TYPE: tl.constexpr,
-               QK_F16: tl.constexpr, K_SPLIT: tl.constexpr, INTERP: tl.constexpr):
+               QK_F16: tl.constexpr, K_SPLIT: tl.constexpr, WINDOWED: tl.constexpr,
+               INTERP: tl.constexpr):
     lp = n0 // P
     off = tl.multiple_of(n0 % P, BLOCK_N) + tl.arange(0, BLOCK_N)
     pos = n0 + tl.arange(0, BLOCK_N)
-    live = pos < n_ctx
+    live = in_span(pos, begin, n_ctx, WINDOWED)
     phys = tl.load(page_table + (lp - table_base)).to(tl.int64)
     if K_TYPE == 2 or K_TYPE == 8:
         s = qk_quantized(q, k_vals, k_scl, phys, hk, off, live, k_page_elems, k_page_halves,
@@ -48,7 +50,8 @@ def _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_
     else:
         s = k_value_scores(q, k_vals, k_scl, phys, hk, off, live, k_page_elems, k_page_halves,
                            k_code_halves, BLOCK_N, P, D, K_TYPE, K_SPLIT, QK_F16, INTERP)
-    p, alpha, m_new, l_i = causal_softmax(s, pos, qp, m_i, l_i, QK_SCALE, MASKED)
+    p, alpha, m_new, l_i = causal_softmax(s, pos, qp, m_i, l_i, win, QK_SCALE, MASKED,
+                                          WINDOWED)
     v = load_v_tile(v_vals, v_scl, phys, hk, off, live, v_page_elems, v_page_halves,
                   v_code_halves, BLOCK_N, P, D, V_TYPE)
     acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v_operand(v, V_TYPE))
@@ -65,12 +68,12 @@ def _prefill(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr, out_ptr
              stride_qt, stride_qh, stride_ot, stride_oh, n_rows, table_len, first_page,
              end_page, ws_m_off, ws_l_off,
              k_page_elems, k_page_halves, k_code_halves, v_page_elems, v_page_halves,
-             v_code_halves, QK_SCALE: tl.constexpr,
+             v_code_halves, win, QK_SCALE: tl.constexpr,
              G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QK_F16: tl.constexpr,
              K_SPLIT: tl.constexpr, LOAD_STATE: tl.constexpr, FINISH: tl.constexpr,
-             INTERP: tl.constexpr):
+             WINDOWED: tl.constexpr, INTERP: tl.constexpr):
     # longest query tiles first: they have the most key tiles
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     hq = tl.program_id(1)
@@ -83,11 +86,22 @@ def _prefill(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr, out_ptr
     lo = tl.min(tl.where(row_ok, qp, cap), 0) + 1           # every row sees [0, lo)
     hi = tl.max(tl.where(row_ok, qp, 0), 0) + 1             # some row sees [.., hi)
     full_end = (lo // BLOCK_N) * BLOCK_N
+    # with a window: key tiles from `w_first` (the tile of the first position any row sees)
+    # up to `w_full` are masked at the window's edge; from w_full on, every row sees all of
+    # a tile up to full_end (w_full <= full_end; tiles stay in ascending order)
+    begin = window_begin(qp, row_ok, win, WINDOWED)
+    if WINDOWED:
+        w_first = begin // BLOCK_N * BLOCK_N
+        last_edge = tl.maximum(tl.max(tl.where(row_ok, qp, 0), 0) - win + 1, 0)
+        w_full = tl.minimum(tl.cdiv(last_edge, BLOCK_N) * BLOCK_N, full_end)
+    else:
+        w_first = 0
+        w_full = 0
     # this launch's key positions: the pages first_page..end_page - 1 (piece bounds are
     # multiples of BLOCK_N, so the key tiles are those of one launch). The first piece
     # starts at 0 and the last ends at the table's end (hi <= table_len * P): constant
     # bounds there keep the one-launch loops (first and last at once) as they were.
-    if LOAD_STATE:
+    if LOAD_STATE or WINDOWED:   # a windowed layer's first piece may start past page 0
         base = first_page
         n_begin = first_page * P
         start_masked = tl.maximum(full_end, n_begin)
@@ -98,9 +112,11 @@ def _prefill(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr, out_ptr
     if FINISH:
         end_full = full_end
         end_all = hi
+        end_edge = w_full
     else:
         end_full = tl.minimum(full_end, end_page * P)
         end_all = tl.minimum(hi, end_page * P)
+        end_edge = tl.minimum(w_full, end_page * P)
     # some key tile in this piece; a tensor over the rows, since Triton 3.9's interpreter
     # rejects masks made with a scalar comparison (decode_split.partial_rows_ok)
     touched = t * 0 + n_begin < end_all
@@ -120,22 +136,35 @@ def _prefill(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr, out_ptr
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for n0 in range(n_begin, end_full, BLOCK_N):
+    if WINDOWED:
+        for n0 in range(tl.maximum(w_first, n_begin), end_edge, BLOCK_N):
+            acc, m_i, l_i = _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl,
+                                       v_vals, v_scl, page_table, base, hk, begin, hi, win,
+                                       k_page_elems, k_page_halves, k_code_halves,
+                                       v_page_elems, v_page_halves, v_code_halves, QK_SCALE,
+                                       True, D, P, BLOCK_M, BLOCK_N, K_TYPE, V_TYPE, QK_F16,
+                                       K_SPLIT, WINDOWED, INTERP)
+        n_full = tl.maximum(w_full, n_begin)
+    else:
+        n_full = n_begin
+    for n0 in range(n_full, end_full, BLOCK_N):
         acc, m_i, l_i = _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl,
                                    v_vals, v_scl,
-                                   page_table, base, hk, hi, k_page_elems, k_page_halves,
+                                   page_table, base, hk, begin, hi, win, k_page_elems,
+                                   k_page_halves,
                                    k_code_halves, v_page_elems, v_page_halves, v_code_halves,
                                    QK_SCALE, False, D, P, BLOCK_M, BLOCK_N, K_TYPE, V_TYPE,
                                    QK_F16,
-                                   K_SPLIT, INTERP)
+                                   K_SPLIT, WINDOWED, INTERP)
     for n0 in range(start_masked, end_all, BLOCK_N):
         acc, m_i, l_i = _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl,
                                    v_vals, v_scl,
-                                   page_table, base, hk, hi, k_page_elems, k_page_halves,
+                                   page_table, base, hk, begin, hi, win, k_page_elems,
+                                   k_page_halves,
                                    k_code_halves, v_page_elems, v_page_halves, v_code_halves,
                                    QK_SCALE, True, D, P, BLOCK_M, BLOCK_N, K_TYPE, V_TYPE,
                                    QK_F16,
-                                   K_SPLIT, INTERP)
+                                   K_SPLIT, WINDOWED, INTERP)
     if FINISH:
         o = acc / l_i[:, None]
         optr = out_ptr + t.to(tl.int64)[:, None] * stride_ot + hq * stride_oh + d[None, :]
@@ -173,16 +202,18 @@ def workspace_numel(n_rows: int, n_q_heads: int, head_dim: int) -> int:
 def launch_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, scale,
                    out, *, n_pages=None, first_page=0, workspace=None, load_state=False,
                    finish=True, block_m=None, block_n=None, num_warps=None,
-                   num_stages=None):
+                   num_stages=None, window=0):
     """One launch over logical pages first_page..first_page + len(page_table) - 1
     (page_table[i] = physical page of logical page first_page + i) for every query tile.
     n_pages: the layer's logical pages (default: the table's), which caps q_pos.
     load_state: start from the state in `workspace`, else from nothing; finish: write
-    `out` normalized, else store the state to `workspace`."""
+    `out` normalized, else store the state to `workspace`. window > 0: each row sees its
+    last `window` positions only (a windowed layer's first piece may start at the window's
+    first page; pages before it are never read)."""
     check_launch(q, k_pool, v_pool, page_table, q_pos, page_size)
     table_len = page_table.shape[0] if n_pages is None else n_pages
     # the kernel's constant bounds rely on these (PrefillAccumulator checks the caller's)
-    assert load_state or first_page == 0, "a piece without state starts at page 0"
+    assert load_state or window or first_page == 0, "a piece without state starts at page 0"
     assert not finish or first_page + page_table.shape[0] == table_len, \
         "the finishing piece ends at the last page"
     assert workspace is not None or (finish and not load_state), "state needs a workspace"
@@ -205,21 +236,21 @@ def launch_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_si
         q16, kv, ks, vv, vs, page_table, q_pos, out, ws,
         q16.stride(0), q16.stride(1), out.stride(0), out.stride(1), n_rows, table_len,
         first_page, first_page + page_table.shape[0], rows * head_dim, rows * (head_dim + 1),
-        kpe, kph, kch, vpe, vph, vch,
+        kpe, kph, kch, vpe, vph, vch, window,
         QK_SCALE=scale * LOG2E, G=group, D=head_dim, P=page_size, BLOCK_M=block_m,
         BLOCK_N=block_n,
         K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16, K_SPLIT=k_split(kg.kv_type),
-        LOAD_STATE=load_state, FINISH=finish, INTERP=interpreting(),
+        LOAD_STATE=load_state, FINISH=finish, WINDOWED=window > 0, INTERP=interpreting(),
         num_warps=num_warps or nw, num_stages=num_stages or ns)
     return out
 
 
 def span_attention_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size,
                            scale, out=None, block_m=None, block_n=None, num_warps=None,
-                           num_stages=None):
+                           num_stages=None, window=0):
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(2) == 1, "out must be [T, Hq, D], last dim dense"
     return launch_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size,
                           scale, out, block_m=block_m, block_n=block_n, num_warps=num_warps,
-                          num_stages=num_stages)
+                          num_stages=num_stages, window=window)
