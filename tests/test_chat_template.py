@@ -128,3 +128,39 @@ def test_template_problems_raise(tok):
         tok.apply_chat_template(msgs, template="{{ messages.append(1) }}")
     assert tok.apply_chat_template(
         msgs, template="{{ messages | tojson }}{{ eos_token }}") == '[{"role": "user", "content": "hi"}]<|im_end|>'
+
+
+# Gemma 3's chat format (its tokenizer_config's template, in the same logic): a system message
+# joins the first user turn, the assistant is "model", contents trimmed, BOS first
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+
+
+def test_gemma3_template_renders_as_llama_cpp():
+    """Gemma 3's template through kvcompile's Jinja renderer equals llama.cpp's built-in
+    Gemma formatter (which it picks by the template's <start_of_turn>; it writes no BOS)."""
+    from kvcompile.io.tokenizer.chat import render_chat_template
+    rng = fresh_rng("gemma3 chat")
+    for trial in range(20):
+        # llama.cpp trims the system message too; Gemma's template keeps it as written
+        msgs = [m if m["role"] != "system" else dict(m, content=m["content"].strip())
+                for m in random_conversation(rng, 1 + 2 * rng.randint(0, 3), trial % 2 == 0)]
+        for gen in (True, False):
+            ours = render_chat_template(GEMMA3_TEMPLATE, msgs, add_generation_prompt=gen,
+                                        bos_token="<bos>")
+            assert ours == "<bos>" + llama_cpp_chatml(GEMMA3_TEMPLATE, msgs, gen), msgs
+    with pytest.raises(ChatTemplateError, match="alternate"):
+        render_chat_template(GEMMA3_TEMPLATE, [{"role": "assistant", "content": "hi"}])

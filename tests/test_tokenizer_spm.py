@@ -109,3 +109,59 @@ def test_spm_merge_order_follows_scores():
     assert encode(1.0, 2.0) == ["a", "bc"]
     assert encode(2.0, 1.0) == ["ab", "c"]
     assert encode(1.5, 1.5) == ["ab", "c"]
+
+
+def test_gemma_shaped_spm_matches_llama_cpp(corpus, tmp_path):
+    """A vocab laid out as Gemma 3's (<pad> <eos> <bos> <unk> first, turn markers, then the
+    256 byte-fallback tokens and scored pieces with runs of spaces, newlines and tabs; no
+    space prefix; BOS added): identical to llama.cpp on the whole corpus (code, Unicode,
+    numbers, whitespace runs) and on random pieces of it."""
+    rng = fresh_rng("gemma spm")
+    tokens, types, scores = build_spm_vocab(rng, corpus)
+    pieces = [(t, ty, s) for t, ty, s in zip(tokens, types, scores) if ty == TokenType.NORMAL]
+    head = [("<pad>", TokenType.CONTROL), ("<eos>", TokenType.CONTROL),
+            ("<bos>", TokenType.CONTROL), ("<unk>", TokenType.UNKNOWN),
+            ("<start_of_turn>", TokenType.USER_DEFINED), ("<end_of_turn>", TokenType.CONTROL)]
+    whitespace = ([SPACE * n for n in range(2, 32)] + ["\n" * n for n in range(1, 8)]
+                  + ["\t" * n for n in range(1, 5)] + ["\n" + SPACE * 4, SPACE + "\n"])
+    tokens = [t for t, _ in head] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [int(k) for _, k in head] + [int(TokenType.BYTE)] * 256
+    scores = [0.0] * len(tokens)
+    for i, w in enumerate(whitespace):
+        tokens.append(w)
+        types.append(int(TokenType.NORMAL))
+        scores.append(round(-20.0 - 0.1 * i, 1))
+    for t, ty, s in pieces:
+        if t not in tokens:
+            tokens.append(t)
+            types.append(ty)
+            scores.append(s)
+    path = write_vocab_gguf(tmp_path / "gemma.gguf", model="llama", tokens=tokens,
+                            token_types=types, scores=scores, bos=2, eos=1, add_bos=True,
+                            add_space_prefix=False)
+    oracle = LlamaVocab(path)
+    scores32 = [float(s) for s in __import__("numpy").asarray(scores, dtype="float32")]
+    tok = Tokenizer.from_metadata({
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types, "tokenizer.ggml.scores": scores32,
+        "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.unknown_token_id": 3, "tokenizer.ggml.padding_token_id": 0,
+        "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_space_prefix": False})
+    assert len(corpus.encode()) >= 20_000
+    whole = tok.encode(corpus)
+    assert whole == oracle.tokenize(corpus, add_bos=True) and whole[0] == 2
+    texts = (["<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n",
+              "    indented\n\n\n\tcode()", "x" + " " * 40 + "y", "\u2003\u00a0 mixed"]
+             + random_chunks(rng, corpus, 60))
+    for text in texts:
+        for special in (True, False):
+            ours = tok.encode(text, parse_special=special)
+            assert ours == oracle.tokenize(text, add_bos=True, special=special), repr(text)
+        ids = tok.encode(text)
+        assert tok.decode_bytes(ids, False) == oracle.detokenize(ids, False, True), repr(text)
+    n_ws = sum(1 for i in whole if tok.token_text(i) in whitespace)
+    n_fallback = sum(1 for i in whole if tok.token_text(i).startswith("<0x"))
+    print(f"Gemma-shaped vocab {tok.vocab_size}: corpus {len(corpus.encode())} bytes -> "
+          f"{len(whole)} tokens equal llama.cpp ({n_ws} whitespace-run, {n_fallback} "
+          f"byte-fallback tokens)")
+    assert n_ws > 0 and n_fallback > 0
