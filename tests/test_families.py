@@ -18,7 +18,7 @@ from llama_oracle import (agreement, llama_cpp, llama_cpp_greedy, llama_cpp_logi
                           our_greedy, top2_gap)
 
 N_TOKENS, N_GREEDY = 512, 64
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
 
 
 def check_against_llama_cpp(path, n_tokens: int, seed: int, cuts=(300, 301),
@@ -76,6 +76,50 @@ def test_llama3_rope_factors_at_1k5_tokens(family_files):
     check_against_llama_cpp(path, 1536, seed=31, cuts=(700, 701, 1200), plain_rope=True)
 
 
+def without_windows(model):
+    """The same model with every layer attending to the whole context."""
+    for block in model.blocks:
+        block.attn.window = 0
+    return model
+
+
+def test_gemma3_windows_at_1k_tokens(family_files):
+    """Five windowed layers of 64 positions and one global, 1K tokens: equal to llama.cpp,
+    and the windows matter (the model without them disagrees)."""
+    path = family_files("gemma3")
+    model = check_against_llama_cpp(path, 1024, seed=21, cuts=(700, 701))
+    assert [model.config.layer_window(i) for i in range(6)] == [64] * 5 + [0]
+    tokens = tokens_of(1024, model.config.vocab_size, 21)
+    ref = llama_cpp_logits(llama_cpp(path, n_ctx=1088), tokens)
+    top1, kl, _ = agreement(teacher_forced(without_windows(model), tokens, (700, 701)), ref)
+    print(f"without the windows: top-1 {top1:.4f}, KL mean {kl:.2e}")
+    assert kl > 1e-2
+
+
+def test_gemma3_logit_softcap(family_files, tmp_path):
+    """A file with final_logit_softcapping: logits capped as llama.cpp caps them."""
+    from kvcompile.io.make_model import make_model
+    path = tmp_path / "gemma3-cap.gguf"
+    make_model("gemma3", "tiny", path, seed=4, final_logit_softcap=5.0)
+    model = check_against_llama_cpp(path, 256, seed=2, cuts=(100, 101))
+    assert model.config.final_logit_softcap == 5.0
+
+
+def test_mistral_window_beyond_what_llama_cpp_reads(family_files):
+    """llama.cpp reads no sliding window from `llama` files and attends to everything, so
+    on a windowed Mistral file it is our oracle only for the rows whose window holds their
+    whole context: those agree; later rows differ (the window applies)."""
+    path = family_files("mistral", "window-tiny")
+    model = load_model(path, progress=False).model
+    assert model.layer_plan.windows == tuple((i, 64) for i in range(4))
+    tokens = tokens_of(256, model.config.vocab_size, seed=6)
+    ours = teacher_forced(model, tokens, cuts=(100, 101))
+    ref = llama_cpp_logits(llama_cpp(path, n_ctx=320), tokens)
+    top1, kl, _ = agreement(ours[:64], ref[:64])
+    assert top1 == 1.0 and kl <= 1e-6
+    assert agreement(ours[128:], ref[128:])[1] > 1e-2
+
+
 def test_yarn_at_1k_tokens(family_files):
     path = family_files("qwen2", "yarn-tiny")
     assert load_weights(path, progress=False).config.rope_scaling["type"] == "yarn"
@@ -83,7 +127,7 @@ def test_yarn_at_1k_tokens(family_files):
 
 
 @pytest.mark.parametrize("family,weight_type", [("qwen2", "q8_0"), ("qwen3", "q4_k"),
-                                                ("mistral", "q4_0")])
+                                                ("mistral", "q4_0"), ("gemma3", "q8_0")])
 def test_quantized_file_is_exact_against_its_f32_export(family, weight_type, family_files,
                                                         tmp_path):
     """llama.cpp rounds activations inside quantized matmuls: its exact oracle for a
@@ -103,14 +147,15 @@ def test_quantized_file_is_exact_against_its_f32_export(family, weight_type, fam
 @pytest.mark.parametrize("family,preset,weight_type,dtype", [
     ("qwen2", "tiny", "f32", "f32"), ("qwen2", "tiny", "q4_k", "bf16"),
     ("qwen3", "tiny", "f32", "f32"), ("qwen3", "tiny", "q8_0", "bf16"),
-    ("llama", "llama3-tiny", "f32", "f32"), ("qwen2", "yarn-tiny", "f32", "f32")])
+    ("llama", "llama3-tiny", "f32", "f32"), ("qwen2", "yarn-tiny", "f32", "f32"),
+    ("gemma3", "tiny", "f32", "f32"), ("gemma3", "tiny", "q8_0", "bf16")])
 def test_cuda_engine_agrees_with_the_cpu_reference(family, preset, weight_type, dtype,
                                                    family_files):
     """The variants on the CUDA kernels (row ops on q/k heads, biased and quantized
     projections, captured programs) against the CPU reference, same file."""
     from kvcompile.engine.engine import Engine
     path = str(family_files(family, preset, weight_type))
-    ids = tokens_of(600, 4096, seed=11)
+    ids = tokens_of(600, 4096, seed=11)     # past gemma3's windows of 64
 
     def logits(engine):
         engine.store.reset()

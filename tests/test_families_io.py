@@ -74,9 +74,10 @@ def test_hf_folder_equals_its_gguf(family, family_files, tmp_path):
 
 
 @pytest.mark.parametrize("config,words", [
-    ({"model_type": "mistral", "sliding_window": 4096}, ["sliding attention window of 4096"]),
-    ({"model_type": "gemma3"}, ["'gemma3' is not supported", "qwen3"]),
-], ids=["mistral-v0.1-window", "unknown-model-type"])
+    ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True},
+     ["max_window_layers", "use_sliding_window false"]),
+    ({"model_type": "gemma2"}, ["'gemma2' is not supported", "qwen3"]),
+], ids=["qwen2-some-layers-windowed", "unknown-model-type"])
 def test_hf_configs_that_cannot_run_are_refused(config, words):
     from kvcompile.io.hf_checkpoint import config_from_hf
     base = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
@@ -84,6 +85,22 @@ def test_hf_configs_that_cannot_run_are_refused(config, words):
     with pytest.raises(UnsupportedModelError) as err:
         config_from_hf({**base, **config})
     assert all(w in str(err.value) for w in words), err.value
+
+
+def test_mistral_hf_window_windows_every_layer():
+    """Mistral 7B v0.1's config.json: every layer over the last 4096 positions; a window as
+    long as the context, or switched off, is none."""
+    from kvcompile.io.hf_checkpoint import config_from_hf
+    from kvcompile.models.layer_plan import LayerPlan
+    base = {"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4,
+            "intermediate_size": 128, "num_hidden_layers": 3, "vocab_size": 400,
+            "max_position_embeddings": 32768}
+    c = config_from_hf({**base, "sliding_window": 4096})
+    assert c.sliding_window == 4096
+    assert LayerPlan.of(c).windows == ((0, 4096), (1, 4096), (2, 4096))
+    assert config_from_hf({**base, "sliding_window": 32768}).sliding_window == 0
+    assert config_from_hf({**base, "sliding_window": 4096,
+                           "use_sliding_window": False}).sliding_window == 0
 
 
 @torch.inference_mode()
@@ -113,8 +130,8 @@ def test_traced_programs_of_the_layer_variants(tmp_path):
 
 def write_foreign_gguf(path, n_vocab: int = 200_000):
     """A header of an unsupported architecture with a large vocabulary (no tensors)."""
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_uint32("gemma3.block_count", 2)
+    w = gguf.GGUFWriter(str(path), "gemma2")
+    w.add_uint32("gemma2.block_count", 2)
     w.add_token_list([f"tok{i}" for i in range(n_vocab)])
     w.add_token_scores(np.zeros(n_vocab, dtype=np.float32).tolist())
     w.write_header_to_file()
@@ -126,14 +143,27 @@ def write_foreign_gguf(path, n_vocab: int = 200_000):
 
 def test_unsupported_architecture_is_refused_before_its_vocabulary(tmp_path):
     from kvcompile.engine.engine import Engine
-    path = write_foreign_gguf(tmp_path / "gemma3.gguf")
+    path = write_foreign_gguf(tmp_path / "gemma2.gguf")
     t0 = time.perf_counter()
-    with pytest.raises(UnsupportedModelError, match="'gemma3' is not supported") as err:
+    with pytest.raises(UnsupportedModelError, match="'gemma2' is not supported") as err:
         Engine(str(path))
     seconds = time.perf_counter() - t0
     print(f"\nrefused in {seconds:.3f} s: {err.value}")
     assert seconds < 2.0 and "qwen3" in str(err.value)
     info = subprocess.run([sys.executable, "-m", "kvcompile", "info", str(path)],
                           capture_output=True, text=True, timeout=120)
-    assert info.returncode == 1 and "gemma3.block_count" in info.stdout, info
-    assert "'gemma3' is not supported" in info.stderr.splitlines()[-1], info.stderr
+    assert info.returncode == 1 and "gemma2.block_count" in info.stdout, info
+    assert "'gemma2' is not supported" in info.stderr.splitlines()[-1], info.stderr
+
+
+def test_gemma3_streamed_equals_all_resident(family_files):
+    """Gemma 3's windowed layers over a streamed store (a 1 MiB arena: part of the history
+    crosses from the host every step) give the all-resident greedy tokens."""
+    from kvcompile.engine.engine import Engine
+    path = str(family_files("gemma3"))
+    prompt = tokens_of(400, 4096, seed=12)
+    runs = [Engine(path, ctx_size=1024, kv_stream_arena_mib=mib, progress=False).generate(
+        prompt, max_tokens=24, temperature=0) for mib in (0, 1)]
+    assert runs[1].kv["h2d_bytes"] > 0, runs[1].kv
+    runs = [r.token_ids for r in runs]
+    assert runs[0] == runs[1] and len(runs[0]) == 24

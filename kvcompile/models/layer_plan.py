@@ -19,13 +19,20 @@ class LayerPlan:
     attention: tuple[int, ...]
     recurrent: tuple[int, ...] = ()
     mtp: tuple[int, ...] = ()
+    # (layer, sliding window) of the windowed attention layers: a row there sees only its
+    # last `window` positions, so older pages are never read (kv/store.py)
+    windows: tuple[tuple[int, int], ...] = ()
+
+    def window(self, layer: int) -> int:
+        """The layer's sliding window, 0 when it attends to the whole context."""
+        return dict(self.windows).get(layer, 0)
 
     @classmethod
     def of(cls, config) -> "LayerPlan":
         n = config.n_layers
         attention = tuple(i for i in range(n) if config.is_attention_layer(i))
         return cls(n, attention, tuple(i for i in range(n) if i not in attention),
-                   tuple(range(n, n + config.nextn_layers)))
+                   tuple(range(n, n + config.nextn_layers)), windows_of(config, attention))
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
@@ -46,3 +53,8 @@ class LayerPlan:
     def kv_config(self, config):
         """The config a KV cache is sized with: the MTP layers' indices exist too."""
         return replace(config, n_layers=self.n_layers + len(self.mtp))
+
+
+def windows_of(config, layers) -> tuple[tuple[int, int], ...]:
+    """(layer, window) of each windowed layer among `layers` (ModelConfig.layer_window)."""
+    return tuple((i, config.layer_window(i)) for i in layers if config.layer_window(i))

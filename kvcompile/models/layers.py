@@ -204,14 +204,17 @@ class SwiGLU(nn.Module):
 class PagedAttention(nn.Module):
     """GQA attention whose KV lives in page pools, read and written through the kvcompile ops.
     Variants: biases on q, k and v (qwen2); an RMSNorm over each q and k head before rope
-    (qwen3, `qk_norm_eps` given)."""
+    (qwen3, gemma3: `qk_norm_eps` given); a sliding window (`window` > 0: each row sees its
+    last `window` positions); a score scale other than 1 / sqrt(head_dim) (gemma3 27B)."""
 
     def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                 rope_neox: bool, qkv_bias: bool = False, qk_norm_eps: float | None = None):
+                 rope_neox: bool, qkv_bias: bool = False, qk_norm_eps: float | None = None,
+                 window: int = 0, scale: float = 0.0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.rope_neox = rope_neox
-        self.scale = 1.0 / math.sqrt(head_dim)
+        self.window = window
+        self.scale = scale or 1.0 / math.sqrt(head_dim)
         self.wq = Linear(hidden, n_heads * head_dim, bias=qkv_bias)
         self.wk = Linear(hidden, n_kv_heads * head_dim, bias=qkv_bias)
         self.wv = Linear(hidden, n_kv_heads * head_dim, bias=qkv_bias)
@@ -253,5 +256,5 @@ class PagedAttention(nn.Module):
         out = torch.ops.kvcompile.span_attention(q, kv.k_pool, kv.v_pool, kv.page_table, q_pos,
                                                  kv.k_type, kv.v_type, kv.page_size, self.scale,
                                                  kv.workspace,
-                                                 kv.v_rot_blocks)
+                                                 kv.v_rot_blocks, self.window)
         return self.wo(out.reshape(t, hq * self.head_dim))

@@ -12,7 +12,7 @@ from torch import nn
 
 from kvcompile.models.config import ModelConfig
 from kvcompile.errors import ModelFileError, UnsupportedModelError
-from kvcompile.models.layer_plan import LayerPlan
+from kvcompile.models.layer_plan import LayerPlan, windows_of
 from kvcompile.models.layers import (Embedding, Linear, PagedAttention, RMSNorm, SwiGLU,
                                      check_rope_range, rope_rows, tie_head)
 from kvcompile.models.quant_weight import QuantWeight
@@ -35,11 +35,12 @@ _IGNORED = re.compile(r"blk\.\d+\.attn_rot_embd\.weight|rope_freqs\.weight")
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, layer: int):
         super().__init__()
         self.attn_norm = RMSNorm(c.hidden, c.rms_eps)
         self.attn = PagedAttention(c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_neox,
-                                   c.qkv_bias, c.rms_eps if c.qk_norm else None)
+                                   c.qkv_bias, c.rms_eps if c.qk_norm else None,
+                                   c.layer_window(layer), c.attn_scale)
         self.ffn_norm = RMSNorm(c.hidden, c.rms_eps)
         self.mlp = SwiGLU(c.hidden, c.ffn)
 
@@ -56,11 +57,16 @@ class LlamaBlock(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # what a subclass of the dense decoder changes (models/gemma3.py): its block and the
+    # GGUF names of the block's tensors
+    block_class = LlamaBlock
+    block_names = _BLOCK_NAMES
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.embed = Embedding(config.vocab_size, config.hidden)
-        self.blocks = nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(self.block_class(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.hidden, config.rms_eps)
         self.lm_head = Linear(config.hidden, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -80,7 +86,7 @@ class LlamaModel(nn.Module):
         tied = config.tie_embeddings
         state = {}
         for name, t in tensors.items():
-            key = _module_name(name)
+            key = _module_name(name, cls.block_names)
             if key is not None:
                 state[key] = t
         with torch.device("meta"):
@@ -109,10 +115,14 @@ class LlamaModel(nn.Module):
         if tied:
             tie_head(model.lm_head, model.embed)
         factors = tensors.get("rope_freqs.weight")
-        cos, sin = config_rope_tables(config, None if factors is None else factors.float())
-        model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+        model.set_rope_tables(None if factors is None else factors.float(), device)
         model.fuse_projections()
         return model.eval().requires_grad_(False)   # inference only: no autograd bookkeeping
+
+    def set_rope_tables(self, freq_factors: torch.Tensor | None, device) -> None:
+        """The rope tables on `device` (freq_factors: rope_freqs.weight, or None)."""
+        cos, sin = config_rope_tables(self.config, freq_factors)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     @property
     def device(self) -> torch.device:
@@ -120,8 +130,10 @@ class LlamaModel(nn.Module):
 
     @property
     def layer_plan(self) -> LayerPlan:
-        """Every layer is attention with KV pages; no recurrent state, no MTP layer."""
-        return LayerPlan(self.config.n_layers, tuple(range(self.config.n_layers)))
+        """Every layer is attention with KV pages (windowed where the config says); no
+        recurrent state, no MTP layer."""
+        layers = tuple(range(self.config.n_layers))
+        return LayerPlan(self.config.n_layers, layers, windows=windows_of(self.config, layers))
 
     def fuse_projections(self) -> None:
         """q/k/v and gate/up as one GEMM each (layers.fuse_linears): fewer, larger GEMMs."""
@@ -135,17 +147,27 @@ class LlamaModel(nn.Module):
         [T, vocab] (or [1, vocab] for the last row only)."""
         if not torch.compiler.is_compiling():
             self.check_positions(positions, cache)
-        x = self.embed(tokens)
-        cos, sin = rope_rows(self.rope_cos[positions], self.rope_sin[positions],
-                             self.config.rope_neox)
+        x = self.embed_rows(tokens)
+        ropes = self.layer_ropes(positions)
         q_pos = positions.to(torch.int32)
         mlp_out = None
         for i, block in enumerate(self.blocks):
             kv = cache.layer(i)
-            x, mlp_out = block(x, mlp_out, cos, sin, q_pos, kv)
+            x, mlp_out = block(x, mlp_out, *ropes[i], q_pos, kv)
         if last_only:
             x, mlp_out = x[-1:], mlp_out[-1:]
-        return self.lm_head(self.norm.add(x, mlp_out)[1]).float()
+        logits = self.lm_head(self.norm.add(x, mlp_out)[1]).float()
+        cap = self.config.final_logit_softcap
+        return cap * torch.tanh(logits / cap) if cap else logits
+
+    def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens)
+
+    def layer_ropes(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (cos, sin) rows (rope_rows) at `positions`: one table for all."""
+        rows = rope_rows(self.rope_cos[positions], self.rope_sin[positions],
+                         self.config.rope_neox)
+        return [rows] * self.config.n_layers
 
     def check_positions(self, positions: torch.Tensor, cache) -> tuple[int, int]:
         """Host-side range check, (min, max) (eager only: the cache reads the positions
@@ -171,12 +193,12 @@ def set_quantized(model: nn.Module, state: dict, dtype: torch.dtype) -> None:
                 module.set_quantized(w)
 
 
-def _module_name(gguf_name: str) -> str | None:
+def _module_name(gguf_name: str, block_names: dict) -> str | None:
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"blocks.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
+    if m and m.group(2) in block_names:
+        return f"blocks.{m.group(1)}.{block_names[m.group(2)]}"
     if _IGNORED.fullmatch(gguf_name):
         return None
     raise UnsupportedModelError(f"tensor {gguf_name!r} has no place in a llama-family model; "

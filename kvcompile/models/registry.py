@@ -3,7 +3,7 @@ family: its module under models/families/, a line here, and tests."""
 from __future__ import annotations
 
 from kvcompile.errors import UnsupportedModelError
-from kvcompile.models.families import llama, mistral, qwen2, qwen3, qwen35
+from kvcompile.models.families import gemma3, llama, mistral, qwen2, qwen3, qwen35
 from kvcompile.models.family import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -12,6 +12,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     qwen2.FAMILY,
     qwen3.FAMILY,
     qwen35.FAMILY,
+    gemma3.FAMILY,
 )}
 
 # general.architecture -> the family that reads such files

@@ -105,6 +105,9 @@ def tensor_plan(cfg: SyntheticConfig, weight_type: str = "f32") -> list[PlannedT
         if not cfg.hybrid:
             attention(p, gated=False)
             vec(f"{p}.ffn_norm.weight", h)
+            if cfg.post_norms:
+                vec(f"{p}.post_attention_norm.weight", h)
+                vec(f"{p}.post_ffw_norm.weight", h)
         else:
             vec(f"{p}.post_attention_norm.weight", h)
             if cfg.is_full_attention(i):

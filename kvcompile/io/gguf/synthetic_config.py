@@ -24,6 +24,9 @@ class SyntheticConfig:
     # attention variants of the dense families
     qkv_bias: bool = False           # qwen2: biases on the q, k and v projections
     qk_norm: bool = False            # qwen3: per-head RMSNorm of q and k before rope
+    post_norms: bool = False         # gemma3: norms after the attention and after the MLP
+    sliding_window: int = 0          # mistral, gemma3: the windowed layers' window
+    final_logit_softcap: float = 0.0   # gemma3: logits capped by cap * tanh(x / cap)
     # rope scaling: "" none, "linear" / "yarn" (metadata keys), "llama3" (a rope_freqs tensor)
     rope_scaling: str = ""
     rope_factor: float = 1.0

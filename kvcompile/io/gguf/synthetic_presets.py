@@ -65,6 +65,8 @@ def add_model_metadata(writer, cfg: SyntheticConfig) -> None:
     w.add_float32(f"{a}.rope.freq_base", cfg.rope_theta)
     w.add_uint32(f"{a}.rope.dimension_count", cfg.rotary_dim)
     w.add_uint32(f"{a}.vocab_size", cfg.vocab_size)
+    if cfg.sliding_window:
+        w.add_uint32(f"{a}.attention.sliding_window", cfg.sliding_window)
     if cfg.rope_scaling in ("linear", "yarn"):     # llama3's factors are a tensor instead
         w.add_string(f"{a}.rope.scaling.type", cfg.rope_scaling)
         w.add_float32(f"{a}.rope.scaling.factor", cfg.rope_factor)

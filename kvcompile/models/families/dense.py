@@ -24,14 +24,14 @@ HF_QK_NORM_NAMES = {"self_attn.q_norm.weight": "attn_q_norm.weight",
                     "self_attn.k_norm.weight": "attn_k_norm.weight"}
 
 
-def _refuse_window(window, context: int, where: str) -> None:
-    """Sliding-window attention needs the windowed kernels (issue 45, part 2): a window
-    shorter than the context is refused rather than run as full attention."""
-    if window and 0 < int(window) < context:
-        raise UnsupportedModelError(
-            f"{where} declares a sliding attention window of {int(window)} tokens (context "
-            f"{context}); sliding-window attention is not supported yet: use a model without "
-            f"one (e.g. Mistral 7B v0.2+ instead of v0.1)")
+def window_of(window, context: int) -> int:
+    """A declared sliding window as the config keeps it: 0 (none) unless shorter than the
+    context (a window as long as the context changes nothing)."""
+    window = int(window or 0)
+    if window < 0:
+        raise ModelFileError(f"a sliding window of {window} tokens; the metadata is corrupt, "
+                             f"re-convert the model")
+    return window if window < context else 0
 
 
 def gguf_config(md: Mapping, tensors: Mapping, path: str, *, arch: str, rope_neox: bool,
@@ -39,10 +39,12 @@ def gguf_config(md: Mapping, tensors: Mapping, path: str, *, arch: str, rope_neo
     """A dense family's config from GGUF metadata. QKV biases are also taken where the file
     has them (some llama files do)."""
     base = base_fields(arch, md, tensors, rope_neox=rope_neox, path=path)
-    _refuse_window(md.get(f"{arch}.attention.sliding_window"), base["context_length"], path)
     scaling_type(base["rope_scaling"])          # an unknown scaling kind fails at the header
+    # every layer windowed where the file declares a window (Mistral 7B v0.1-style; note
+    # llama.cpp reads no window from these architectures and attends to everything)
+    window = window_of(md.get(f"{arch}.attention.sliding_window"), base["context_length"])
     return ModelConfig(**base, qkv_bias=qkv_bias or "blk.0.attn_q.bias" in tensors,
-                       qk_norm=qk_norm)
+                       qk_norm=qk_norm, sliding_window=window)
 
 
 def hf_config(hf: dict, path: str, *, arch: str, qkv_bias: bool = False,
@@ -56,8 +58,12 @@ def hf_config(hf: dict, path: str, *, arch: str, qkv_bias: bool = False,
 
     hidden, n_heads = int(need("hidden_size")), int(need("num_attention_heads"))
     context = int(need("max_position_embeddings"))
-    if hf.get("use_sliding_window", True):
-        _refuse_window(hf.get("sliding_window"), context, path)
+    window = window_of(hf.get("sliding_window"), context) \
+        if hf.get("use_sliding_window", True) else 0
+    if window and arch == "qwen2":
+        raise UnsupportedModelError(
+            f"{path}: Qwen2's sliding window applies to some layers only (max_window_layers), "
+            f"which is not supported; use the checkpoint with use_sliding_window false")
     return ModelConfig(
         arch=arch,
         n_layers=int(need("num_hidden_layers")),
@@ -77,6 +83,7 @@ def hf_config(hf: dict, path: str, *, arch: str, qkv_bias: bool = False,
         name=str(hf.get("_name_or_path", "")),
         qkv_bias=qkv_bias or bool(hf.get("attention_bias", False)),
         qk_norm=qk_norm,
+        sliding_window=window,
     )
 
 
