@@ -167,3 +167,11 @@ def test_gemma3_streamed_equals_all_resident(family_files):
     assert runs[1].kv["h2d_bytes"] > 0, runs[1].kv
     runs = [r.token_ids for r in runs]
     assert runs[0] == runs[1] and len(runs[0]) == 24
+
+
+def test_info_shows_the_sliding_windows(family_files):
+    from kvcompile.io.model_info import format_model_info, model_info
+    info = model_info(family_files("gemma3"))
+    assert info["sliding_window"] == (64, 5)
+    assert "window         64 positions on 5 of 6 layers" in format_model_info(info)
+    assert model_info(family_files("qwen3"))["sliding_window"] is None

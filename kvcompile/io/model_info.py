@@ -91,6 +91,10 @@ def model_info(path: str | os.PathLike) -> dict:
                  "layout": "neox" if cfg.rope_neox else "adjacent pairs",
                  "scaling": dict(cfg.rope_scaling)},
         "rms_eps": cfg.rms_eps,
+        # (window, windowed layers) of sliding-window attention, None without
+        "sliding_window": ((cfg.sliding_window, sum(1 for i in range(cfg.n_layers)
+                                                    if cfg.layer_window(i)))
+                           if cfg.sliding_window else None),
         "tie_embeddings": cfg.tie_embeddings,
         "tensor_count": len(listing),
         "quant_types": quant_types,
@@ -138,6 +142,9 @@ def format_model_info(info: dict) -> str:
         f"context        {info['context_length']}",
         f"rope           theta {rope['theta']:g}, {rope['dim']} dims, {rope['layout']}"
         + (f", scaling {rope['scaling']}" if rope["scaling"] else ""),
+        *([f"window         {info['sliding_window'][0]} positions on "
+           f"{info['sliding_window'][1]} of {info['layers']} layers"]
+          if info["sliding_window"] else []),
         f"parameters     {format_count(info['params'])} in {info['tensor_count']} tensors, "
         f"{format_bytes(info['param_bytes'])}",
         "tensor types   " + ", ".join(
