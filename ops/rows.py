@@ -10,12 +10,16 @@ import torch
 import torch.nn.functional as F
 
 from kvcompile.ops.gemv.op import GEMV_DTYPES, GEMV_MAX_ROWS
+from kvcompile.ops.kv_format import kv_type
+from kvcompile.ops.kv_write.cpu_kernel import cpu_kv_write_fits, write_rows
+from kvcompile.ops.qlinear.cpu_kernel import cpu_qlinear_fits, qlinear_rows
 from kvcompile.ops.rms_norm.naive import rms_norm_naive
 from kvcompile.ops.rms_norm.op import check_rms_norm_args
 from kvcompile.ops.rope_rotate.naive import rope_rotate_naive
 from kvcompile.ops.rope_rotate.op import check_rope_rotate_args
 from kvcompile.ops.silu_mul.naive import silu_mul_naive
 from kvcompile.ops.silu_mul.op import check_silu_mul_args
+from kvcompile.ops.span_attention.cpu_kernel import attention_rows, cpu_attention_fits
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -70,3 +74,38 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
     if _gemv_fits(x, weight, bias):
         return torch.ops.kvcompile.gemv(x, weight, bias, True)
     return silu_mul(linear(x, weight, bias))
+
+
+# The KV ops and qlinear: on the CPU, where a C++ kernel takes the call, the eager model
+# calls it directly (a custom op's dispatch costs as much as the kernel at decode sizes);
+# a traced forward and every other device call the op, which picks the same kernel.
+def _direct() -> bool:
+    return not torch.compiler.is_compiling()
+
+
+def qlinear(x: torch.Tensor, weight: torch.Tensor, qtype: int, k: int,
+            bias: torch.Tensor | None) -> torch.Tensor:
+    if not x.is_cuda and _direct() and cpu_qlinear_fits(x, qtype):
+        return qlinear_rows(x, weight, qtype, k, bias)
+    return torch.ops.kvcompile.qlinear(x, weight, qtype, k, bias)
+
+
+def kv_write(k_pool, v_pool, k, v, q_pos, k_type: int, v_type: int, page_size: int,
+             page_table) -> None:
+    if (not k.is_cuda and _direct() and k.shape[0] and cpu_kv_write_fits(
+            k, kv_type(k_type).name, kv_type(v_type).name, page_table, k_pool, v_pool)):
+        return write_rows(k_pool, v_pool, k, v, q_pos, page_table, page_size)
+    torch.ops.kvcompile.kv_write(k_pool, v_pool, k, v, q_pos, k_type, v_type, page_size,
+                                 page_table)
+
+
+def span_attention(q, k_pool, v_pool, page_table, q_pos, k_type: int, v_type: int,
+                   page_size: int, scale: float, workspace, out_rot,
+                   window: int = 0) -> torch.Tensor:
+    if (out_rot is None and not q.is_cuda and _direct() and k_pool.stride(1) == 1
+            and v_pool.stride(1) == 1
+            and cpu_attention_fits(q, kv_type(k_type).name, kv_type(v_type).name, q.shape[0])):
+        return attention_rows(q, k_pool, v_pool, page_table, q_pos, page_size, scale, window)
+    return torch.ops.kvcompile.span_attention(q, k_pool, v_pool, page_table, q_pos, k_type,
+                                              v_type, page_size, scale, workspace, out_rot,
+                                              window)

@@ -30,7 +30,8 @@ class EngineConfig:
     cache_type_k: str = "f32"              # f32 f16 bf16 q8_0 q4_0
     cache_type_v: str = "f32"
     device: str | None = None              # None: the CPU; cuda, cuda:N
-    dtype: str | torch.dtype | None = None  # None / auto: bf16 on CUDA, f32 on the CPU
+    dtype: str | torch.dtype | None = None  # None / auto: bf16 on CUDA, the CPU's fast path
+    # (f32 activations, GGUF weights, C++ kernels); "f32" on the CPU: the reference path
     ubatch: int = 256                      # prefill chunk (tokens a forward)
     kv_stream_arena_mib: float | str = 0   # 0: every page on the device; N MiB; auto
     gpu_memory_gib: float | None = None    # device budget (weights + workspace + KV)

@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from kvcompile.engine.config import EngineConfig
+from kvcompile.engine.dtypes import cpu_fast_path
 from kvcompile.engine.finite import check_finite
 from kvcompile.engine.gate import RequestGate
 from kvcompile.engine.memory_budget import plan_engine_memory
@@ -81,9 +82,11 @@ class Engine:
                                     cfg.cache_type_v, cfg.kv_stream_arena_mib,
                                     cfg.gpu_memory_gib, cfg.spec.verify_rows,
                                     mtp=cfg.spec.uses_mtp)
-        loaded = load_model(source, device=device, dtype=dtype, progress=cfg.progress)
+        fast = cpu_fast_path(cfg.dtype, device)
+        loaded = load_model(source, device=device, dtype=dtype, progress=cfg.progress,
+                            keep_quantized=fast or None)
         self._setup(loaded.model, loaded.tokenizer, loaded.path, cfg, device, dtype, ctx,
-                    memory)
+                    memory, fast)
 
     @classmethod
     def from_model(cls, model, config: EngineConfig | None = None, *, tokenizer=None,
@@ -106,7 +109,7 @@ class Engine:
         return self
 
     def _setup(self, model, tokenizer, path, cfg: EngineConfig, device, dtype, ctx,
-               memory) -> None:
+               memory, fast: bool = False) -> None:
         spec = cfg.spec
         check_model_supports(model, spec)
         self.config, self.spec = cfg, spec
@@ -123,6 +126,7 @@ class Engine:
             ctx_checkpoints=cfg.ctx_checkpoints, decode_depth=cfg.decode_depth,
             prefetch_next=cfg.prefetch_next, fill_ahead=cfg.fill_ahead)
         self.prompt_cache = PromptCache(cfg.cache_ram_bytes())   # other conversations
+        self.cpu_fast = fast          # the CPU's fast path (dtypes.cpu_fast_path)
         capture, compile = cfg.graphs(self.device)
         self.executor = Executor(model, self.store, ubatch=cfg.ubatch, capture=capture,
                                  compile=compile, trace=cfg.trace)

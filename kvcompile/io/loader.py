@@ -55,9 +55,10 @@ def read_config(path) -> ModelConfig:
 
 
 def load_model(model=None, *, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, progress: bool = True) -> LoadedModel:
+               dtype: torch.dtype = torch.float32, progress: bool = True,
+               keep_quantized: bool | None = None) -> LoadedModel:
     """model: None (the default model), a path, or a ModelSource (its header already
-    parsed: the load reads only tensors)."""
+    parsed: the load reads only tensors); keep_quantized: weights.weight_plan's."""
     from kvcompile.io.tokenizer import Tokenizer
     from kvcompile.io.weights import load_weights
 
@@ -70,7 +71,7 @@ def load_model(model=None, *, device: str | torch.device = "cpu",
         return clock[-1] - clock[-2]
 
     weights = load_weights(path, dtype=dtype, progress=progress, device=device,
-                           opened=source.gguf if source else None)
+                           keep_quantized=keep_quantized, opened=source.gguf if source else None)
     seconds = {"weights": lap(), **{f"weights.{k}": v for k, v in (weights.seconds or {}).items()}}
     cls = family_for_gguf(weights.config.arch, path).model_class()
     meta = weights.metadata

@@ -144,20 +144,23 @@ def dense_dtype(name: str, shape: tuple, dtype: torch.dtype) -> torch.dtype:
 def weight_plan(infos, device: torch.device, dtype: torch.dtype,
                 keep_quantized: bool | None = None) -> list[PlannedWeight]:
     """What each tensor becomes on `device`. keep_quantized (default: on CUDA with f16 /
-    bf16 activations) keeps every matrix whose type has a qlinear kernel in its GGUF block
-    format, except F16 / BF16 matrices of the activations' own dtype (dense: cuBLAS and
-    the gemv op read them as they are); others are dequantized into their dense dtype."""
+    bf16 activations; the CPU's fast path asks for it) keeps every matrix whose type has a
+    qlinear kernel on the device in its GGUF block format, except F16 / BF16 matrices of
+    the activations' own dtype (dense: cuBLAS and the gemv op read them as they are);
+    others are dequantized into their dense dtype."""
+    from kvcompile.ops.qlinear.cpu_kernel import CPU_FORMATS
     from kvcompile.ops.qlinear.formats import FORMATS
     if keep_quantized is None:
         keep_quantized = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    cuda = device.type == "cuda"
     plan = []
     for info in infos:
         target = dense_dtype(info.name, info.shape, dtype)
-        kernel = info.ggml_type in FORMATS
+        kernel = info.ggml_type in (FORMATS if cuda else CPU_FORMATS)
         same_dense = {"F16": torch.float16, "BF16": torch.bfloat16}.get(info.ggml_type) == target
         keep = (keep_quantized and kernel and len(info.shape) == 2 and target == dtype
                 and not same_dense)
-        no_kernel = (keep_quantized and not kernel and len(info.shape) == 2
+        no_kernel = (keep_quantized and cuda and not kernel and len(info.shape) == 2
                      and info.ggml_type not in ("F32", "F16", "BF16"))
         plan.append(PlannedWeight(info, keep, target, no_kernel))
     return plan

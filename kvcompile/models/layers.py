@@ -91,8 +91,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qtype:
-            return torch.ops.kvcompile.qlinear(x, self.qweight, self.qtype, self.in_features,
-                                               self.bias)
+            return rows.qlinear(x, self.qweight, self.qtype, self.in_features, self.bias)
         return rows.linear(x, self.weight, self.bias)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -251,10 +250,9 @@ class PagedAttention(nn.Module):
         qkv = rows.rope_rotate(self.heads(x), cos, sin, self.rope_neox, hq + hk, kv.k_rot,
                                kv.v_rot)
         q, k, v = qkv.split([hq, hk, hk], dim=1)
-        torch.ops.kvcompile.kv_write(kv.k_pool, kv.v_pool, k, v, q_pos,
-                                     kv.k_type, kv.v_type, kv.page_size, kv.page_table)
-        out = torch.ops.kvcompile.span_attention(q, kv.k_pool, kv.v_pool, kv.page_table, q_pos,
-                                                 kv.k_type, kv.v_type, kv.page_size, self.scale,
-                                                 kv.workspace,
-                                                 kv.v_rot_blocks, self.window)
+        rows.kv_write(kv.k_pool, kv.v_pool, k, v, q_pos, kv.k_type, kv.v_type, kv.page_size,
+                      kv.page_table)
+        out = rows.span_attention(q, kv.k_pool, kv.v_pool, kv.page_table, q_pos, kv.k_type,
+                                  kv.v_type, kv.page_size, self.scale, kv.workspace,
+                                  kv.v_rot_blocks, self.window)
         return self.wo(out.reshape(t, hq * self.head_dim))

@@ -9,7 +9,9 @@ qlinear(x, weight, qtype, k, bias=None, silu_mul=False): y = x @ dequant(weight)
   accumulation, one rounding to x's dtype. silu_mul=True (up to 8 rows): weight is a fused
   [gate; up] projection and the result is silu(gate) * up [M, N / 2], as ops/gemv
   computes it.
-  With PDL (ops/pdl.py) the GEMVs wait before their first load.
+  With PDL (ops/pdl.py) the GEMVs wait before their first load. On the CPU, fp32
+  activations and a type of cpu_kernel.CPU_FORMATS run the C++ kernel (cpu_kernel.py),
+  anything else the fp32 reference.
 qembedding(weight, qtype, k, tokens, dtype): rows `tokens` of the weight dequantized,
   [T, K] in `dtype` (a quantized token embedding).
 """
@@ -20,6 +22,7 @@ from typing import Optional
 import torch
 
 from kvcompile.errors import OpInputError
+from kvcompile.ops.qlinear.cpu_kernel import cpu_qlinear_fits, qlinear_cpu
 from kvcompile.ops.qlinear.formats import weight_format
 from kvcompile.ops.qlinear.naive import dequantize_rows, qlinear_naive
 from kvcompile.ops.qlinear.triton_kernel import dequant_rows_triton, qlinear_triton
@@ -64,7 +67,10 @@ def qlinear(x: torch.Tensor, weight: torch.Tensor, qtype: int, k: int,
     if x.device.type == "cuda":
         x = x if x.stride(1) == 1 else x.contiguous()
         return qlinear_triton(x, weight, name, k, bias, silu_mul=silu_mul)
-    y = qlinear_naive(x, weight, name, k, bias)
+    if cpu_qlinear_fits(x, qtype):
+        y = qlinear_cpu(x, weight, qtype, k, bias)
+    else:
+        y = qlinear_naive(x, weight, name, k, bias)
     return silu_mul_naive(y) if silu_mul else y
 
 
