@@ -30,7 +30,8 @@ class RingFills:
         into the very slots (fill_ahead), so only the placement is made."""
         n_pages, _ = self.active
         r = min(self.r, n_pages)
-        job = Placement.build(li, self.L, r, n_pages, self._ring, self.cursor)
+        job = Placement.build(li, self.L, r, n_pages, self._ring, self.cursor,
+                              self.window_first(li))
         free = self._free_prefix(job)
         if free < job.n_streamed and (not copy or not self.split_fills or not free):
             return False
@@ -39,7 +40,7 @@ class RingFills:
         self.valid_upto[li] = max(v, r)
         job.placed = min(v, r)                       # stale resident pages are refilled
         self.issued[li] = job
-        self._place(job, r + free, copy)
+        self._place(job, job.ring_from + free, copy)
         if not job.complete:
             self.partial = job
             self.count["split"] += 1

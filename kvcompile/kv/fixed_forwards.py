@@ -22,32 +22,35 @@ from kvcompile.kv.placement import Placement
 
 @dataclass
 class FilledAhead:
-    """What fill_ahead issued: for a fixed forward over n_pages of these layers at split r,
-    its first k layers, with their fills' ready fences (by layer index) and slots."""
+    """What fill_ahead issued: for a fixed forward over n_pages of these layers at split r
+    that writes from page `first` (windowed layers' placements depend on it), its first k
+    layers, with their fills' ready fences (by layer index) and slots."""
     n_pages: int
     layers: tuple
     r: int
     k: int
     ready: dict
     slots: list
+    first: int = 0
 
 
 class FixedForwards:
     """StreamingPool's methods around fixed forwards: filling ahead, refills outside a
     step, and the bookkeeping of a capture and of its replays."""
 
-    def fill_ahead(self, n_pages: int, layers) -> int:
+    def fill_ahead(self, n_pages: int, layers, first: int = 0) -> int:
         """Issue now the fills the next fixed forward over n_pages would issue at its
         begin, into the same slots, behind every page's last use; returns how many layers
         (0: stale resident pages want refills first, which such a forward does not make).
-        A forward that is not that one finds those slots' last use in these fills."""
+        A forward that is not that one finds those slots' last use in these fills.
+        first: the page that forward writes from (its layout's)."""
         self._idle("fill ahead")
         if self.refills(n_pages, layers):
             return 0
         count = self.count                   # the last forward's, for its telemetry
         split, self.split_fills = self.split_fills, False   # whole layers: the forward
         try:                                                 # skips them
-            self.begin(n_pages, range(0), layers, fixed=True)
+            self.begin(n_pages, range(first, first), layers, fixed=True)
         finally:
             self.split_fills = split
         self.count = count
@@ -58,13 +61,15 @@ class FixedForwards:
         self.filled_ahead = FilledAhead(
             n_pages, tuple(layers), self.r, len(jobs),
             {li: list(job.ready) for li, job in jobs.items()},
-            [p for job in jobs.values() for s in job.slot_ranges() for p in s])
+            [p for job in jobs.values() for s in job.slot_ranges() for p in s], first)
         return len(jobs)
 
-    def ahead_for(self, n_pages: int, layers) -> int:
-        """How many first layers of a fixed forward over n_pages were filled ahead."""
+    def ahead_for(self, n_pages: int, layers, first: int = 0) -> int:
+        """How many first layers of a fixed forward over n_pages, writing from page
+        `first`, were filled ahead."""
         a = self.filled_ahead
-        match = a is not None and (a.n_pages, a.layers, a.r) == (n_pages, tuple(layers), self.r)
+        match = a is not None and (a.n_pages, a.layers, a.r, a.first) == (
+            n_pages, tuple(layers), self.r, first)
         return a.k if match else 0
 
     def _publish_rows(self, layer, rows: torch.Tensor) -> None:

@@ -1,9 +1,11 @@
 """Where one layer's logical pages live during one forward, in O(1) runs, not per page.
 
 Resident page of (layer index li, logical page lp < r) is lp * L + li; the streamed pages
-[r, n) sit in consecutive ring slots, split in two where the ring wraps. The page table is
-written with a few tensor ops; the same placement as a validated SpanPlan is available for
-checks (building it costs one span per resident page).
+[r, n) sit in consecutive ring slots, split in two where the ring wraps. A windowed layer
+reads only from its window's first page (`first`): its streamed pages start there when
+that is past r (`ring_from`), and the table entries between r and it are never written
+nor read. The page table is written with a few tensor ops; the same placement as a
+validated SpanPlan is available for checks (building it costs one span per resident page).
 """
 from __future__ import annotations
 
@@ -27,19 +29,35 @@ class Placement:
     released: bool = False
     placed: int = 0                  # logical pages [0, placed) have their slots and fills
     held: list = field(default_factory=list)     # ring slot ranges this layer holds
+    first: int = 0                   # first logical page read (a windowed layer's window)
 
     @classmethod
-    def build(cls, li, L, r, n, ring: Ring, cursor: int) -> "Placement":
-        runs, left, lp, slot = [], n - r, r, cursor
-        while left:
+    def build(cls, li, L, r, n, ring: Ring, cursor: int, first: int = 0) -> "Placement":
+        start = max(r, first)
+        runs, left, lp, slot = [], n - start, start, cursor
+        while left > 0:
             cnt = min(left, ring.n_slots - slot)
             runs.append((lp, ring.first_physical_page + slot, cnt))
             lp, left, slot = lp + cnt, left - cnt, 0
-        return cls(li, L, r, n, runs, cursor)
+        return cls(li, L, r, n, runs, cursor, first=first)
+
+    @property
+    def ring_from(self) -> int:
+        """The first logical page in the ring: r, or a windowed layer's first page."""
+        return max(self.r, self.first)
 
     @property
     def n_streamed(self) -> int:
-        return self.n - self.r
+        return max(self.n - self.ring_from, 0)
+
+    @property
+    def n_resident_read(self) -> int:
+        """Resident pages attention reads (those from the window's first page on)."""
+        return max(min(self.r, self.n) - self.first, 0)
+
+    def read_pages(self) -> range:
+        """The logical pages attention reads."""
+        return range(min(self.first, self.n), self.n)
 
     @property
     def complete(self) -> bool:
@@ -57,8 +75,8 @@ class Placement:
         raise IndexError(f"logical page {lp} is outside this placement ({self.n} pages)")
 
     def pages(self) -> list[int]:
-        """Physical page of every logical page, in logical order."""
-        out = [lp * self.L + self.li for lp in range(self.r)]
+        """Physical page of every logical page read (read_pages), in logical order."""
+        out = [lp * self.L + self.li for lp in range(self.first, self.r)]
         for r in self.slot_ranges():
             out.extend(r)
         return out
@@ -83,8 +101,8 @@ class Placement:
         if not self.n_streamed:
             return max(known, self.r)
         if ring_pages is not None:
-            table[self.r:self.n].copy_(ring_pages[self.first_slot:
-                                                  self.first_slot + self.n_streamed])
+            table[self.ring_from:self.n].copy_(ring_pages[self.first_slot:
+                                                          self.first_slot + self.n_streamed])
         else:
             for lp0, p0, c in self.ring_runs:
                 table[lp0:lp0 + c] = torch.arange(p0, p0 + c, dtype=table.dtype,
@@ -92,8 +110,10 @@ class Placement:
         return self.r
 
     def span_plan(self, num_physical_pages: int, ring: Ring) -> SpanPlan:
-        spans = [Span(lp, lp * self.L + self.li, 1, RESIDENT) for lp in range(self.r)]
+        """The pages read as a plan (from the first page read: a windowed layer's)."""
+        spans = [Span(lp, lp * self.L + self.li, 1, RESIDENT)
+                 for lp in range(self.first, self.r)]
         if self.n_streamed:
             first = self.ring_runs[0][1] - ring.first_physical_page
-            spans += ring.spans(self.r, self.n_streamed, first)
-        return SpanPlan(spans, num_physical_pages, ring)
+            spans += ring.spans(self.ring_from, self.n_streamed, first)
+        return SpanPlan(spans, num_physical_pages, ring, first_page=min(self.first, self.n))

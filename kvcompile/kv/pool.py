@@ -16,6 +16,9 @@ the free ones now (they land while that layer computes) and the rest once it rel
 a ring of one layer's stream plus a margin keeps the copy engine busy (kv/policy.py,
 `decode_depth`); prefetch of later layers stops at such a layer. Release publishes the
 rows written this forward to host history and records each page's consumed fence.
+A windowed layer (`windows`) streams only the pages from its window's first page on (that
+of the forward's first written page: placement.py), so pages older than the window are
+never copied nor read; its resident pages stay as a global layer's.
 
 Fixed forwards (captured steps) and what surrounds them: kv/fixed_forwards.py.
 """
@@ -42,15 +45,22 @@ UNSAFE = frozenset({"skip_ready_wait", "skip_consumed_wait"})  # test-only broke
 
 class StreamingPool(RingFills, FixedForwards):
     def __init__(self, kv_pool, pair, host, layers, engine, backend, max_pages: int,
-                 unsafe=frozenset(), check_plans: bool | None = None, row_maps=None):
+                 unsafe=frozenset(), check_plans: bool | None = None, row_maps=None,
+                 windows: dict | None = None, page_size: int = 0):
         """kv_pool: uint8 [P, pair.stride], physical pages each a K and a V page
-        (kv_pages.PagePair): a run of pages is one copy."""
+        (kv_pages.PagePair): a run of pages is one copy. windows: layer -> sliding window
+        (positions) of the windowed layers, whose pages are `page_size` positions."""
         if set(unsafe) - UNSAFE:
             raise ValueError(f"unknown unsafe switches {set(unsafe) - UNSAFE}")
         self.kv_pool, self.host = kv_pool, host
         self.k_pool, self.v_pool = pair.views(kv_pool)
         self.layers = tuple(layers)
         self.index = {layer: li for li, layer in enumerate(self.layers)}
+        self.windows = {self.index[l]: w for l, w in (windows or {}).items()
+                        if w and l in self.index}
+        self.page_size = page_size
+        if self.windows and page_size <= 0:
+            raise ValueError("windowed layers need the page size")
         self.L, self.P = len(self.layers), kv_pool.shape[0]
         self.engine, self.backend, self.unsafe = engine, backend, frozenset(unsafe)
         self.checker = engine.instrument.checker
@@ -168,7 +178,7 @@ class StreamingPool(RingFills, FixedForwards):
         docstring)."""
         self._idle("begin a forward")
         order = tuple(self.layers if layers is None else layers)
-        if ahead and (not fixed or self.ahead_for(n_pages, order) < ahead):
+        if ahead and (not fixed or self.ahead_for(n_pages, order, written.start) < ahead):
             raise KvLayoutError(f"a forward cannot skip {ahead} layers' fills that were "
                                 f"not issued ahead ({self.filled_ahead})")
         if not ahead:
@@ -194,6 +204,14 @@ class StreamingPool(RingFills, FixedForwards):
                                     f"{len(self.issued)} at this forward's begin")
             self.filled_ahead = None
 
+    def window_first(self, li: int) -> int:
+        """The first logical page layer li reads in the active forward: 0, or for a
+        windowed layer the page of the window of the forward's first written position."""
+        w = self.windows.get(li, 0)
+        if not w:
+            return 0
+        return max(self.active[1].start * self.page_size - w + 1, 0) // self.page_size
+
     def _write_all_tables(self, n_pages: int) -> bool:
         """Write the page tables of this forward's layers now, in one or two device ops,
         when it acquires consecutive layers in order (else acquire writes each). Slots go
@@ -201,8 +219,8 @@ class StreamingPool(RingFills, FixedForwards):
         however long its issue has to wait; its table may be written before its copies
         land: attention waits for those (ready fences), not for the table."""
         o, m = self.order, len(self.order)
-        if m < 2 or o != list(range(o[0], o[0] + m)):
-            return False
+        if m < 2 or o != list(range(o[0], o[0] + m)) or any(li in self.windows for li in o):
+            return False               # (windowed layers take fewer slots: each its own)
         a, r = o[0], min(self.r, n_pages)
         ns, rows, known = n_pages - r, self._tables[a:a + m], self._table_known[a:a + m]
         if self.fixed or min(known) < r:     # a captured step writes all: eager steps
@@ -241,17 +259,18 @@ class StreamingPool(RingFills, FixedForwards):
                 table, self._resident[li], self._ring_pages,
                 0 if self.fixed else self._table_known[li])
         if self.check_plans:
-            plan = job.span_plan(self.P, self.ring)
-            if not torch.equal(plan.page_table(job.n), table[:job.n].cpu()):
+            plan, read = job.span_plan(self.P, self.ring), job.read_pages()
+            if not torch.equal(plan.page_table(job.n)[read.start:],
+                               table[read.start:job.n].cpu()):
                 raise KvLayoutError(f"layer {layer}: page table disagrees with {plan}")
         if self.checker is not None:
             for pages, owners in job.claims:
                 self.checker.claim(pages, owners)
-            self.checker.read_start(job.pages(), [(li, lp) for lp in range(job.n)])
+            self.checker.read_start(job.pages(), [(li, lp) for lp in job.read_pages()])
         delay = self.engine.instrument.compute_delay
         if delay is not None:
             self.backend.compute_delay(delay())
-        self.count["resident_reads"] += job.r
+        self.count["resident_reads"] += job.n_resident_read
         self.count["streamed_reads"] += job.n_streamed
         self.current = layer
         return table

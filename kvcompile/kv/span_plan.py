@@ -65,11 +65,14 @@ class SpanPlan:
     """A validated, ordered span plan (see the module docstring)."""
 
     def __init__(self, spans, num_physical_pages: int | None = None,
-                 ring: Ring | None = None):
+                 ring: Ring | None = None, first_page: int = 0):
+        """first_page: the plan covers logical pages from there (a windowed layer's window:
+        the pages before it are never read)."""
         self.spans = tuple(spans)
         self.num_physical_pages = num_physical_pages
         self.ring = ring
-        validate(self.spans, num_physical_pages, ring)
+        self.first_page = first_page
+        validate(self.spans, num_physical_pages, ring, first_page)
 
     @property
     def n_logical_pages(self) -> int:
@@ -102,13 +105,14 @@ class SpanPlan:
         return f"SpanPlan({rows})"
 
 
-def validate(spans, num_physical_pages: int | None, ring: Ring | None) -> None:
-    """Raise KvLayoutError unless the spans cover logical pages 0..n-1 in order, without
-    gaps or overlaps, on distinct physical pages inside the pool (ring spans inside the
-    ring, resident spans outside it)."""
+def validate(spans, num_physical_pages: int | None, ring: Ring | None,
+             first_page: int = 0) -> None:
+    """Raise KvLayoutError unless the spans cover logical pages first_page..n-1 in order,
+    without gaps or overlaps, on distinct physical pages inside the pool (ring spans inside
+    the ring, resident spans outside it)."""
     if not spans:
         raise KvLayoutError("a span plan needs at least one span")
-    expect = 0
+    expect = first_page
     for i, s in enumerate(spans):
         if s.kind not in KINDS:
             raise KvLayoutError(f"span {i} has kind {s.kind!r}; use 'resident' or 'ring'")

@@ -58,9 +58,12 @@ class KvStore:
                  backend: Backend | None = None, recurrent: RecurrentState | None = None,
                  rotate: bool = True, policy: dict | None = None, unsafe=frozenset(),
                  decode_depth="auto", prefetch_next: bool | None = None,
-                 fill_ahead: bool | None = None, ctx_checkpoints: int = 0):
+                 fill_ahead: bool | None = None, ctx_checkpoints: int = 0,
+                 windows: dict | None = None):
         """config: the geometry (n_layers counts every KV layer index, MTP layers included);
-        layers: the KV layers (default: the config's attention layers); arena_mib: 0 keeps
+        layers: the KV layers (default: the config's attention layers); windows: layer ->
+        sliding window of the windowed layers (a streamed store copies only their window's
+        pages; default: the config's, ModelConfig.layer_window); arena_mib: 0 keeps
         every page on the device, N > 0 streams the history through N MiB of KV pages;
         backend: where memory and copies come from (default: the device's); recurrent: a
         hybrid model's state; ctx_checkpoints: host copies of that state kept for prefix
@@ -77,6 +80,8 @@ class KvStore:
         if layers is None:     # every attention layer (all of them, except in hybrid models)
             layers = [i for i in range(config.n_layers) if config.is_attention_layer(i)]
         self.layers = tuple(sorted(set(layers)))
+        self.windows = {i: config.layer_window(i) for i in self.layers
+                        if config.layer_window(i)} if windows is None else dict(windows)
         bad = [i for i in self.layers if not 0 <= i < config.n_layers]
         if bad:
             raise KvLayoutError(f"KV layers {bad} are outside the model's {config.n_layers} "
@@ -373,6 +378,7 @@ class KvStore:
         device = torch.device(device) if device is not None else model.device
         recurrent = RecurrentState(model.config, device) if plan.recurrent else None
         layers = plan.kv_layers if mtp else plan.attention
+        options.setdefault("windows", dict(plan.windows))
         return cls(plan.kv_config(model.config), max_tokens, arena_mib, k_type, v_type,
                    page_size, device=device, layers=layers, recurrent=recurrent, **options)
 

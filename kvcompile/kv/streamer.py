@@ -64,7 +64,8 @@ class Streamer:
                                kv_pool.device)
                      for t, role in ((store.k_type, "k"), (store.v_type, "v")))
         self.pool = StreamingPool(kv_pool, pair, host, self.layers, self.engine, backend,
-                                  self.num_pages, unsafe, row_maps=maps)
+                                  self.num_pages, unsafe, row_maps=maps,
+                                  windows=store.windows, page_size=store.page_size)
         # Prefill: depth >= 2 (the next layer's copies run while this one computes) unless
         # asked. Decode: a layer's compute is short; with split fills a part of a layer
         # as margin covers it, and the bytes a step streams fall with the ring (policy.py).
@@ -138,7 +139,8 @@ class Streamer:
         self.drop_next()                  # a forward begun ahead is not a fixed one (and
         self.pool.refill(lay.pages, s["layers"])         # it may have refilled pages)
         self._layout = lay
-        ahead = self.pool.ahead_for(lay.pages, s["layers"])   # by the last replay's guess
+        # by the last replay's guess
+        ahead = self.pool.ahead_for(lay.pages, s["layers"], lay.first)
         return replace(lay, ahead=ahead) if ahead else lay
 
     def prepare_capture(self, s: dict) -> None:
@@ -187,7 +189,7 @@ class Streamer:
         finds only those slots' last use in the fills)."""
         self.pool.end()
         if self.fill_ahead and self._layout is not None:
-            self.pool.fill_ahead(self._layout.pages, s["layers"])
+            self.pool.fill_ahead(self._layout.pages, s["layers"], self._layout.first)
 
     def replayed(self, s: dict, moved, filled) -> None:
         """Close the open forward after its captured work ran (a CUDA graph replay, or on
