@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from kvcompile.engine.config import EngineConfig
 from kvcompile.engine.dtypes import cpu_fast_path
+from kvcompile.models.layers import use_cpu_kernels
 from kvcompile.engine.finite import check_finite
 from kvcompile.engine.gate import RequestGate
 from kvcompile.engine.memory_budget import plan_engine_memory
@@ -127,6 +128,8 @@ class Engine:
             prefetch_next=cfg.prefetch_next, fill_ahead=cfg.fill_ahead)
         self.prompt_cache = PromptCache(cfg.cache_ram_bytes())   # other conversations
         self.cpu_fast = fast          # the CPU's fast path (dtypes.cpu_fast_path)
+        if fast:
+            use_cpu_kernels(model)
         capture, compile = cfg.graphs(self.device)
         self.executor = Executor(model, self.store, ubatch=cfg.ubatch, capture=capture,
                                  compile=compile, trace=cfg.trace)

@@ -21,6 +21,8 @@ from kvcompile.models.rope import rope_tables  # noqa: F401  (its older home: te
 
 
 class RMSNorm(nn.Module):
+    cpu_kernels = False           # the CPU's C++ row kernels (use_cpu_kernels)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -28,11 +30,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """f32 math, x's dtype out: one kernel on CUDA (ops/rms_norm)."""
-        return rows.rms_norm(x, self.weight, self.eps)
+        return rows.rms_norm(x, self.weight, self.eps, self.cpu_kernels)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, its norm): the residual add fused into the norm's kernel."""
-        return rows.add_rms_norm(x, residual, self.weight, self.eps)
+        return rows.add_rms_norm(x, residual, self.weight, self.eps, self.cpu_kernels)
 
 
 def check_rope_range(lo_hi: tuple[int, int], n_rope: int) -> tuple[int, int]:
@@ -73,6 +75,7 @@ class Linear(nn.Linear):
     instead, for every row count (ops/qlinear)."""
 
     qtype = 0                     # ggml type id of a quantized weight; 0: dense `weight`
+    cpu_kernels = False           # the CPU's C++ row kernels (use_cpu_kernels)
 
     def set_quantized(self, w: QuantWeight) -> None:
         """Take a quantized weight in place of the dense one (which is dropped)."""
@@ -101,7 +104,7 @@ class Linear(nn.Linear):
             if x.shape[0] <= 8 and x.is_cuda:
                 return torch.ops.kvcompile.qlinear(x, self.qweight, self.qtype,
                                                    self.in_features, self.bias, True)
-            return rows.silu_mul(self(x))
+            return rows.silu_mul(self(x), self.cpu_kernels)
         return rows.linear_silu_mul(x, self.weight, self.bias)
 
 
@@ -201,6 +204,8 @@ class SwiGLU(nn.Module):
 
 
 class PagedAttention(nn.Module):
+    cpu_kernels = False           # the CPU's C++ KV kernels (use_cpu_kernels)
+
     """GQA attention whose KV lives in page pools, read and written through the kvcompile ops.
     Variants: biases on q, k and v (qwen2); an RMSNorm over each q and k head before rope
     (qwen3, gemma3: `qk_norm_eps` given); a sliding window (`window` > 0: each row sees its
@@ -248,11 +253,20 @@ class PagedAttention(nn.Module):
         rope_rotate; span_attention rotates its output back (in its reduce on decode)."""
         t, hq, hk = x.shape[0], self.n_heads, self.n_kv_heads
         qkv = rows.rope_rotate(self.heads(x), cos, sin, self.rope_neox, hq + hk, kv.k_rot,
-                               kv.v_rot)
+                               kv.v_rot, self.cpu_kernels)
         q, k, v = qkv.split([hq, hk, hk], dim=1)
         rows.kv_write(kv.k_pool, kv.v_pool, k, v, q_pos, kv.k_type, kv.v_type, kv.page_size,
-                      kv.page_table)
+                      kv.page_table, self.cpu_kernels)
         out = rows.span_attention(q, kv.k_pool, kv.v_pool, kv.page_table, q_pos, kv.k_type,
                                   kv.v_type, kv.page_size, self.scale, kv.workspace,
-                                  kv.v_rot_blocks, self.window)
+                                  kv.v_rot_blocks, self.window, self.cpu_kernels)
         return self.wo(out.reshape(t, hq * self.head_dim))
+
+
+def use_cpu_kernels(model: nn.Module) -> None:
+    """The CPU's fast path (engine/dtypes.cpu_fast_path): the model's norms, projections and
+    attention layers call the C++ CPU kernels in eager steps (ops/rows.py); without it
+    they run the fp32 torch references."""
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, Linear, PagedAttention)):
+            m.cpu_kernels = True

@@ -1,7 +1,8 @@
-"""kv_write of fp32 rows into f32 pages on the CPU: one C++ kernel (ops/cpu_build.py)
-copying each row's heads to their slots, in place of the reference's views, index
-arithmetic and index_put (a dozen torch ops a layer, more than the copy costs at decode
-sizes). Slots come as positions through the page table, as the op takes them."""
+"""kv_write of fp32 rows into f32 pages on the CPU, for the fast path's eager model
+(ops/rows.py): one C++ kernel (ops/cpu_build.py) copying each row's heads to their slots,
+in place of the reference's views, index arithmetic and index_put (a dozen torch ops a
+layer, more than the copy costs at decode sizes). Slots come as positions through the
+page table, as the op takes them. The op (op.py) keeps the fp32 reference."""
 from __future__ import annotations
 
 import torch
@@ -52,16 +53,3 @@ def write_rows(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor,
                                positions.to(torch.int64).contiguous(),
                                page_table.to(torch.int32).contiguous(), t, h, d, page_size,
                                k_pool.stride(0), v_pool.stride(0))
-
-
-@torch.library.custom_op("kvcompile::kv_write_cpu", mutates_args=("k_pool", "v_pool"))
-def kv_write_cpu(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor,
-                 v_new: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
-                 page_size: int) -> None:
-    """write_rows as an op: opaque to torch.compile."""
-    write_rows(k_pool, v_pool, k_new, v_new, positions, page_table, page_size)
-
-
-@kv_write_cpu.register_fake
-def _(k_pool, v_pool, k_new, v_new, positions, page_table, page_size):
-    return None

@@ -20,7 +20,6 @@ import torch
 from kvcompile.errors import KvLayoutError
 from kvcompile.ops import kv_format as F
 from kvcompile.ops.index_checks import check_write_targets, values_readable
-from kvcompile.ops.kv_write.cpu_kernel import cpu_kv_write_fits, kv_write_cpu
 from kvcompile.ops.kv_write.naive import kv_write_naive
 from kvcompile.ops.kv_write.triton_kernel import kv_write_triton
 
@@ -95,9 +94,6 @@ def kv_write(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor,
     if k_pool.device.type == "cuda":
         kv_write_triton(k_pool, v_pool, k_new, v_new, slots, k_type, v_type, page_size,
                         page_table)
-    elif cpu_kv_write_fits(k_new, F.kv_type(k_type).name, F.kv_type(v_type).name, page_table,
-                           k_pool, v_pool):
-        kv_write_cpu(k_pool, v_pool, k_new, v_new, slots, page_table, page_size)
     else:
         if page_table is not None:
             slots = physical_slots(slots, page_table, page_size)

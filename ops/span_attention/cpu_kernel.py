@@ -1,6 +1,7 @@
-"""span_attention's decode rows on the CPU over f32 pages: one C++ kernel (ops/cpu_build.py)
-in place of the reference's gathers, einsums and softmax, a few dozen torch ops a layer
-that cost more than the attention itself at decode sizes.
+"""span_attention's decode rows on the CPU over f32 pages, for the fast path's eager model
+(ops/rows.py): one C++ kernel (ops/cpu_build.py) in place of the reference's gathers,
+einsums and softmax, a few dozen torch ops a layer that cost more than the attention
+itself at decode sizes. The op (op.py) keeps the fp32 reference.
 
 Each (row, query head) is one task, split over the threads: its scores over the keys at
 positions 0..q_pos (read through the page table, in logical order: the placement of a
@@ -86,17 +87,3 @@ def attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                hk, d, page_size, k_pool.stride(0), v_pool.stride(0), n_ctx,
                                float(scale), window)
     return out
-
-
-@torch.library.custom_op("kvcompile::span_attention_cpu", mutates_args=())
-def span_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                       page_table: torch.Tensor, q_pos: torch.Tensor, page_size: int,
-                       scale: float, window: int = 0) -> torch.Tensor:
-    """attention_rows as an op: opaque to torch.compile (an extern call in a compiled
-    step)."""
-    return attention_rows(q, k_pool, v_pool, page_table, q_pos, page_size, scale, window)
-
-
-@span_attention_cpu.register_fake
-def _(q, k_pool, v_pool, page_table, q_pos, page_size, scale, window=0):
-    return torch.empty_like(q)

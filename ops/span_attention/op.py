@@ -25,8 +25,6 @@ window:     0, or a sliding window: row t sees keys q_pos[t] - window < key <= q
             (llama.cpp's sliding window). Pages wholly before every row's window are never
             read, so their table entries may name any page (a windowed layer keeps only
             its window's pages).
-On the CPU, decode rows of fp32 q over f32 pages run a C++ kernel (cpu_kernel.py), the rest
-the fp32 reference.
 """
 from __future__ import annotations
 
@@ -37,7 +35,6 @@ import torch
 from kvcompile.errors import KvLayoutError
 from kvcompile.ops import kv_format as F
 from kvcompile.ops.index_checks import check_context_table, values_readable
-from kvcompile.ops.span_attention.cpu_kernel import cpu_attention_fits, span_attention_cpu
 from kvcompile.ops.span_attention.decode_blocks import launcher_for
 from kvcompile.ops.span_attention.naive import span_attention_naive
 from kvcompile.ops.span_attention.prefill_kernel import span_attention_prefill
@@ -121,11 +118,6 @@ def span_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if q.shape[0] == 0:
         return torch.empty_like(q)
     if q.device.type != "cuda":
-        if (cpu_attention_fits(q, kt.name, vt.name, q.shape[0]) and k_pool.stride(1) == 1
-                and v_pool.stride(1) == 1):
-            out = span_attention_cpu(q, k_pool, v_pool, page_table, q_pos, page_size, scale,
-                                     window)
-            return out if out_rot is None else _rotate_rows(out, out_rot)
         out = span_attention_reference(q, k_pool, v_pool, page_table, q_pos, k_type, v_type,
                                        page_size, scale, window)
         return out if out_rot is None else _rotate_rows(out, out_rot)
