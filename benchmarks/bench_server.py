@@ -154,7 +154,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--arena-mib", type=float, default=2048)
     ap.add_argument("--kv", default="q8_0/q4_0")
     ap.add_argument("--ubatch", type=int, default=256)
-    ap.add_argument("--device", default=None)
+    ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a 4-layer model, small contexts")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=RESULTS)
