@@ -157,16 +157,21 @@ def test_unsupported_architecture_is_refused_before_its_vocabulary(tmp_path):
 
 
 def test_gemma3_streamed_equals_all_resident(family_files):
-    """Gemma 3's windowed layers over a streamed store (a 1 MiB arena: part of the history
-    crosses from the host every step) give the all-resident greedy tokens."""
+    """Gemma 3's windowed layers over a streamed store give the all-resident greedy tokens:
+    in a 1 MiB arena (no room for window rings: windows and the global layer's history
+    cross from the host every step), and in 8 MiB, where each windowed layer keeps its
+    window in a ring of its own and the global layer stays resident: nothing crosses."""
     from kvcompile.engine.engine import Engine
     path = str(family_files("gemma3"))
     prompt = tokens_of(400, 4096, seed=12)
-    runs = [Engine(path, ctx_size=1024, kv_stream_arena_mib=mib, progress=False).generate(
-        prompt, max_tokens=24, temperature=0) for mib in (0, 1)]
-    assert runs[1].kv["h2d_bytes"] > 0, runs[1].kv
-    runs = [r.token_ids for r in runs]
-    assert runs[0] == runs[1] and len(runs[0]) == 24
+    engines = [Engine(path, ctx_size=1024, kv_stream_arena_mib=mib, progress=False)
+               for mib in (0, 1, 8)]
+    runs = [e.generate(prompt, max_tokens=24, temperature=0) for e in engines]
+    assert engines[1].store.streamer.rings is None and runs[1].kv["h2d_bytes"] > 0
+    assert set(engines[2].store.streamer.rings.windows) == {0, 1, 2, 3, 4}
+    assert runs[2].kv["h2d_bytes"] == 0, runs[2].kv
+    ids = [r.token_ids for r in runs]
+    assert ids[0] == ids[1] == ids[2] and len(ids[0]) == 24
 
 
 def test_info_shows_the_sliding_windows(family_files):

@@ -42,11 +42,12 @@ def _prompt(n):
     return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(SEED))
 
 
-def _store(model, types, pages, checker, windows=None, delays=True):
+def _store(model, types, pages, checker, windows=None, delays=True, window_rows=0):
     rng = random.Random(SEED)
     delay = (lambda: rng.uniform(0, 0.002)) if delays else None
     inst = Instrument(checker=checker, copy_delay=delay, compute_delay=delay)
     options = {} if windows is None else dict(windows=windows)
+    options["window_rows"] = window_rows
     return KvStore.for_model(model, MAX_TOKENS, types[0], types[1], _mib(pages, types),
                              page_size=PS, **options,
                              backend=CpuBackend(threaded_copies=True, instrument=inst))
@@ -112,3 +113,88 @@ def test_captured_decode_steps_over_windowed_layers(model, types):
     assert ids == ids_ref and torch.equal(got, ref), SEED
     assert program.program_stats()["replays"] == 23
     assert any(layout.ahead for layout in program.programs[("step", 1)]), SEED
+
+
+def _rings_store(model, types, checker, pages=40):
+    """Window rings sized for the prefill chunks: the pool keeps `pages` pages for layer 2."""
+    from kvcompile.kv.window_rings import window_slots
+    slots = window_slots(WINDOW, CHUNK, PS)
+    return _store(model, types, pages + 4 * slots, checker, window_rows=CHUNK)
+
+
+@pytest.mark.parametrize("types", [F32, QUANT], ids=["f32", "q8_0-q4_0"])
+def test_window_rings_keep_the_windows_on_the_device(model, types):
+    """window_rows: each windowed layer keeps its window in a ring of its own. Bitwise the
+    all-resident output under random delays and the fence checker; the decode steps copy
+    nothing of the windowed layers (only the global layer's streamed pages cross)."""
+    prompt = _prompt(250)
+    ids_ref, ref = generate(model, KvStore.for_model(model, MAX_TOKENS, types[0], types[1],
+                                                     page_size=PS), prompt, 16, chunk=CHUNK)
+    checker = FenceChecker()
+    store = _rings_store(model, types, checker)
+    try:
+        ids, got = generate(model, store, prompt, 16, chunk=CHUNK)
+    finally:
+        store.close()
+    assert checker.violations == [], (SEED, checker.violations[:3])
+    assert ids == ids_ref and torch.equal(got, ref), SEED
+    rings, pool = store.streamer.rings, store.streamer.pool
+    assert pool.layers == (2,) and set(rings.windows) == {0, 1, 3, 4}
+    page_bytes = pool.kv_pool.shape[1]
+    for s in store.telemetry[-15:]:             # decode steps
+        assert s.tokens == 1
+        global_streamed = s.context_pages - min(pool.r, s.context_pages)
+        assert s.h2d_bytes == global_streamed * page_bytes, (SEED, s)
+
+
+def test_window_rings_refill_after_the_device_pages_are_dropped(model):
+    """Every device page thrown away mid-generation (and a new sequence after): the rings
+    refill from host history; the output stays the resident one."""
+    prompt = _prompt(200)
+    ids_ref, ref = generate(model, KvStore.for_model(model, MAX_TOKENS, page_size=PS),
+                            prompt, 12, chunk=CHUNK)
+    checker = FenceChecker()
+    store = _rings_store(model, F32, checker)
+
+    def drop(step, cache, pos):
+        if step in (3, 7, 11):
+            cache.drop_resident()
+    try:
+        ids, got = generate(model, store, prompt, 12, chunk=CHUNK, on_step=drop)
+        store.reset()
+        ids2, got2 = generate(model, store, prompt, 12, chunk=CHUNK)
+    finally:
+        store.close()
+    assert checker.violations == [], (SEED, checker.violations[:3])
+    assert ids == ids2 == ids_ref and torch.equal(got, ref) and torch.equal(got2, ref), SEED
+
+
+@pytest.mark.parametrize("types", [F32, QUANT], ids=["f32", "q8_0-q4_0"])
+def test_captured_decode_steps_over_window_rings(model, types):
+    """Captured decode steps with window rings (their pages placed before each new layout,
+    nothing copied inside a step): the resident output, no fence violation."""
+    from kvcompile.executor.executor import Executor
+    prompt = _prompt(250)
+    ids_ref, ref = generate(model, KvStore.for_model(model, MAX_TOKENS, types[0], types[1],
+                                                     page_size=PS), prompt, 24, chunk=CHUNK)
+    checker = FenceChecker()
+    store = _rings_store(model, types, checker)
+    program = Executor(model, store, ubatch=CHUNK, capture=True, strict=True)
+    try:
+        ids, got = generate(model, store, prompt, 24, chunk=CHUNK,
+                            decode=lambda t, pos: program.step(t, pos, all_rows=True))
+    finally:
+        store.close()
+    assert checker.violations == [], (SEED, checker.violations[:3])
+    assert ids == ids_ref and torch.equal(got, ref), SEED
+    assert program.program_stats()["replays"] == 23
+
+
+def test_a_forward_wider_than_the_rings_is_refused(model):
+    from kvcompile.errors import KvLayoutError
+    from kv_steps import forward
+    store = _rings_store(model, F32, None)
+    with pytest.raises(KvLayoutError, match="window_rows"):
+        forward(model, store, _prompt(120), torch.arange(120))
+    ids, _ = generate(model, store, _prompt(60), 2, chunk=CHUNK)   # it keeps serving
+    assert len(ids) == 3

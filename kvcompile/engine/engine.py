@@ -125,7 +125,9 @@ class Engine:
             model, ctx, cfg.cache_type_k, cfg.cache_type_v, arena, device=self.device,
             mtp=spec.uses_mtp, backend=make_backend(self.device, copy=cfg.stream_copy),
             ctx_checkpoints=cfg.ctx_checkpoints, decode_depth=cfg.decode_depth,
-            prefetch_next=cfg.prefetch_next, fill_ahead=cfg.fill_ahead)
+            prefetch_next=cfg.prefetch_next, fill_ahead=cfg.fill_ahead,
+            # windowed layers keep their windows on the device, sized for the widest forward
+            window_rows=max(cfg.ubatch, cfg.spec_draft_n_max + 1))
         self.prompt_cache = PromptCache(cfg.cache_ram_bytes())   # other conversations
         self.cpu_fast = fast          # the CPU's fast path (dtypes.cpu_fast_path)
         if fast:

@@ -59,11 +59,14 @@ class KvStore:
                  rotate: bool = True, policy: dict | None = None, unsafe=frozenset(),
                  decode_depth="auto", prefetch_next: bool | None = None,
                  fill_ahead: bool | None = None, ctx_checkpoints: int = 0,
-                 windows: dict | None = None):
+                 windows: dict | None = None, window_rows: int = 0):
         """config: the geometry (n_layers counts every KV layer index, MTP layers included);
         layers: the KV layers (default: the config's attention layers); windows: layer ->
         sliding window of the windowed layers (a streamed store copies only their window's
-        pages; default: the config's, ModelConfig.layer_window); arena_mib: 0 keeps
+        pages; default: the config's, ModelConfig.layer_window); window_rows > 0: a
+        streamed store keeps each windowed layer's window in a ring of its own on the
+        device, sized for forwards of up to that many rows (window_rings.py); arena_mib:
+        0 keeps
         every page on the device, N > 0 streams the history through N MiB of KV pages;
         backend: where memory and copies come from (default: the device's); recurrent: a
         hybrid model's state; ctx_checkpoints: host copies of that state kept for prefix
@@ -82,6 +85,7 @@ class KvStore:
         self.layers = tuple(sorted(set(layers)))
         self.windows = {i: config.layer_window(i) for i in self.layers
                         if config.layer_window(i)} if windows is None else dict(windows)
+        self.window_rows = window_rows
         bad = [i for i in self.layers if not 0 <= i < config.n_layers]
         if bad:
             raise KvLayoutError(f"KV layers {bad} are outside the model's {config.n_layers} "
@@ -125,8 +129,8 @@ class KvStore:
                                      policy=policy, unsafe=unsafe, depth=decode_depth,
                                      prefetch_next=prefetch_next, fill_ahead=fill_ahead)
             self.placement = self.streamer
-            k_pool, v_pool = self.streamer.pool.k_pool, self.streamer.pool.v_pool
-            tables = self.streamer.pool.page_tables
+            k_pool, v_pool = self.streamer.k_pool, self.streamer.v_pool
+            tables = self.streamer.page_tables
         d = config.head_dim
         k_rot = k_rotation(self.k_type, d) if rotate else None
         v_rot = v_rotation(self.v_type, d) if rotate else None
@@ -189,11 +193,11 @@ class KvStore:
         if self._step is None:
             raise KvLayoutError("a streamed KV store places a layer's pages inside a forward; "
                                 "run the model through the executor or begin_forward()")
-        return self.streamer.pool.acquire(i)
+        return self.streamer.acquire(i)
 
     def release_pages(self, i: int) -> None:
         """Layer i's ring slots consumed, its rows published (a lowered `ring_release`)."""
-        self.streamer.pool.release(i)
+        self.streamer.release(i)
 
     @property
     def streams(self) -> bool:

@@ -11,7 +11,9 @@ A forward: `open` (the host's checks and the split), then `issue` (placement and
 copies; or, for a captured step, its fixed layout's work, which a replay repeats), the
 model's layers acquiring and releasing their pages, then `close` (publish, telemetry). After
 a forward the next one is begun ahead on the guess that it is the decode step after it
-(`prefetch_next`); a forward that is something else drops the guess.
+(`prefetch_next`); a forward that is something else drops the guess. With `window_rows`,
+windowed layers keep their windows in rings of their own (window_rings.py) at the arena's
+end and the pool and its policy serve the other layers.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from kvcompile.kv.pool import StreamingPool
 from kvcompile.kv.row_publish import RowMap
 from kvcompile.kv.step_layout import StepLayout
 from kvcompile.kv.telemetry import StepStats
+from kvcompile.kv.window_rings import window_rings_for
 
 
 def decode_depth(setting, default: float | None) -> float | None:
@@ -63,16 +66,24 @@ class Streamer:
         maps = tuple(RowMap.of(t, c.n_kv_heads, store.page_size, c.head_dim, role,
                                kv_pool.device)
                      for t, role in ((store.k_type, "k"), (store.v_type, "v")))
-        self.pool = StreamingPool(kv_pool, pair, host, self.layers, self.engine, backend,
-                                  self.num_pages, unsafe, row_maps=maps,
-                                  windows=store.windows, page_size=store.page_size)
+        self.k_pool, self.v_pool = pair.views(kv_pool)     # every layer's pools
+        self.rings = window_rings_for(store, kv_pool, (self.k_pool, self.v_pool), self.engine,
+                                      backend, host, maps)
+        rings = self.rings
+        shared = kv_pool[:rings.first_page] if rings is not None else kv_pool
+        self.pool = StreamingPool(shared, pair, host, self.trunk(self.layers), self.engine,
+                                  backend, self.num_pages, unsafe, row_maps=maps,
+                                  windows={} if rings is not None else store.windows,
+                                  page_size=store.page_size)
+        self.page_tables = {**self.pool.page_tables,
+                            **(rings.page_tables if rings is not None else {})}
         # Prefill: depth >= 2 (the next layer's copies run while this one computes) unless
         # asked. Decode: a layer's compute is short; with split fills a part of a layer
         # as margin covers it, and the bytes a step streams fall with the ring (policy.py).
         depth = decode_depth(depth, backend.decode_depth)
         policy = {"min_depth": 2, "decode_depth": depth, **(policy or {})}
         self.pool.split_fills = depth is not None
-        self.policy_config = P.PolicyConfig(len(self.layers), kv_pool.shape[0], **policy)
+        self.policy_config = P.PolicyConfig(self.pool.L, shared.shape[0], **policy)
         self.policy_state = P.PolicyState(depth=self.policy_config.max_depth)
         self.planned_pages = 0            # pages the current request will reach (plan())
         self.prefetch_next = backend.prefetch_next if prefetch_next is None else prefetch_next
@@ -83,6 +94,27 @@ class Streamer:
         self._last = None                 # (t0, busy) of the forward telemetry[-1] records
         self._layout: StepLayout | None = None   # of the captured decode steps
         self.layout_slack = 0             # pages a new layout reaches past its step
+
+    def trunk(self, layers) -> tuple:
+        """The layers the shared pool serves (those without a window ring)."""
+        rings = self.rings
+        return tuple(layers) if rings is None else tuple(l for l in layers if l not in rings)
+
+    def acquire(self, layer) -> None:
+        """Make the layer's pages present (the pool's, or its window ring's)."""
+        if self.rings is not None:
+            self.rings.release_current()
+            if layer in self.rings:
+                if self.pool.current is not None:
+                    self.pool.release(self.pool.current)
+                return self.rings.acquire(layer)
+        return self.pool.acquire(layer)
+
+    def release(self, layer) -> None:
+        if self.rings is not None and layer in self.rings:
+            self.rings.release(layer)
+        else:
+            self.pool.release(layer)
 
     # ---- one forward ------------------------------------------------------------------------
     def open(self, s: dict) -> None:
@@ -101,22 +133,28 @@ class Streamer:
     def issue(self, s: dict, layout: StepLayout | None = None) -> None:
         """The open forward's placement and first copies (unless it was begun ahead), or
         with a layout the fixed work of a captured step (step_layout)."""
+        if self.rings is not None:
+            self.rings.begin(*((layout.pages, layout.first, s["positions"]) if layout else
+                               (s["pages"], s["lo"] // self.page_size)))
         if layout is not None:
-            self.pool.begin(layout.pages, range(layout.first, layout.pages), s["layers"],
-                            fixed=True, rows=s["positions"], ahead=layout.ahead)
+            self.pool.begin(layout.pages, range(layout.first, layout.pages),
+                            self.trunk(s["layers"]), fixed=True, rows=s["positions"],
+                            ahead=layout.ahead)
         elif self._next is None:
             self.pool.begin(s["pages"], range(s["lo"] // self.page_size, s["pages"]),
-                            s["layers"])
+                            self.trunk(s["layers"]))
         self._next = None
 
     def end(self, s: dict, ok: bool, ahead: bool) -> None:
         """Publish the forward's rows (ok) and, with prefetch_next, begin the next decode
         step's copies; ahead=False when the caller knows another kind of forward comes next."""
         self.pool.end()
+        if self.rings is not None:
+            self.rings.end()
         if not ok:                        # rows of a failed forward are not history
             # Its layers were issued but maybe never acquired: their refills of resident
             # pages count as valid from the next forward on, so they must have landed.
-            self.pool.drain()
+            self.synchronize()
             return
         if self.backend.sync_each_forward:
             self.engine.synchronize()     # CPU: trivial; the published rows are in place
@@ -137,10 +175,12 @@ class Streamer:
             room = min(self.num_pages, r + self.pool.ring.n_slots)
             lay = StepLayout.around(r, first, s["pages"], s["layers"], room, self.layout_slack)
         self.drop_next()                  # a forward begun ahead is not a fixed one (and
-        self.pool.refill(lay.pages, s["layers"])         # it may have refilled pages)
+        self.pool.refill(lay.pages, self.trunk(s["layers"]))   # it may have refilled pages)
+        if self.rings is not None:
+            self.rings.refill(lay.pages, lay.first, s["layers"])
         self._layout = lay
         # by the last replay's guess
-        ahead = self.pool.ahead_for(lay.pages, s["layers"], lay.first)
+        ahead = self.pool.ahead_for(lay.pages, self.trunk(s["layers"]), lay.first)
         return replace(lay, ahead=ahead) if ahead else lay
 
     def prepare_capture(self, s: dict) -> None:
@@ -149,15 +189,20 @@ class Streamer:
         compiles and loads it, which a capture forbids; the rows it writes are rewritten
         by the step)."""
         self.pool.prepare_capture()
-        if self.pool.row_maps is None:
+        if self.rings is not None:
+            self.rings.drain()
+            self.rings.forget_fences()
+        if self.pool.row_maps is None or not self.trunk(s["layers"]):
             return
         try:
-            self.pool.warm_row_publish(s["positions"], s["layers"][0])
+            self.pool.warm_row_publish(s["positions"], self.trunk(s["layers"])[0])
         except Exception as e:            # e.g. a Triton that cannot reach pinned memory
             warnings.warn(f"publishing rows by kernel failed ({type(e).__name__}: {e}); "
                           f"captured steps publish whole pages instead", RuntimeWarning,
                           stacklevel=2)
             self.pool.row_maps = None
+            if self.rings is not None:
+                self.rings.row_maps = None
 
     def begin_capture(self) -> None:
         """Copies issued until end_capture join the CUDA graph being captured."""
@@ -175,12 +220,17 @@ class Streamer:
         """After a capture: the fences it recorded never ran. Returns what the captured
         step fills ahead for the next one (None: nothing), for `replayed`."""
         self.pool.forget_fences()
+        if self.rings is not None:
+            self.rings.forget_fences()
         return self.pool.ahead_record()
 
     def abandon_capture(self) -> None:
         """After a failed capture (the device synchronized): its forward and events go."""
         self.engine.abandon_capture()
         self.pool.abandon()
+        if self.rings is not None:
+            self.rings.abandon()
+            self.rings.forget_fences()
 
     def end_issue(self, s: dict) -> None:
         """The end of a captured step's device work: the last layer's release, then, with
@@ -188,8 +238,11 @@ class Streamer:
         program of this layout gives them (a guess: another forward comes instead and
         finds only those slots' last use in the fills)."""
         self.pool.end()
+        if self.rings is not None:
+            self.rings.end()
         if self.fill_ahead and self._layout is not None:
-            self.pool.fill_ahead(self._layout.pages, s["layers"], self._layout.first)
+            self.pool.fill_ahead(self._layout.pages, self.trunk(s["layers"]),
+                                 self._layout.first)
 
     def replayed(self, s: dict, moved, filled) -> None:
         """Close the open forward after its captured work ran (a CUDA graph replay, or on
@@ -199,18 +252,25 @@ class Streamer:
         if self.backend.sync_each_forward:
             self.engine.synchronize()
         else:                             # the compute stream after the replay: every
-            self.pool.replayed(self.backend.compute_fence(), filled)   # page's last use
+            fence = self.backend.compute_fence()                       # page's last use
+            self.pool.replayed(fence, filled)
+            if self.rings is not None:
+                self.rings.replayed(fence)
         self.record(s, replayed=True)
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def record(self, s: dict, replayed: bool = False) -> None:
         """The forward's telemetry."""
         c, ring = self.pool.count, self.pool.ring.n_slots
+        if self.rings is not None:         # their pages are resident, read in place
+            c = c + self.rings.count
         wall = max(time.perf_counter() - s["t0"], 1e-9)
         tel = self.store.telemetry
         tel.append(StepStats(
             step=len(tel), tokens=s["tokens"], context_pages=s["pages"],
-            resident_pages=self.pool.L * self.pool.r, ring_slots=ring,
+            resident_pages=self.pool.L * self.pool.r + (self.rings.n_pages if self.rings
+                                                        is not None else 0),
+            ring_slots=ring,
             h2d_bytes=self.engine.bytes_h2d - s["h2d"],
             d2h_bytes=self.engine.bytes_d2h - s["d2h"], readiness_misses=c["misses"],
             copy_busy_pct=_busy_pct(self.engine.busy_s - s["busy"], wall),
@@ -231,7 +291,7 @@ class Streamer:
             return                        # out of room, or the split must change first
         self._next_h2d = self.engine.bytes_h2d
         self._next_valid = list(self.pool.valid_upto)
-        self.pool.begin(n_pages, range(lo // self.page_size, n_pages), layers)
+        self.pool.begin(n_pages, range(lo // self.page_size, n_pages), self.trunk(layers))
         self._next = (lo, lo, n_pages, layers)
 
     def drop_next(self) -> None:
@@ -287,6 +347,8 @@ class Streamer:
         """A new sequence: no resident page holds host content any more."""
         self.drop_next()
         self.pool.forget()
+        if self.rings is not None:
+            self.rings.forget()
 
     def plan(self, pages: int) -> None:
         """The request will reach `pages` pages: the split is made for them at once."""
@@ -295,18 +357,23 @@ class Streamer:
     def synchronize(self) -> None:
         """Wait for every copy issued so far, a replayed step's too."""
         self.pool.drain()
+        if self.rings is not None:
+            self.rings.drain()
 
     def drop_resident(self) -> None:
         """Throw away every resident device page; later reads rebuild them from history."""
         self.drop_next()
         self.pool.drop_resident()
+        if self.rings is not None:
+            self.rings.drop()
 
     def close(self):
         """Stop the copy engine; returns the fence of every page's last use."""
         self.drop_next()
         try:
-            self.pool.drain()
+            self.synchronize()
         except RuntimeError:      # a failed copy was already raised to its forward
             pass
         self.engine.close()
-        return AllOf(self.pool.last_use)
+        return AllOf(self.pool.last_use
+                     + (self.rings.last_use if self.rings is not None else []))
