@@ -329,6 +329,23 @@ def test_gpu_pieces_bitwise_equal_one_launch(k_name, v_name, q_dtype, d):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("window", [1, 300, 1024])
+def test_gpu_windowed_pieces_bitwise_equal_one_launch(window):
+    """A windowed layer's pieces, from the first page its windows reach: bitwise the one
+    launch, within TOL of fp64."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    placed = build("q8_0", "q4_0", 5000, 700, 128, 2, 3, 256, BF, gen, "cuda")
+    n_pages = placed["resident"]["page_table"].shape[0]
+    first = max(5000 - 700 - window + 1, 0) // 256
+    m = n_pages - first                          # 4 to 8 pages
+    labels, jobs = jobs_of(placed, [[m], [1, m - 1], [2, 1, m - 3]], dict(window=window), seed)
+    outs = [run_job(j) for j in jobs]
+    check(f"window {window}", placed, labels, outs, window)
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_default_out_equals_op():
     """out=None: q's dtype, the op's own output (rows > 8 take the prefill kernel)."""
     from kvcompile.ops.span_attention.prefill_chunks import PrefillAccumulator

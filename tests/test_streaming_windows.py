@@ -198,3 +198,38 @@ def test_a_forward_wider_than_the_rings_is_refused(model):
         forward(model, store, _prompt(120), torch.arange(120))
     ids, _ = generate(model, store, _prompt(60), 2, chunk=CHUNK)   # it keeps serving
     assert len(ids) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rings", [False, True], ids=["shared-ring", "window-rings"])
+def test_cuda_windowed_layers_streamed_equal_all_resident(rings):
+    """On the CUDA backend (copy stream, event fences, captured decode steps): windowed
+    layers through the shared ring or in rings of their own give the all-resident store's
+    tokens and logits bitwise; with rings, decode steps copy only the global layer's pages."""
+    from kvcompile.executor.executor import Executor
+    torch.manual_seed(SEED)
+    with torch.device("cuda"):
+        model = LlamaModel(CFG).eval().requires_grad_(False)
+    prompt = _prompt(250).cuda()
+    ref_store = KvStore.for_model(model, MAX_TOKENS, "q8_0", "q4_0", page_size=PS)
+    with torch.device("cuda"):                   # generate's positions and token tensors
+        ids_ref, ref = generate(model, ref_store, prompt, 24, chunk=CHUNK)
+    from kvcompile.kv.window_rings import window_slots
+    pages = 40 + (4 * window_slots(WINDOW, CHUNK, PS) if rings else 0)
+    store = KvStore.for_model(model, MAX_TOKENS, "q8_0", "q4_0", _mib(pages, QUANT),
+                              page_size=PS, window_rows=CHUNK if rings else 0)
+    assert (store.streamer.rings is not None) == rings
+    program = Executor(model, store, ubatch=CHUNK, capture=True)
+    try:
+        with torch.device("cuda"):
+            ids, got = generate(model, store, prompt, 24, chunk=CHUNK,
+                                decode=lambda t, pos: program.step(t, pos, all_rows=True))
+    finally:
+        store.close()
+    assert ids == ids_ref and torch.equal(got.cpu(), ref.cpu()), SEED
+    if rings:
+        pool = store.streamer.pool
+        page_bytes = pool.kv_pool.shape[1]
+        for s in store.telemetry[-20:]:
+            assert s.h2d_bytes <= (s.context_pages - min(pool.r, s.context_pages)) * page_bytes
