@@ -62,8 +62,9 @@ def _add_model_options(p) -> None:
                         "device-memory budget leaves, the whole KV when it fits)")
     p.add_argument("--device", default=None, help="cpu (the default), cuda or cuda:N")
     p.add_argument("--dtype", default="auto",
-                   help="weights and activations: auto (the default: bf16 on cuda, f32 on "
-                        "cpu), f32, f16 or bf16")
+                   help="weights and activations: auto (the default: bf16 on cuda; on cpu "
+                        "the fast path, f32 activations over the file's Q4_0 / Q4_1 / Q8_0 "
+                        "weights), f32 (on cpu the fp32 reference path), f16 or bf16")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bars (loading, prefill of long prompts)")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from kvcompile.ops.gemv.op import GEMV_DTYPES, GEMV_MAX_ROWS
 from kvcompile.ops.kv_format import kv_type
 from kvcompile.ops.kv_write.cpu_kernel import cpu_kv_write_fits, write_rows
-from kvcompile.ops.qlinear.cpu_kernel import cpu_qlinear_fits, qlinear_rows
+from kvcompile.ops.qlinear.cpu_kernel import (CPU_IDS, cpu_qlinear_fits, dequantize_cpu,
+                                              qlinear_rows)
+from kvcompile.ops.qlinear.formats import weight_format
 from kvcompile.ops.rms_norm.cpu_kernel import rms_norm_rows
 from kvcompile.ops.rms_norm.naive import rms_norm_naive
 from kvcompile.ops.rms_norm.op import check_rms_norm_args
@@ -105,6 +107,16 @@ def qlinear(x: torch.Tensor, weight: torch.Tensor, qtype: int, k: int,
     if not x.is_cuda and not torch.compiler.is_compiling() and cpu_qlinear_fits(x, qtype):
         return qlinear_rows(x, weight, qtype, k, bias)
     return torch.ops.kvcompile.qlinear(x, weight, qtype, k, bias)
+
+
+def qembedding(weight: torch.Tensor, qtype: int, k: int, tokens: torch.Tensor,
+               dtype: torch.dtype, cpu: bool = False) -> torch.Tensor:
+    if (cpu and dtype == torch.float32 and not weight.is_cuda and qtype in CPU_IDS
+            and not torch.compiler.is_compiling()):
+        flat = tokens.reshape(-1)
+        out = dequantize_cpu(weight.index_select(0, flat), weight_format(qtype).name, k)
+        return out.view(*tokens.shape, k)
+    return torch.ops.kvcompile.qembedding(weight, qtype, k, tokens, dtype)
 
 
 def kv_write(k_pool, v_pool, k, v, q_pos, k_type: int, v_type: int, page_size: int,

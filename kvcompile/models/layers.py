@@ -113,6 +113,7 @@ class Embedding(nn.Embedding):
     dequantized by the qembedding op into `dtype` (set with the weight)."""
 
     qtype = 0
+    cpu_kernels = False           # the CPU's C++ kernels (use_cpu_kernels)
 
     def set_quantized(self, w: QuantWeight, dtype: torch.dtype) -> None:
         if tuple(w.shape) != (self.num_embeddings, self.embedding_dim):
@@ -130,8 +131,8 @@ class Embedding(nn.Embedding):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.qtype:
-            return torch.ops.kvcompile.qembedding(self.qweight, self.qtype, self.embedding_dim,
-                                                  tokens, self.out_dtype)
+            return rows.qembedding(self.qweight, self.qtype, self.embedding_dim, tokens,
+                                   self.out_dtype, self.cpu_kernels)
         return super().forward(tokens)
 
 
@@ -268,5 +269,5 @@ def use_cpu_kernels(model: nn.Module) -> None:
     attention layers call the C++ CPU kernels in eager steps (ops/rows.py); without it
     they run the fp32 torch references."""
     for m in model.modules():
-        if isinstance(m, (RMSNorm, Linear, PagedAttention)):
+        if isinstance(m, (RMSNorm, Linear, Embedding, PagedAttention)):
             m.cpu_kernels = True
