@@ -31,6 +31,19 @@ static inline float f16_to_f32(const uint8_t* p) {
 #endif
 }
 
+// n fp16 values (unaligned bytes) -> floats
+static inline void halves_to_floats(const uint8_t* src, float* dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + 2 * i))));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + 2 * i))));
+#endif
+    for (; i < n; i++) dst[i] = f16_to_f32(src + 2 * i);
+}
+
 #if defined(__AVX512F__)
 typedef __m512 V;
 static inline V vzero() { return _mm512_setzero_ps(); }

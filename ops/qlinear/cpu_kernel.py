@@ -28,24 +28,37 @@ GEMV_MAX_ROWS = 8
 _SOURCE = SIMD + r"""
 // one block of 32 weights as two vectors (elements 0..15, 16..31), planar rows
 // (ops/qlinear/formats.py): Q4_0 qs[nb*16] d[nb]; Q4_1 qs[nb*16] d[nb] m[nb]; Q8_0
-// qs[nb*32] d[nb]
+// qs[nb*32] d[nb]. d and m come converted to floats (a chunk of blocks at a time: one
+// vector conversion for 16 blocks, where converting one scale a block took a shuffle port
+// the nibbles need)
 template <int FMT>
-static inline void block(const uint8_t* row, int64_t nb, int64_t b, V& w0, V& w1) {
+static inline void block(const uint8_t* row, int64_t b, float d_, float m_, V& w0, V& w1) {
+    const V d = vset(d_);
     if constexpr (FMT == 2) {
         const uint8_t* q = row + b * 16;
-        V d = vset(f16_to_f32(row + nb * 16 + b * 2)), e = vset(8.0f);
+        const V e = vset(8.0f);
         w0 = vmul(vsub(lo_nibbles(q), e), d);
         w1 = vmul(vsub(hi_nibbles(q), e), d);
     } else if constexpr (FMT == 3) {
         const uint8_t* q = row + b * 16;
-        V d = vset(f16_to_f32(row + nb * 16 + b * 2)), m = vset(f16_to_f32(row + nb * 18 + b * 2));
+        const V m = vset(m_);
         w0 = vadd(vmul(lo_nibbles(q), d), m);
         w1 = vadd(vmul(hi_nibbles(q), d), m);
     } else {
-        V d = vset(f16_to_f32(row + nb * 32 + b * 2));
         w0 = vmul(signed_bytes(row + b * 32), d);
         w1 = vmul(signed_bytes(row + b * 32 + 16), d);
     }
+}
+
+constexpr int64_t CHUNK = 64;      // blocks whose scales are converted at once
+template <int FMT> constexpr int64_t QBYTES = FMT == 8 ? 32 : 16;
+
+// the scales (and Q4_1's mins) of blocks b0.. of a row as floats
+template <int FMT>
+static inline void scales(const uint8_t* row, int64_t nb, int64_t b0, int64_t n, float* d,
+                          float* m) {
+    halves_to_floats(row + nb * QBYTES<FMT> + b0 * 2, d, n);
+    if constexpr (FMT == 3) halves_to_floats(row + nb * 18 + b0 * 2, m, n);
 }
 
 template <int FMT, int R>
@@ -61,13 +74,18 @@ static void gemv(const float* x, const uint8_t* w, float* y, int64_t N, int64_t 
             for (int64_t c = 0; c < row_bytes; c += 64) prefetch(row + 4 * row_bytes + c);
         V acc[R][2];
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = vzero();
-        for (int64_t b = 0; b < nb; b++) {
-            V w0, w1;
-            block<FMT>(row, nb, b, w0, w1);
-            for (int r = 0; r < R; r++) {
-                const float* xr = x + r * K + b * 32;
-                acc[r][0] = vfma(w0, vload(xr), acc[r][0]);
-                acc[r][1] = vfma(w1, vload(xr + 16), acc[r][1]);
+        float d[CHUNK], m[CHUNK];
+        for (int64_t b0 = 0; b0 < nb; b0 += CHUNK) {
+            const int64_t nc = std::min(CHUNK, nb - b0);
+            scales<FMT>(row, nb, b0, nc, d, m);
+            for (int64_t j = 0; j < nc; j++) {
+                V w0, w1;
+                block<FMT>(row, b0 + j, d[j], m[j], w0, w1);
+                for (int r = 0; r < R; r++) {
+                    const float* xr = x + r * K + (b0 + j) * 32;
+                    acc[r][0] = vfma(w0, vload(xr), acc[r][0]);
+                    acc[r][1] = vfma(w1, vload(xr + 16), acc[r][1]);
+                }
             }
         }
         for (int r = 0; r < R; r++) y[r * N + n] = vsum(vadd(acc[r][0], acc[r][1]));
@@ -79,11 +97,17 @@ static void dequant(const uint8_t* w, float* y, int64_t N, int64_t K, int64_t ro
     const int64_t nb = K / 32;
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        for (int64_t b = 0; b < nb; b++) {
-            V w0, w1;
-            block<FMT>(w + n * row_bytes, nb, b, w0, w1);
-            vstore(y + n * K + b * 32, w0);
-            vstore(y + n * K + b * 32 + 16, w1);
+        const uint8_t* row = w + n * row_bytes;
+        float d[CHUNK], m[CHUNK];
+        for (int64_t b0 = 0; b0 < nb; b0 += CHUNK) {
+            const int64_t nc = std::min(CHUNK, nb - b0);
+            scales<FMT>(row, nb, b0, nc, d, m);
+            for (int64_t j = 0; j < nc; j++) {
+                V w0, w1;
+                block<FMT>(row, b0 + j, d[j], m[j], w0, w1);
+                vstore(y + n * K + (b0 + j) * 32, w0);
+                vstore(y + n * K + (b0 + j) * 32 + 16, w1);
+            }
         }
     }
 }
