@@ -232,8 +232,9 @@ def test_verify_steps_replay_padded_programs(models):
                                        ("qwen35", "ngram-simple,draft-mtp"),
                                        ("llama", "ngram-simple")])
 def test_speculative_rounds_interleave_with_replays(models, arch, spec):
-    """Verify steps (several rows with rollbacks: eager on the hybrid, which checkpoints its
-    recurrent state a row at a time; padded programs on llama) between one-row replays."""
+    """Verify steps (several rows with rollbacks: padded programs, the hybrid's recording
+    its recurrent state after each row; eager where an MTP drafter wants the hidden rows)
+    between one-row replays."""
     model = models[arch]
     unit = prompt_of(model, 19, 4)
     prompt = unit * 8 + unit[:4]
@@ -244,8 +245,9 @@ def test_speculative_rounds_interleave_with_replays(models, arch, spec):
     r = e.generate(prompt, max_tokens=48, temperature=0)
     assert r.token_ids == plain.token_ids, (SEED, spec)
     assert r.speculative["drafted"] > 0
-    verify = [progs for (kind, rows), progs in e.executor.programs.items() if rows > 1]
-    assert any(verify) == (arch == "llama"), SEED
+    # the verify widths that ran as programs (captured once a width repeats)
+    verify = [key for key in e.executor.programs if key[1] > 1]
+    assert bool(verify) == ("draft-mtp" not in spec), (SEED, list(e.executor.programs))
     assert r.programs["compiled"] and "fallback" not in r.programs
 
 

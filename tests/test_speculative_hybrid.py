@@ -45,12 +45,18 @@ def _ids(n, salt):
                          ).tolist()
 
 
+@pytest.mark.parametrize("programs", [False, True], ids=["model", "programs"])
 @pytest.mark.parametrize("where", list(ARENAS))
 @torch.inference_mode()
-def test_rollback_equals_decoding_only_the_kept_tokens(hybrid_file, where):
+def test_rollback_equals_decoding_only_the_kept_tokens(hybrid_file, where, programs):
+    """Verify steps of 2..6 rows (padded to 2, 4, 8: the padding rows' recurrence undone),
+    each kept in part or whole, against decoding only the kept rows; programs: traced and
+    captured (rerun on the CPU)."""
     model = _model(hybrid_file, torch.bfloat16)
     cache = KvStore.for_model(model, 512, "f32", "f32", ARENAS[where])
-    runner = Executor(model, cache, ubatch=64)
+    runner = Executor(model, cache, ubatch=64, capture=programs, compile=programs,
+                      strict=True)
+    cache.recurrent.reserve_rows(8)       # as the Engine does: the widest program's rows
     prompt, start = _ids(100, 1), 100
     runner.begin_request(200)
     runner.step(prompt[:64], 0)
@@ -77,6 +83,29 @@ def test_rollback_equals_decoding_only_the_kept_tokens(hybrid_file, where):
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), ctx
             assert torch.equal(got_next, want_next), ctx
             assert state.n_tokens == start + keep + 1
+    if programs:
+        stats = runner.program_stats()
+        assert {k for k in runner.programs if k[0] == "verify"} == {
+            ("verify", 2), ("verify", 4), ("verify", 8)}, runner.programs
+        assert stats["replays"] > 0 and "fallback" not in stats, stats
+
+
+@torch.inference_mode()
+def test_wider_checkpoints_drop_the_verify_programs_over_the_old_ones(hybrid_file):
+    """A verify step wider than the checkpoint buffers replaces them; the programs captured
+    over the old buffers go (a replay would write checkpoints no rollback reads)."""
+    model = _model(hybrid_file)
+    cache = KvStore.for_model(model, 512, "f32", "f32", 0)
+    runner = Executor(model, cache, ubatch=64, capture=True, compile=True, strict=True)
+    prompt = _ids(64, 3)
+    runner.begin_request(128)
+    runner.step(prompt, 0)
+    runner.verify(_ids(2, 4), 64)
+    assert ("verify", 2) in runner.programs and cache.recurrent.checkpoint_rows == 2
+    runner.rollback(1, 2, 64)
+    runner.verify(_ids(3, 5), 65)
+    assert cache.recurrent.checkpoint_rows == 4
+    assert ("verify", 2) not in runner.programs and ("verify", 4) in runner.programs
 
 
 @torch.inference_mode()

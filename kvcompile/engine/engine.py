@@ -36,6 +36,7 @@ from kvcompile.engine.tokens import pipelined_tokens, plain_tokens
 from kvcompile.errors import (ContextLengthError, KvcompileError, KvLayoutError, SessionError,
                               StreamInterruptedError)
 from kvcompile.executor.executor import Executor
+from kvcompile.executor.programs import checkpoint_rows_for
 from kvcompile.io.default_model import resolve_model_path
 from kvcompile.io.loader import load_model, open_model
 from kvcompile.io.tokenizer import StreamDecoder
@@ -141,8 +142,9 @@ class Engine:
         # token first, and a seed draws what it draws on the CPU).
         self.pipeline = self.device.type == "cuda"
         if spec.enabled and self.store.recurrent is not None:
-            # checkpoints of every row a verify step can hold, allocated once, up front
-            self.store.recurrent.reserve_rows(spec.verify_rows)
+            # checkpoints of every row a verify step (padded to its program's width) can
+            # hold, allocated once, up front: captured programs keep their addresses
+            self.store.recurrent.reserve_rows(checkpoint_rows_for(spec.verify_rows))
 
     # ---- requests ---------------------------------------------------------------------------
     def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,

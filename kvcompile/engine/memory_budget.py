@@ -77,8 +77,9 @@ def workspace_bytes(config, ubatch: int, device: torch.device, verify_rows: int 
         conv_dim = 2 * c.ssm_k_heads * c.ssm_head_dim + value_dim
         per = (max(c.ssm_conv_kernel - 1, 0) * conv_dim
                + c.ssm_v_heads * c.ssm_head_dim * c.ssm_head_dim)
-        # the state, and one snapshot or a checkpoint per verify row
-        state = (1 + max(1, verify_rows)) * n_gdn * per * 4
+        # the state, and one snapshot or a checkpoint per (padded) verify row
+        from kvcompile.executor.programs import checkpoint_rows_for
+        state = (1 + max(1, checkpoint_rows_for(max(1, verify_rows)))) * n_gdn * per * 4
     decode = 0
     if device.type == "cuda":
         from kvcompile.kv.layer_kv import decode_workspace_numel
@@ -97,7 +98,8 @@ def verify_outputs(config, verify_rows: int) -> int:
     up to the verify step's, MAX_LAYOUTS each; fp32 as an upper bound)."""
     if verify_rows < 2:
         return 0
-    from kvcompile.executor.executor import BUCKETS, MAX_LAYOUTS, bucket_for
+    from kvcompile.executor.executor import MAX_LAYOUTS
+    from kvcompile.executor.programs import BUCKETS, bucket_for
     top = bucket_for(min(verify_rows, BUCKETS[-1]))
     rows = sum(b for b in BUCKETS if 2 <= b <= top)
     return MAX_LAYOUTS * rows * config.vocab_size * 4

@@ -6,20 +6,13 @@ a speculative verify step, an MTP draft step. It is bracketed by the store (open
 the split; issue: placement and copies; end: rows published, telemetry) and runs one of:
 
 - a **program**, when its shape has one (its trace key: decode and verify widths 1, 2, 4, 8,
-  narrower steps padded by repeating the last row -- same position, same slot, same bytes;
-  a hybrid model's only at 1 row, padding would feed its recurrence; and on an
-  all-resident store of an attention-only model, full prefill chunks of `ubatch` rows).
-  With `compile` the program runs the model traced once per trace key by torch.compile
-  through the pass pipeline (compile.py: over a streamed store its ring ops lowered to the
-  store's page movement); with `capture` its device work is captured as a CUDA graph per
-  layout of the store (`store.step_layout()`: RESIDENT for an all-resident store, a
-  streamed store's fixed layout of ring fills, fences and publishes) and replayed. A trace
-  key's first step runs uncaptured (it traces, compiles and autotunes kernels); later
-  steps capture the layout they find, once. On the CPU a "capture" keeps the step's code
-  and a replay reruns it in the same fixed layout, so CI runs the same bookkeeping.
-- the **eager model** otherwise (odd widths, steps that return hidden rows or record
-  recurrent checkpoints, MTP steps), its layers placing their pages through the store's
-  per-layer hook.
+  padded by repeating the last row; a hybrid's verify program records the recurrent state
+  after every row; full prefill chunks over an all-resident store of an attention-only
+  model): the model traced once per key (compile.py), its device work captured as a CUDA
+  graph per layout of the store and replayed (on the CPU a replay reruns the step's code);
+- the **eager model** otherwise (odd widths, steps that return hidden rows, MTP steps), its
+  layers placing their pages through the store's per-layer hook.
+docs/executor.md tells the keys, the padding and the capture rules.
 
 Everything runs on the executor's stream (a capture needs a side stream); the caller's
 stream waits for it after each step. A program's output is its graph's buffer: valid until
@@ -40,11 +33,11 @@ import torch
 from kvcompile.errors import ProgramError
 from kvcompile.executor.capture import capture_program
 from kvcompile.executor.compile import trace_forward
-from kvcompile.executor.programs import Program, StaticInput, warming
+from kvcompile.executor.programs import (BUCKETS, Program, StaticInput,  # noqa: F401
+                                         bucket_for, checkpoint_rows_for, warming)
 from kvcompile.kv.layer_kv import check_range
 from kvcompile.models.layers import check_rope_range
 
-BUCKETS = (1, 2, 4, 8)      # rows of the decode / verify programs
 MAX_LAYOUTS = 8             # captured programs a trace key keeps, least recently used out
 COUNTERS = ("captures", "replays", "eager_steps", "retraces", "warmup_s", "prepare_s",
             "launch_s", "close_s")
@@ -52,10 +45,6 @@ COUNTERS = ("captures", "replays", "eager_steps", "retraces", "warmup_s", "prepa
 
 class _TraceFailed(Exception):
     """The first traced step of a key failed: the step runs again with the eager model."""
-
-
-def bucket_for(rows: int) -> int:
-    return next(b for b in BUCKETS if rows <= b)
 
 
 class Executor:
@@ -109,7 +98,11 @@ class Executor:
         A hybrid model records its recurrent state after each row (`rollback`)."""
         checkpoints = self.state is not None and len(ids) > 1
         if checkpoints:
-            self.state.reserve_rows(len(ids))
+            rows = checkpoint_rows_for(len(ids))
+            if rows > self.state.checkpoint_rows:     # new buffers: no graph writes the old
+                self.state.reserve_rows(rows)
+                for key in [k for k in self.programs if k[0] == "verify"]:
+                    del self.programs[key]
         out = self._trunk(ids, start, all_rows=True, hidden=hidden, checkpoints=checkpoints,
                           ahead=not hidden)   # with hidden rows an MTP step comes next
         return out if hidden else (out, None)
@@ -163,15 +156,17 @@ class Executor:
                                                           checkpoints, ahead))
             else:
                 out = self._on_stream(lambda: self._keyed(key, ids, start, n, ahead))
-                if key[0] == "step":          # every (padded) row's logits
+                if key[0] != "prefill":       # every (padded) row's logits
                     out = out[:n] if all_rows else out[n - 1:n]
         return out
 
     def _trace_key(self, n: int, all_rows: bool, hidden: bool, checkpoints: bool):
         """The program a step of n rows runs, or None (the eager model): its kind and the
         rows it runs (padded)."""
-        if hidden or checkpoints:
+        if hidden:
             return None
+        if checkpoints and n <= BUCKETS[-1]:
+            return ("verify", bucket_for(n))
         if n <= BUCKETS[-1] and (n == 1 or self.state is None):
             return ("step", bucket_for(n))
         if (n == self.ubatch and not all_rows and self.store.resident
@@ -208,15 +203,18 @@ class Executor:
                 store.end_forward(ahead=ahead)
                 self._warm.add(key)
                 self.counts["eager_steps"] += 1
-                return out
-            return self._replay(progs, layout, program, rows)
+            else:
+                out = self._replay(progs, layout, program, rows)
         except BaseException as e:
             store.end_forward(ok=False)
             if state is not None:
                 state.n_tokens = n_tokens
             if not isinstance(e, _TraceFailed):
                 raise
-        return self._keyed(key, ids, start, n, ahead)       # now with the eager model
+            return self._keyed(key, ids, start, n, ahead)   # now with the eager model
+        if pad and kind == "verify":          # the padding rows fed the recurrence
+            state.rollback(n)
+        return out
 
     def _call(self, key, inp: StaticInput, last_only: bool) -> torch.Tensor:
         """The program's function over its static input: the traced forward, or the model
@@ -226,6 +224,8 @@ class Executor:
         if self.state is not None:            # host bookkeeping a trace cannot hold
             self.state.begin(self._start, rows)
             kw["state_begun"] = True
+        if key[0] == "verify":
+            kw["checkpoints"] = True
         if self.compile and self.trace_error is None:
             if self._traced is None:
                 self._traced = trace_forward(self.model, self.store)

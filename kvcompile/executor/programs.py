@@ -15,6 +15,19 @@ import time
 import torch
 
 
+BUCKETS = (1, 2, 4, 8)      # rows of the decode / verify programs
+
+
+def bucket_for(rows: int) -> int:
+    return next(b for b in BUCKETS if rows <= b)
+
+
+def checkpoint_rows_for(rows: int) -> int:
+    """Checkpoint rows a hybrid's verify step of `rows` rows records: its program's padded
+    width, or the rows themselves past the widest program."""
+    return bucket_for(rows) if rows <= BUCKETS[-1] else rows
+
+
 @contextlib.contextmanager
 def warming(owner: dict, counts: bool = True):
     """Add the body's host seconds to owner["warmup_s"] (a trace, a capture: the warm-up a

@@ -21,7 +21,7 @@ from kvcompile.models.layers import (Embedding, Linear, RMSNorm, check_rope_rang
                                      tie_head)
 from kvcompile.models.llama import set_quantized
 from kvcompile.models.layer_plan import LayerPlan
-from kvcompile.models.qwen35_layers import HybridBlock, NextNLayer
+from kvcompile.models.qwen35_layers import HybridBlock, NextNLayer, padding_rows
 from kvcompile.kv.recurrent_state import RecurrentState
 from kvcompile.models.contract import KvAccess
 from kvcompile.models.quant_weight import QuantWeight
@@ -107,12 +107,15 @@ class Qwen35Model(nn.Module):
         x = self.embed(tokens)
         cos, sin = rope_rows(self.rope_cos[positions], self.rope_sin[positions], neox=True)
         q_pos = positions.to(torch.int32)
+        # a verify program's padding rows repeat the last row's position (executor.py)
+        repeats = padding_rows(positions) if checkpoints else None
         for i, block in enumerate(self.blocks):
             if block.attention:
                 kv = cache.layer(i)
                 x = block(x, cos, sin, q_pos, kv)
             else:
-                x = block(x, *state.layer(i), state.checkpoints(i) if checkpoints else None)
+                x = block(x, *state.layer(i),
+                          (*state.checkpoints(i), repeats) if checkpoints else None)
         hidden = self.norm(x)
         logits = self.lm_head(hidden[-1:] if last_only else hidden).float()
         return (logits, hidden) if return_hidden else logits

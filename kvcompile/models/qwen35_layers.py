@@ -81,9 +81,12 @@ class GatedDeltaNetMixer(nn.Module):
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                 checkpoints=None):
         """x [T, hidden]; conv_state [K-1, conv_dim] and ssm_state [Hv, D, D] (fp32) are
-        read and updated in place. checkpoints (a verify forward, RecurrentState.checkpoints):
-        the rows run one at a time through the decode rule and the state after each is
-        recorded, so a rejected draft rolls back to any row."""
+        read and updated in place. checkpoints (a verify forward: RecurrentState.checkpoints
+        and padding_rows): the rows run one at a time through the decode rule and the state
+        after each is recorded, so a rejected draft rolls back to any row. A padding row
+        (a program's, after the real rows) gives the row before it's output, so the layers
+        after this one see it equal to that row and write that row's KV bytes again; the
+        state it leaves is undone by the executor (the checkpoint of the last real row)."""
         t, kd = x.shape[0], self.hk * self.d
         if checkpoints is not None and t > 1 and x.device.type == "cpu":
             return self._rows_as_decode_steps(x, conv_state, ssm_state, checkpoints)
@@ -115,10 +118,11 @@ class GatedDeltaNetMixer(nn.Module):
         its state recorded. CPU kernels round a row inside a batch differently from the
         row alone (vectorized exp / sigmoid loops and GEMM blocking depend on the row
         count), so batched rows would record states a decode step never reaches."""
-        conv_rows, ssm_rows = checkpoints
+        conv_rows, ssm_rows, repeats = checkpoints
         outs = []
         for r in range(x.shape[0]):
-            outs.append(self(x[r:r + 1], conv_state, ssm_state))
+            out = self(x[r:r + 1], conv_state, ssm_state)
+            outs.append(torch.where(repeats[r], outs[-1], out) if r else out)
             torch.ops.kvcompile.checkpoint_capture(conv_rows, ssm_rows, conv_state,
                                                    ssm_state, r)
         return torch.cat(outs)
@@ -127,7 +131,7 @@ class GatedDeltaNetMixer(nn.Module):
     def _rows_with_checkpoints(q, k, v, g, beta, ssm, scale, conv_in, conv_state, checkpoints):
         """Row r through gdn_recurrent (what a one-token decode step runs), then its state
         (the conv window of the last K-1 inputs, the delta-rule matrices) to checkpoint r."""
-        conv_rows, ssm_rows = checkpoints
+        conv_rows, ssm_rows, repeats = checkpoints
         width = conv_state.shape[0]
         inputs = torch.cat([conv_state.to(conv_in.dtype), conv_in], dim=0)
         outs = []
@@ -136,8 +140,13 @@ class GatedDeltaNetMixer(nn.Module):
             o, ssm = gdn_recurrent(q[sl], k[sl], v[sl], g[sl], beta[sl], ssm, scale)
             torch.ops.kvcompile.checkpoint_capture(conv_rows, ssm_rows,
                                                    inputs[r + 1:r + 1 + width], ssm, r)
-            outs.append(o)
+            outs.append(torch.where(repeats[r], outs[-1], o) if r else o)
         return torch.cat(outs), ssm
+
+
+def padding_rows(positions: torch.Tensor) -> torch.Tensor:
+    """bool [T]: the rows that repeat the position of the row before (a program's padding)."""
+    return torch.cat([positions.new_zeros(1, dtype=torch.bool), positions[1:] == positions[:-1]])
 
 
 def _l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
