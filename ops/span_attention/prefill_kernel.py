@@ -30,32 +30,34 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl, v_vals, v_scl,
-               page_table, table_base, hk, begin, n_ctx, win, k_page_elems, k_page_halves,
-               k_code_halves, v_page_elems,
-               v_page_halves, v_code_halves, QK_SCALE: tl.constexpr,
-               MASKED: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_TYPE: tl.constexpr,
-               V_TYPE: tl.constexpr,
-               QK_F16: tl.constexpr, K_SPLIT: tl.constexpr, WINDOWED: tl.constexpr,
-               INTERP: tl.constexpr):
-    lp = n0 // P
-    off = tl.multiple_of(n0 % P, BLOCK_N) + tl.arange(0, BLOCK_N)
-    pos = n0 + tl.arange(0, BLOCK_N)
-    live = in_span(pos, begin, n_ctx, WINDOWED)
-    phys = tl.load(page_table + (lp - table_base)).to(tl.int64)
-    if K_TYPE == 2 or K_TYPE == 8:
-        s = qk_quantized(q, k_vals, k_scl, phys, hk, off, live, k_page_elems, k_page_halves,
-                         k_code_halves, BLOCK_N, P, D, K_TYPE, INTERP)
-    else:
-        s = k_value_scores(q, k_vals, k_scl, phys, hk, off, live, k_page_elems, k_page_halves,
-                           k_code_halves, BLOCK_N, P, D, K_TYPE, K_SPLIT, QK_F16, INTERP)
-    p, alpha, m_new, l_i = causal_softmax(s, pos, qp, m_i, l_i, win, QK_SCALE, MASKED,
-                                          WINDOWED)
-    v = load_v_tile(v_vals, v_scl, phys, hk, off, live, v_page_elems, v_page_halves,
-                  v_code_halves, BLOCK_N, P, D, V_TYPE)
-    acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v_operand(v, V_TYPE))
-    return acc, m_new, l_i
+def _tiles(n_lo, n_hi, q, acc, m_i, l_i, qp, k_vals, k_scl, v_vals, v_scl, page_table,
+           table_base, hk, begin, n_ctx, win, k_page_elems, k_page_halves, k_code_halves,
+           v_page_elems, v_page_halves, v_code_halves, QK_SCALE: tl.constexpr,
+           MASKED: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
+           K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QK_F16: tl.constexpr,
+           K_SPLIT: tl.constexpr, WINDOWED: tl.constexpr, INTERP: tl.constexpr):
+    """The key tiles [n_lo, n_hi) in order, each through the online softmax (MASKED: by
+    causality and the window)."""
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        lp = n0 // P
+        off = tl.multiple_of(n0 % P, BLOCK_N) + tl.arange(0, BLOCK_N)
+        pos = n0 + tl.arange(0, BLOCK_N)
+        live = in_span(pos, begin, n_ctx, WINDOWED)
+        phys = tl.load(page_table + (lp - table_base)).to(tl.int64)
+        if K_TYPE == 2 or K_TYPE == 8:
+            s = qk_quantized(q, k_vals, k_scl, phys, hk, off, live, k_page_elems,
+                             k_page_halves, k_code_halves, BLOCK_N, P, D, K_TYPE, INTERP)
+        else:
+            s = k_value_scores(q, k_vals, k_scl, phys, hk, off, live, k_page_elems,
+                               k_page_halves, k_code_halves, BLOCK_N, P, D, K_TYPE, K_SPLIT,
+                               QK_F16, INTERP)
+        p, alpha, m_new, l_i = causal_softmax(s, pos, qp, m_i, l_i, win, QK_SCALE, MASKED,
+                                              WINDOWED)
+        v = load_v_tile(v_vals, v_scl, phys, hk, off, live, v_page_elems, v_page_halves,
+                        v_code_halves, BLOCK_N, P, D, V_TYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v_operand(v, V_TYPE))
+        m_i = m_new
+    return acc, m_i, l_i
 
 
 # Integers that change from call to call are not specialized (Triton compiles a kernel per
@@ -136,35 +138,23 @@ def _prefill(q_ptr, k_vals, k_scl, v_vals, v_scl, page_table, q_pos_ptr, out_ptr
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
+    # the key tiles in ascending order: a windowed tile's masked edge, the tiles every row
+    # sees whole, then those that reach past some row
+    pages = (k_vals, k_scl, v_vals, v_scl, page_table, base, hk, begin, hi, win,
+             k_page_elems, k_page_halves, k_code_halves, v_page_elems, v_page_halves,
+             v_code_halves)
     if WINDOWED:
-        for n0 in range(tl.maximum(w_first, n_begin), end_edge, BLOCK_N):
-            acc, m_i, l_i = _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl,
-                                       v_vals, v_scl, page_table, base, hk, begin, hi, win,
-                                       k_page_elems, k_page_halves, k_code_halves,
-                                       v_page_elems, v_page_halves, v_code_halves, QK_SCALE,
-                                       True, D, P, BLOCK_M, BLOCK_N, K_TYPE, V_TYPE, QK_F16,
-                                       K_SPLIT, WINDOWED, INTERP)
+        acc, m_i, l_i = _tiles(tl.maximum(w_first, n_begin), end_edge, q, acc, m_i, l_i, qp,
+                               *pages, QK_SCALE, True, D, P, BLOCK_N, K_TYPE, V_TYPE, QK_F16,
+                               K_SPLIT, WINDOWED, INTERP)
         n_full = tl.maximum(w_full, n_begin)
     else:
         n_full = n_begin
-    for n0 in range(n_full, end_full, BLOCK_N):
-        acc, m_i, l_i = _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl,
-                                   v_vals, v_scl,
-                                   page_table, base, hk, begin, hi, win, k_page_elems,
-                                   k_page_halves,
-                                   k_code_halves, v_page_elems, v_page_halves, v_code_halves,
-                                   QK_SCALE, False, D, P, BLOCK_M, BLOCK_N, K_TYPE, V_TYPE,
-                                   QK_F16,
-                                   K_SPLIT, WINDOWED, INTERP)
-    for n0 in range(start_masked, end_all, BLOCK_N):
-        acc, m_i, l_i = _tile_step(q, qrow, row_ok, acc, m_i, l_i, n0, qp, k_vals, k_scl,
-                                   v_vals, v_scl,
-                                   page_table, base, hk, begin, hi, win, k_page_elems,
-                                   k_page_halves,
-                                   k_code_halves, v_page_elems, v_page_halves, v_code_halves,
-                                   QK_SCALE, True, D, P, BLOCK_M, BLOCK_N, K_TYPE, V_TYPE,
-                                   QK_F16,
-                                   K_SPLIT, WINDOWED, INTERP)
+    acc, m_i, l_i = _tiles(n_full, end_full, q, acc, m_i, l_i, qp, *pages, QK_SCALE, False, D,
+                           P, BLOCK_N, K_TYPE, V_TYPE, QK_F16, K_SPLIT, WINDOWED, INTERP)
+    acc, m_i, l_i = _tiles(start_masked, end_all, q, acc, m_i, l_i, qp, *pages, QK_SCALE,
+                           True, D, P, BLOCK_N, K_TYPE, V_TYPE, QK_F16, K_SPLIT, WINDOWED,
+                           INTERP)
     if FINISH:
         o = acc / l_i[:, None]
         optr = out_ptr + t.to(tl.int64)[:, None] * stride_ot + hq * stride_oh + d[None, :]
