@@ -74,13 +74,14 @@ def bench_llama_cpp(path: str, prompt_ids: list[int], n_decode: int, threads: in
     return dict(prefill_tok_s=len(prompt_ids) / prefill, decode_tok_s=n_decode / decode)
 
 
-def fidelity(ids: list[int], threads: int) -> list[dict]:
+def fidelity(ids: list[int]) -> list[dict]:
     """The fast path against the fp32 reference, teacher-forced over ids: in ubatch chunks
-    (prefill) and one token a step (decode)."""
+    (prefill) and one token a step (decode). Untimed: default threads (they follow the
+    machine's load)."""
     from kvcompile.engine.engine import Engine
     from kvcompile.engine.evaluate import evaluate, summary
 
-    common = dict(ctx_size=len(ids) + 8, cache_prompt=False, progress=False, threads=threads)
+    common = dict(ctx_size=len(ids) + 8, cache_prompt=False, progress=False)
     fast, ref = Engine(None, **common), Engine(None, dtype="f32", **common)
     rows = []
     for mode, chunk in (("prefill chunks", fast.ubatch), ("decode steps", 1)):
@@ -114,6 +115,7 @@ def main(argv=None) -> list[dict]:
     from kvcompile.io.default_model import default_model_path
     from kvcompile.io.tokenizer import load_tokenizer
 
+    load = os.getloadavg()[0]          # other processes' share of the cores, at the start
     path = default_model_path()
     tok = load_tokenizer(path)
     ids = (tok.encode(TEXT * (1 + args.prompt_tokens // 20)))[: args.prompt_tokens]
@@ -133,7 +135,7 @@ def main(argv=None) -> list[dict]:
               f"{r['prefill_vs_llama_cpp']:10.2f}x {r['decode_vs_llama_cpp']:19.2f}x")
     if not args.no_fidelity:
         text = tok.encode(open(__file__, encoding="utf-8").read() * 8)[: args.fidelity_tokens]
-        for r in fidelity(text, args.threads):
+        for r in fidelity(text):
             print(f"{r['system']}: top-1 {r['top1']:.4f}, mean KL {r['mean_kl']:.2e} over "
                   f"{r['tokens']} tokens")
             rows.append(r)
@@ -143,8 +145,8 @@ def main(argv=None) -> list[dict]:
         rows.append(r)
     meta = run_meta()
     for r in rows:
-        r.update(machine=platform.processor() or platform.machine(), commit=meta["commit"],
-                 date=meta["date"])
+        r.update(machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
+                 load_1m=load, commit=meta["commit"], date=meta["date"])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=2)
