@@ -16,7 +16,7 @@ _SOURCE = r"""
 // page p of a pool starts at pool + p * stride (bytes); an f32 page is [H, P, D]; row t's
 // head h goes to page table[pos / P], offset pos % P
 extern "C" void kernel(uint8_t* k_pool, uint8_t* v_pool, const float* k, const float* v,
-                       const int64_t* pos, const int32_t* table, int64_t T, int64_t H,
+                       const int32_t* pos, const int32_t* table, int64_t T, int64_t H,
                        int64_t D, int64_t P, int64_t k_stride, int64_t v_stride) {
     for (int64_t t = 0; t < T; t++) {
         const int64_t page = table[pos[t] / P], off = pos[t] % P;
@@ -29,7 +29,7 @@ extern "C" void kernel(uint8_t* k_pool, uint8_t* v_pool, const float* k, const f
     }
 }
 """
-_ARGS = ("uint8_t*", "uint8_t*", "const float*", "const float*", "const int64_t*",
+_ARGS = ("uint8_t*", "uint8_t*", "const float*", "const float*", "const int32_t*",
          "const int32_t*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t")
 
 
@@ -50,6 +50,6 @@ def write_rows(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor,
     (ops/rows.py)."""
     t, h, d = k_new.shape
     cpu_kernel(_SOURCE, _ARGS)(k_pool, v_pool, k_new.contiguous(), v_new.contiguous(),
-                               positions.to(torch.int64).contiguous(),
+                               positions.to(torch.int32).contiguous(),
                                page_table.to(torch.int32).contiguous(), t, h, d, page_size,
                                k_pool.stride(0), v_pool.stride(0))

@@ -20,17 +20,18 @@ _SOURCE = SIMD + r"""
 
 // page p of a pool starts at pool + p * stride (bytes); an f32 page is [Hk, P, D]
 extern "C" void kernel(const float* q, const uint8_t* k_pool, const uint8_t* v_pool,
-                       const int32_t* table, const int64_t* pos, float* out, float* scratch,
-                       int64_t T, int64_t Hq, int64_t Hk, int64_t D, int64_t P,
-                       int64_t k_stride, int64_t v_stride, int64_t n_ctx, float scale,
-                       int64_t window) {
+                       const int32_t* table, const int32_t* pos, float* out, int64_t T,
+                       int64_t Hq, int64_t Hk, int64_t D, int64_t P, int64_t k_stride,
+                       int64_t v_stride, float scale, int64_t window) {
     const int64_t group = Hq / Hk, nv = D / 16;
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < T * Hq; task++) {
         const int64_t t = task / Hq, h = task % Hq, g = h / group, n = pos[t] + 1;
         const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
         const float* qr = q + task * D;
-        float* s = scratch + task * n_ctx;
+        thread_local std::vector<float> scores;     // a thread's scores, kept across calls
+        if ((int64_t)scores.size() < n) scores.resize(n);
+        float* s = scores.data();
         float mx = -INFINITY;
         for (int64_t i = first; i < n; i++) {
             const int64_t at = table[i / P], off = i % P;
@@ -55,9 +56,9 @@ extern "C" void kernel(const float* q, const uint8_t* k_pool, const uint8_t* v_p
     }
 }
 """
-_ARGS = ("const float*", "const uint8_t*", "const uint8_t*", "const int32_t*", "const int64_t*",
-         "float*", "float*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t",
-         "int64_t", "int64_t", "float", "int64_t")
+_ARGS = ("const float*", "const uint8_t*", "const uint8_t*", "const int32_t*", "const int32_t*",
+         "float*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t",
+         "float", "int64_t")
 MAX_HEAD_DIM = 256
 
 
@@ -78,12 +79,9 @@ def attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     (ops/rows.py)."""
     t, hq, d = q.shape
     hk = k_pool.shape[1] // (page_size * d * 4)
-    pos = q_pos.to(torch.int64).contiguous()
-    n_ctx = int(pos.max()) + 1
-    table = page_table.to(torch.int32).contiguous()
     out = torch.empty(t, hq, d, dtype=torch.float32)
-    scratch = torch.empty(t * hq * n_ctx, dtype=torch.float32)
-    cpu_kernel(_SOURCE, _ARGS)(q.contiguous(), k_pool, v_pool, table, pos, out, scratch, t, hq,
-                               hk, d, page_size, k_pool.stride(0), v_pool.stride(0), n_ctx,
-                               float(scale), window)
+    cpu_kernel(_SOURCE, _ARGS)(q.contiguous(), k_pool, v_pool,
+                               page_table.to(torch.int32).contiguous(),
+                               q_pos.to(torch.int32).contiguous(), out, t, hq, hk, d, page_size,
+                               k_pool.stride(0), v_pool.stride(0), float(scale), window)
     return out
