@@ -40,11 +40,16 @@ def cpu_kernel(source: str, argtypes: tuple[str, ...]):
 
 @functools.cache
 def cpu_kernels_available() -> bool:
-    """Whether C++ kernels build here (a probe kernel, built and run once)."""
+    """Whether C++ kernels build here (a probe kernel, built and run once); where they do
+    not, one warning says why (the CPU then runs its fp32 reference path)."""
+    import warnings
+
     import torch
     try:
         x = torch.zeros(1)
         cpu_kernel(_PROBE, ("float*",))(x)
         return float(x[0]) == 1.0
-    except CpuKernelError:
+    except CpuKernelError as e:
+        warnings.warn(f"{e}; the CPU runs its fp32 reference path, several times slower",
+                      RuntimeWarning, stacklevel=2)
         return False

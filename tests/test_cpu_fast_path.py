@@ -143,3 +143,11 @@ def test_fast_path_matches_the_fp32_reference_teacher_forced(engines, chunk):
     ids = fast.tokenizer.encode(text)[:160]
     s = summary(evaluate(fast, ids, chunk, reference=ref))
     assert s["top1"] >= 0.99 and s["kl"] <= 1e-4, s
+
+
+def test_a_kernel_that_does_not_build_is_a_clear_error():
+    from kvcompile.errors import KvcompileError
+    from kvcompile.ops.cpu_build import CpuKernelError, cpu_kernel
+    with pytest.raises(CpuKernelError, match="dtype='f32'") as e:
+        cpu_kernel('extern "C" void kernel(float* x) { not C++ }', ("float*",))
+    assert isinstance(e.value, KvcompileError)
