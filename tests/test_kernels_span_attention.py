@@ -105,6 +105,8 @@ WIN = ALL3 + ("stale",)
 INTERP += [
     ("decode-window24-Kq8_0-Vq4_0-rows4-ctx77", "decode", "q8_0", "q4_0", 77, 4, 64, 2, 2, 16,
      torch.bfloat16, WIN, dict(SMALL, chunk_len=32, window=24)),
+    *[(f"decode-window30-Kq8_0-Vq4_0-rows{r}-ctx70", "decode", "q8_0", "q4_0", 70, r, 64, 2,
+       2, 16, torch.bfloat16, WIN, dict(SMALL, chunk_len=16, window=30)) for r in (1, 8)],
     ("decode-window1-Kf16-Vbf16-rows2-ctx50", "decode", "f16", "bf16", 50, 2, 64, 2, 2, 16,
      torch.float16, ("resident", "stale"), dict(SMALL, chunk_len=16, window=1)),
     ("decode-window37-scattered-rows", "decode", "q4_0", "q8_0", 90, 5, 64, 2, 2, 16,
