@@ -180,3 +180,41 @@ def test_info_shows_the_sliding_windows(family_files):
     assert info["sliding_window"] == (64, 5)
     assert "window         64 positions on 5 of 6 layers" in format_model_info(info)
     assert model_info(family_files("qwen3"))["sliding_window"] is None
+
+
+def test_gemma3_hf_folder_equals_its_gguf(family_files, tmp_path):
+    """An HF gemma3_text checkpoint of the tiny GGUF (Gemma's (1 + w) norms stored as w,
+    its own norm names, the config's sliding window, pattern and local rope base): the
+    same logits as the GGUF."""
+    from safetensors.torch import save_file
+    path = family_files("gemma3")
+    w = load_weights(path, progress=False)
+    c = w.config
+    names = {g: h for h, g in family_for_hf("gemma3_text").hf_tensor_names.items()}
+    top = {"token_embd.weight": "model.embed_tokens.weight",
+           "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+    hf = {}
+    for name, t in w.tensors.items():
+        _, i, rest = name.split(".", 2) if name.startswith("blk.") else (None, None, name)
+        t = t - 1.0 if name.endswith("norm.weight") else t
+        hf[top[name] if i is None else f"model.layers.{i}.{names[rest]}"] = t.contiguous()
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file(hf, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "gemma3_text", "hidden_size": c.hidden, "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim,
+        "intermediate_size": c.ffn, "num_hidden_layers": c.n_layers,
+        "vocab_size": c.vocab_size, "max_position_embeddings": c.context_length,
+        "rms_norm_eps": c.rms_eps, "rope_theta": c.rope_theta, "rope_local_base_freq": 10000.0,
+        "sliding_window": 64, "sliding_window_pattern": 6, "query_pre_attn_scalar": c.head_dim,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "tie_word_embeddings": False,
+        "final_logit_softcapping": None}))
+    hw = load_weights(folder, progress=False)
+    assert hw.config.layer_window(0) == 64 and hw.config.layer_window(5) == 0
+    assert torch.equal(hw.tensors["blk.0.attn_norm.weight"], w.tensors["blk.0.attn_norm.weight"])
+    model = family_for_hf("gemma3_text").model_class().from_weights(hw.config, hw.tensors)
+    tokens = tokens_of(200, c.vocab_size, seed=9)
+    ours = teacher_forced(model, tokens, cuts=(100,))
+    ref = teacher_forced(load_model(path, progress=False).model, tokens, cuts=(100,))
+    assert (ours - ref).abs().max().item() < 1e-4

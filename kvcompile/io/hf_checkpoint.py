@@ -93,7 +93,10 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float
         if target is None:
             continue
         try:
-            tensors[target] = handle.get_tensor(name).to(dtype)
+            t = handle.get_tensor(name)
+            if family.hf_tensor_fix is not None:
+                t = family.hf_tensor_fix(target, t)
+            tensors[target] = t.to(dtype)
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise ModelFileError(f"tensor {name!r} in {folder} cannot be read ({exc}); the "
                                  f"safetensors file is truncated or corrupt, re-download it") from exc

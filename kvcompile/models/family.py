@@ -40,3 +40,5 @@ class Family:
     synthetic_metadata: Callable[..., None] | None = None
     # another family's GGUF files are read by this one (mistral's are llama files)
     reads_gguf: bool = True
+    # (GGUF name, HF tensor) -> the tensor as a GGUF file stores it (gemma3: norms + 1)
+    hf_tensor_fix: Callable[[str, object], object] | None = None
