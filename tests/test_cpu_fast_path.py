@@ -151,3 +151,33 @@ def test_a_kernel_that_does_not_build_is_a_clear_error():
     with pytest.raises(CpuKernelError, match="dtype='f32'") as e:
         cpu_kernel('extern "C" void kernel(float* x) { not C++ }', ("float*",))
     assert isinstance(e.value, KvcompileError)
+
+
+@pytest.mark.parametrize("kind,i", [   # the first of each kind here, the rest with -m slow
+    pytest.param(kind, i, marks=() if i == 0 else pytest.mark.slow)
+    for kind in ("raw", "chat") for i in range(5)])
+def test_fast_path_greedy_matches_llama_cpp_on_the_parity_prompts(engines, smollm2_f32_path,
+                                                                   kind, i):
+    """test_llama_parity's prompts, 64 greedy tokens, the fast path's decode steps against
+    llama.cpp on the F32 GGUF of the same weights: equal, or apart only at a near tie."""
+    from llama_oracle import llama_cpp, llama_cpp_greedy
+    from test_llama_parity import CHAT_PROMPTS, N_GREEDY, RAW_PROMPTS, chatml
+    fast, _ = engines
+    text = chatml(CHAT_PROMPTS[i]) if kind == "chat" else RAW_PROMPTS[i]
+    llm = llama_cpp(smollm2_f32_path)
+    try:
+        tokens = llm.tokenize(text.encode(), add_bos=False, special=True)
+        ref, gaps = llama_cpp_greedy(llm, tokens, N_GREEDY)
+    finally:
+        llm.close()
+    fast.store.reset()
+    fast.executor.begin_request(len(tokens) + N_GREEDY)
+    logits, ours = fast.executor.step(tokens, 0), []
+    for step in range(N_GREEDY):
+        ours.append(int(logits.argmax()))
+        logits = fast.executor.step([ours[-1]], len(tokens) + step)
+    for step, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            assert gaps[step] < 0.05, f"greedy tokens diverge at step {step} without a near tie"
+            return
+
