@@ -1,13 +1,14 @@
 """SmolLM2-135M on the CPU: kvcompile prefill/decode tok/s next to llama.cpp, same process.
 
     ./dev python benchmarks/bench_cpu_smollm2.py [--prompt-tokens 256] [--decode-tokens 64]
-        [--threads N] [--fidelity-tokens 1024] [--no-fidelity] [--no-quickstart] [--out PATH]
+        [--threads N [N ...]] [--fidelity-tokens 1024] [--no-fidelity] [--no-quickstart]
+        [--out PATH]
 
 Rows: llama.cpp through llama_cpp.Llama.eval; kvcompile's CPU fast path (the default:
 GGUF weights, C++ kernels) and its fp32 reference path (dtype f32), each through
 `Engine.generate` (a warm-up request, then the measured one: prefill to the first token,
 decode steps to the sampler's read); `vs_llama_cpp` is the ratio to llama.cpp's row of the
-same run. Then the fast path against the reference, teacher-forced over --fidelity-tokens
+same run and thread count (`--threads 1 2`: each count in turn). Then the fast path against the reference, teacher-forced over --fidelity-tokens
 of text (engine/evaluate.py): top-1 agreement and mean KL, once in prefill chunks (ubatch)
 and once a token at a time (the decode kernels); and the quick start timed as a user runs
 it: `python -m kvcompile generate --chat ... -n 64` in a fresh process (load + 64 tokens).
@@ -91,10 +92,11 @@ def fidelity(ids: list[int]) -> list[dict]:
     return rows
 
 
-def quickstart(threads: int) -> dict:
-    """The README's first command in a fresh process: seconds to the answer of 64 tokens."""
+def quickstart() -> dict:
+    """The README's first command in a fresh process (its default threads): seconds to the
+    answer of 64 tokens."""
     cmd = [sys.executable, "-m", "kvcompile", "generate", "--chat", QUICKSTART, "-n", "64",
-           "--temperature", "0", "--no-progress", "-t", str(threads)]
+           "--temperature", "0", "--no-progress"]
     t = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return dict(system="quick start (fresh process: load + 64 tokens)",
@@ -105,7 +107,8 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--threads", type=int, nargs="+", default=[os.cpu_count() or 2],
+                    help="thread counts, each measured for every system (default: all CPUs)")
     ap.add_argument("--fidelity-tokens", type=int, default=1024)
     ap.add_argument("--no-fidelity", action="store_true")
     ap.add_argument("--no-quickstart", action="store_true")
@@ -119,20 +122,23 @@ def main(argv=None) -> list[dict]:
     path = default_model_path()
     tok = load_tokenizer(path)
     ids = (tok.encode(TEXT * (1 + args.prompt_tokens // 20)))[: args.prompt_tokens]
-    rows = [dict(system="llama.cpp (cpu, Q4_1)",
-                 **bench_llama_cpp(path, ids, args.decode_tokens, args.threads))]
-    rows += [dict(system=name, **bench_kvcompile(ids, args.decode_tokens, args.threads, dtype))
-             for name, dtype in SYSTEMS.items()]
-    base = rows[0]
-    for r in rows:
-        r.update(prompt_tokens=len(ids), decode_tokens=args.decode_tokens, threads=args.threads,
-                 decode_vs_llama_cpp=r["decode_tok_s"] / base["decode_tok_s"],
-                 prefill_vs_llama_cpp=r["prefill_tok_s"] / base["prefill_tok_s"])
-    print(f"{'system':34} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill vs':>11} "
-          f"{'decode vs llama.cpp':>20}")
-    for r in rows:
-        print(f"{r['system']:34} {r['prefill_tok_s']:14.1f} {r['decode_tok_s']:13.1f} "
-              f"{r['prefill_vs_llama_cpp']:10.2f}x {r['decode_vs_llama_cpp']:19.2f}x")
+    rows = []
+    print(f"{'system':34} {'threads':>7} {'prefill tok/s':>14} {'decode tok/s':>13} "
+          f"{'prefill vs':>11} {'decode vs llama.cpp':>20}")
+    for threads in args.threads:
+        group = [dict(system="llama.cpp (cpu, Q4_1)",
+                      **bench_llama_cpp(path, ids, args.decode_tokens, threads))]
+        group += [dict(system=name, **bench_kvcompile(ids, args.decode_tokens, threads, dtype))
+                  for name, dtype in SYSTEMS.items()]
+        base = group[0]
+        for r in group:
+            r.update(prompt_tokens=len(ids), decode_tokens=args.decode_tokens, threads=threads,
+                     decode_vs_llama_cpp=r["decode_tok_s"] / base["decode_tok_s"],
+                     prefill_vs_llama_cpp=r["prefill_tok_s"] / base["prefill_tok_s"])
+            print(f"{r['system']:34} {threads:7d} {r['prefill_tok_s']:14.1f} "
+                  f"{r['decode_tok_s']:13.1f} {r['prefill_vs_llama_cpp']:10.2f}x "
+                  f"{r['decode_vs_llama_cpp']:19.2f}x")
+        rows += group
     if not args.no_fidelity:
         text = tok.encode(open(__file__, encoding="utf-8").read() * 8)[: args.fidelity_tokens]
         for r in fidelity(text):
@@ -140,7 +146,7 @@ def main(argv=None) -> list[dict]:
                   f"{r['tokens']} tokens")
             rows.append(r)
     if not args.no_quickstart:
-        r = quickstart(args.threads)
+        r = quickstart()
         print(f"{r['system']}: {r['seconds']:.1f} s")
         rows.append(r)
     meta = run_meta()
