@@ -291,9 +291,18 @@ def test_sm90_variants_run_the_same_float_ops(k_name, v_name, windowed):
     divs = sum(o.startswith("div") for o in one)
     print(f"K{k_name}-V{v_name}: {len(one)} float instructions, {divs} divisions")
     assert divs > 0 and any("mma" in o for o in one)
-    assert last == one
+    # Selects round nothing, so where they sit cannot change a bit: the newest Triton
+    # schedules a windowed kernel's masking selects in another place per variant. Every
+    # rounding instruction comes in the same order, the selects in the same number.
+    def rounding(ops):
+        return [o for o in ops if not o.startswith("selp")]
+
+    def selects(ops):
+        return len(ops) - len(rounding(ops))
+    assert rounding(last) == rounding(one) and selects(last) == selects(one)
     no_div = [o for o in one if not o.startswith("div")]
-    assert first == no_div and middle == no_div
+    for piece in (first, middle):
+        assert rounding(piece) == rounding(no_div) and selects(piece) == selects(no_div)
 
 
 # ---- GPU -------------------------------------------------------------------------------------
