@@ -165,9 +165,15 @@ def test_cuda_engine_agrees_with_the_cpu_reference(family, preset, weight_type, 
     with torch.inference_mode():
         a = logits(Engine(path, ctx_size=1024, progress=False))
         b = logits(Engine(path, ctx_size=1024, device="cuda", dtype=dtype, progress=False))
-    top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    same = a.argmax(-1) == b.argmax(-1)
+    top1 = same.float().mean().item()
     rel = ((a - b).abs().max() / a.abs().max()).item()
+    best = a.topk(2, -1).values
+    near_tie = best[:, 0] - best[:, 1] < 0.05      # bf16 may pick either (greedy_check.py)
     print(f"\n{family} {preset} {weight_type} {dtype}: top-1 {top1:.3f}, max |diff| / max "
-          f"|logit| {rel:.2e}")
-    assert top1 >= (0.99 if dtype == "f32" else 0.9) and rel < (2e-2 if dtype == "f32" else 0.1)
+          f"|logit| {rel:.2e}, near ties {int(near_tie.sum())}")
+    if dtype == "f32":
+        assert top1 >= 0.99 and rel < 2e-2
+    else:
+        assert bool((same | near_tie).all()) and top1 >= 0.75 and rel < 0.1
 
