@@ -97,12 +97,20 @@ def test_captured_decode_steps_over_windowed_layers(model, types):
     """Decode steps as captured programs (each layout's windowed placements fixed by its
     first page, the next step's first layers filled ahead) under random delays: the
     resident store's tokens and logits, no fence violation."""
+    program = _captured_decode_equals_resident(
+        model, types, lambda checker: _store(model, types, 50, checker))
+    assert any(layout.ahead for layout in program.programs[("step", 1)]), SEED
+
+
+def _captured_decode_equals_resident(model, types, make_store):
+    """24 decode steps as captured programs over make_store(checker) against the resident
+    store: equal tokens and logits, no fence violation, 23 replays; returns the executor."""
     from kvcompile.executor.executor import Executor
     prompt = _prompt(250)
     ids_ref, ref = generate(model, KvStore.for_model(model, MAX_TOKENS, types[0], types[1],
                                                      page_size=PS), prompt, 24, chunk=CHUNK)
     checker = FenceChecker()
-    store = _store(model, types, 50, checker)
+    store = make_store(checker)
     program = Executor(model, store, ubatch=CHUNK, capture=True, strict=True)
     try:
         ids, got = generate(model, store, prompt, 24, chunk=CHUNK,
@@ -112,7 +120,7 @@ def test_captured_decode_steps_over_windowed_layers(model, types):
     assert checker.violations == [], (SEED, checker.violations[:3])
     assert ids == ids_ref and torch.equal(got, ref), SEED
     assert program.program_stats()["replays"] == 23
-    assert any(layout.ahead for layout in program.programs[("step", 1)]), SEED
+    return program
 
 
 def _rings_store(model, types, checker, pages=40):
@@ -173,21 +181,8 @@ def test_window_rings_refill_after_the_device_pages_are_dropped(model):
 def test_captured_decode_steps_over_window_rings(model, types):
     """Captured decode steps with window rings (their pages placed before each new layout,
     nothing copied inside a step): the resident output, no fence violation."""
-    from kvcompile.executor.executor import Executor
-    prompt = _prompt(250)
-    ids_ref, ref = generate(model, KvStore.for_model(model, MAX_TOKENS, types[0], types[1],
-                                                     page_size=PS), prompt, 24, chunk=CHUNK)
-    checker = FenceChecker()
-    store = _rings_store(model, types, checker)
-    program = Executor(model, store, ubatch=CHUNK, capture=True, strict=True)
-    try:
-        ids, got = generate(model, store, prompt, 24, chunk=CHUNK,
-                            decode=lambda t, pos: program.step(t, pos, all_rows=True))
-    finally:
-        store.close()
-    assert checker.violations == [], (SEED, checker.violations[:3])
-    assert ids == ids_ref and torch.equal(got, ref), SEED
-    assert program.program_stats()["replays"] == 23
+    _captured_decode_equals_resident(model, types,
+                                     lambda checker: _rings_store(model, types, checker))
 
 
 def test_a_forward_wider_than_the_rings_is_refused(model):

@@ -61,6 +61,21 @@ static inline void scales(const uint8_t* row, int64_t nb, int64_t b0, int64_t n,
     if constexpr (FMT == 3) halves_to_floats(row + nb * 18 + b0 * 2, m, n);
 }
 
+// every block of a row, dequantized (its scales read CHUNK blocks at a time): f(block, w0, w1)
+template <int FMT, typename F>
+static inline void each_block(const uint8_t* row, int64_t nb, F&& f) {
+    float d[CHUNK], m[CHUNK];
+    for (int64_t b0 = 0; b0 < nb; b0 += CHUNK) {
+        const int64_t nc = std::min(CHUNK, nb - b0);
+        scales<FMT>(row, nb, b0, nc, d, m);
+        for (int64_t j = 0; j < nc; j++) {
+            V w0, w1;
+            block<FMT>(row, b0 + j, d[j], m[j], w0, w1);
+            f(b0 + j, w0, w1);
+        }
+    }
+}
+
 template <int FMT, int R>
 static void gemv(const float* x, const uint8_t* w, float* y, int64_t N, int64_t K,
                  int64_t row_bytes) {
@@ -74,20 +89,13 @@ static void gemv(const float* x, const uint8_t* w, float* y, int64_t N, int64_t 
             for (int64_t c = 0; c < row_bytes; c += 64) prefetch(row + 4 * row_bytes + c);
         V acc[R][2];
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = vzero();
-        float d[CHUNK], m[CHUNK];
-        for (int64_t b0 = 0; b0 < nb; b0 += CHUNK) {
-            const int64_t nc = std::min(CHUNK, nb - b0);
-            scales<FMT>(row, nb, b0, nc, d, m);
-            for (int64_t j = 0; j < nc; j++) {
-                V w0, w1;
-                block<FMT>(row, b0 + j, d[j], m[j], w0, w1);
-                for (int r = 0; r < R; r++) {
-                    const float* xr = x + r * K + (b0 + j) * 32;
-                    acc[r][0] = vfma(w0, vload(xr), acc[r][0]);
-                    acc[r][1] = vfma(w1, vload(xr + 16), acc[r][1]);
-                }
+        each_block<FMT>(row, nb, [&](int64_t b, V w0, V w1) {
+            for (int r = 0; r < R; r++) {
+                const float* xr = x + r * K + b * 32;
+                acc[r][0] = vfma(w0, vload(xr), acc[r][0]);
+                acc[r][1] = vfma(w1, vload(xr + 16), acc[r][1]);
             }
-        }
+        });
         for (int r = 0; r < R; r++) y[r * N + n] = vsum(vadd(acc[r][0], acc[r][1]));
     }
 }
@@ -97,18 +105,10 @@ static void dequant(const uint8_t* w, float* y, int64_t N, int64_t K, int64_t ro
     const int64_t nb = K / 32;
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        const uint8_t* row = w + n * row_bytes;
-        float d[CHUNK], m[CHUNK];
-        for (int64_t b0 = 0; b0 < nb; b0 += CHUNK) {
-            const int64_t nc = std::min(CHUNK, nb - b0);
-            scales<FMT>(row, nb, b0, nc, d, m);
-            for (int64_t j = 0; j < nc; j++) {
-                V w0, w1;
-                block<FMT>(row, b0 + j, d[j], m[j], w0, w1);
-                vstore(y + n * K + (b0 + j) * 32, w0);
-                vstore(y + n * K + (b0 + j) * 32 + 16, w1);
-            }
-        }
+        each_block<FMT>(w + n * row_bytes, nb, [&](int64_t b, V w0, V w1) {
+            vstore(y + n * K + b * 32, w0);
+            vstore(y + n * K + b * 32 + 16, w1);
+        });
     }
 }
 
