@@ -101,8 +101,8 @@ class Executor:
             rows = checkpoint_rows_for(len(ids))
             if rows > self.state.checkpoint_rows:     # new buffers: no graph writes the old
                 self.state.reserve_rows(rows)
-                for key in [k for k in self.programs if k[0] == "verify"]:
-                    del self.programs[key]
+                self.programs = {k: p for k, p in self.programs.items() if k[0] != "verify"}
+                self._warm = {k for k in self._warm if k[0] != "verify"}   # new shapes
         out = self._trunk(ids, start, all_rows=True, hidden=hidden, checkpoints=checkpoints,
                           ahead=not hidden)   # with hidden rows an MTP step comes next
         return out if hidden else (out, None)
