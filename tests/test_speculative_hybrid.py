@@ -273,8 +273,9 @@ def test_an_engine_built_without_draft_mtp_refuses_it_clearly(hybrid_file):
 def test_greedy_speculation_equals_plain_cuda(hybrid_file, spec, where):
     """The CUDA path: fla's recurrent kernel row by row with checkpoints; ngram-simple
     alternates decode-graph replays (one-row steps) with checkpointed verify steps and
-    rollbacks; with MTP every step runs eagerly (it needs the hidden rows). fp32 weights (a
-    different row count may round differently; fp32 keeps that far below the logit gaps)."""
+    rollbacks; with MTP the verify steps return their hidden rows and the MTP draft steps
+    are captured programs of their own. fp32 weights (a different row count may round
+    differently; fp32 keeps that far below the logit gaps)."""
     w = load_weights(hybrid_file, progress=False)
     model = Qwen35Model.from_weights(w.config, w.tensors, dtype=torch.float32, device="cuda")
     unit = _ids(19, 6)
@@ -287,5 +288,6 @@ def test_greedy_speculation_equals_plain_cuda(hybrid_file, spec, where):
         r = e.generate(prompt, max_tokens=40, temperature=0)
         assert r.token_ids == plain.token_ids, (SEED, spec, where)
         assert r.speculative["drafted"] > 0
-    if spec == "ngram-simple":
-        assert e.executor.request_stats()["replays"] > 0
+    assert e.executor.request_stats()["replays"] > 0
+    captured = {kind for (kind, rows), progs in e.executor.programs.items() if progs}
+    assert ("mtp" in captured) == ("draft-mtp" in spec), (SEED, spec, captured)

@@ -65,9 +65,11 @@ def kv_bytes(config, kv_layers: int, ctx: int, k_type: str, v_type: str,
     return kv_layers * pages * page_size * per_token
 
 
-def workspace_bytes(config, ubatch: int, device: torch.device, verify_rows: int = 0) -> int:
+def workspace_bytes(config, ubatch: int, device: torch.device, verify_rows: int = 0,
+                    mtp: bool = False) -> int:
     """Device bytes besides weights and KV; verify_rows: a speculative verify step's rows,
-    whose recurrent states a hybrid model checkpoints (one state each)."""
+    whose recurrent states a hybrid model checkpoints (one state each); mtp: an MTP
+    drafter's programs too."""
     c = config
     rope = 2 * c.context_length * (c.rotary_dim // 2) * 4
     state = 0
@@ -90,19 +92,23 @@ def workspace_bytes(config, ubatch: int, device: torch.device, verify_rows: int 
     gdn_dim = (2 * c.ssm_k_heads + 2 * c.ssm_v_heads) * c.ssm_head_dim if n_gdn else 0
     row = 6 * c.hidden + 3 * c.ffn + 2 * (q_dim + kv_dim) + 3 * gdn_dim
     acts = ubatch * row * 4 + 2 * c.vocab_size * 4
-    return rope + state + decode + acts + verify_outputs(c, verify_rows) + FIXED_RESERVE
+    return rope + state + decode + acts + verify_outputs(c, verify_rows, mtp) + FIXED_RESERVE
 
 
-def verify_outputs(config, verify_rows: int) -> int:
-    """Bytes of the logits the captured verify programs keep (executor.py: widths 2, 4, 8
-    up to the verify step's, MAX_LAYOUTS each; fp32 as an upper bound)."""
+def verify_outputs(config, verify_rows: int, mtp: bool = False) -> int:
+    """Bytes of the outputs the captured verify programs keep (executor.py: widths 2, 4, 8
+    up to the verify step's, MAX_LAYOUTS each; fp32 as an upper bound), with an MTP
+    drafter their hidden rows and the MTP programs' (every width, one logits row each)."""
     if verify_rows < 2:
         return 0
     from kvcompile.executor.executor import MAX_LAYOUTS
     from kvcompile.executor.programs import BUCKETS, bucket_for
     top = bucket_for(min(verify_rows, BUCKETS[-1]))
     rows = sum(b for b in BUCKETS if 2 <= b <= top)
-    return MAX_LAYOUTS * rows * config.vocab_size * 4
+    out = rows * config.vocab_size * 4
+    if mtp:
+        out += (rows + sum(BUCKETS)) * config.hidden * 4 + len(BUCKETS) * config.vocab_size * 4
+    return MAX_LAYOUTS * out
 
 
 def plan_budget(*, budget: int, weights: int, workspace: int, kv_all: int, min_arena: int,
@@ -181,7 +187,7 @@ def plan_engine_memory(source, device: torch.device, dtype: torch.dtype, ctx: in
     plan = plan_budget(
         budget=device_budget(device, gpu_memory_gib),
         weights=planned_weight_bytes(source, device, dtype),
-        workspace=workspace_bytes(config, min(ubatch, ctx), device, verify_rows),
+        workspace=workspace_bytes(config, min(ubatch, ctx), device, verify_rows, mtp),
         kv_all=kv_bytes(config, n_kv, ctx, k_type, v_type),
         min_arena=min_arena_bytes(config, ctx, k_type, v_type),
         arena="auto" if arena_mib == "auto" else int((arena_mib or 0) * MIB))

@@ -5,12 +5,13 @@ A step is `rows` tokens at positions start.. over the store: a prefill chunk, a 
 a speculative verify step, an MTP draft step. It is bracketed by the store (open: checks and
 the split; issue: placement and copies; end: rows published, telemetry) and runs one of:
 
-- a **program**, when its shape has one (its trace key: decode and verify widths 1, 2, 4, 8,
-  padded by repeating the last row; a hybrid's verify program records the recurrent state
-  after every row; full prefill chunks over an all-resident store of an attention-only
-  model): the model traced once per key (compile.py), its device work captured as a CUDA
-  graph per layout of the store and replayed (on the CPU a replay reruns the step's code);
-- the **eager model** otherwise (odd widths, steps that return hidden rows, MTP steps), its
+- a **program**, when its shape has one (its trace key, programs.py: decode, verify and MTP
+  widths 1, 2, 4, 8, padded by repeating the last row; a hybrid's verify program records the
+  recurrent state after every row; full prefill chunks over an all-resident store of an
+  attention-only model): the model traced once per key (compile.py; the MTP layer runs
+  eagerly inside its programs), its device work captured as a CUDA graph per layout of the
+  store and replayed (on the CPU a replay reruns the step's code);
+- the **eager model** otherwise (wider steps, prefill chunks that return hidden rows), its
   layers placing their pages through the store's per-layer hook.
 docs/executor.md tells the keys, the padding and the capture rules.
 
@@ -33,19 +34,13 @@ import torch
 from kvcompile.errors import ProgramError
 from kvcompile.executor.capture import capture_program
 from kvcompile.executor.compile import trace_forward
-from kvcompile.executor.programs import (BUCKETS, Program, StaticInput,  # noqa: F401
-                                         bucket_for, checkpoint_rows_for, warming)
+from kvcompile.executor.programs import (BUCKETS, COUNTERS, Program,  # noqa: F401
+                                         StaticInput, TraceFailed, bucket_for,
+                                         checkpoint_rows_for, trace_key, warming)
 from kvcompile.kv.layer_kv import check_range
 from kvcompile.models.layers import check_rope_range
 
 MAX_LAYOUTS = 8             # captured programs a trace key keeps, least recently used out
-COUNTERS = ("captures", "replays", "eager_steps", "retraces", "warmup_s", "prepare_s",
-            "launch_s", "close_s")
-
-
-class _TraceFailed(Exception):
-    """The first traced step of a key failed: the step runs again with the eager model."""
-
 
 class Executor:
     def __init__(self, model, store, *, ubatch: int, capture: bool = False,
@@ -67,7 +62,7 @@ class Executor:
         # one memory pool for every graph: programs run one at a time on one stream, each
         # output stays allocated while its program lives and is read before another runs
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda and capture else None
-        self._inputs: dict[int, StaticInput] = {}
+        self._inputs: dict[tuple, StaticInput] = {}     # by (trunk or MTP, rows)
         self._traced = None
         self.trace_error: str | None = None      # why the eager model replaced the traced
         self.fallback: dict = {}                 # trace key -> why it captures no more
@@ -101,11 +96,15 @@ class Executor:
             rows = checkpoint_rows_for(len(ids))
             if rows > self.state.checkpoint_rows:     # new buffers: no graph writes the old
                 self.state.reserve_rows(rows)
-                self.programs = {k: p for k, p in self.programs.items() if k[0] != "verify"}
-                self._warm = {k for k in self._warm if k[0] != "verify"}   # new shapes
+                self.programs = {k: p for k, p in self.programs.items()
+                                 if not k[0].startswith("verify")}
+                self._warm = {k for k in self._warm if not k[0].startswith("verify")}
         out = self._trunk(ids, start, all_rows=True, hidden=hidden, checkpoints=checkpoints,
                           ahead=not hidden)   # with hidden rows an MTP step comes next
-        return out if hidden else (out, None)
+        if not hidden:
+            return out, None
+        # a program's hidden rows are its graph's buffer: the drafter keeps them longer
+        return out[0], out[1].clone()
 
     def step_hidden(self, ids, start: int):
         """A prefill chunk that also returns its rows' final hidden states (the MTP
@@ -127,16 +126,21 @@ class Executor:
         """The model's MTP layer over rows at positions start..: row i pairs the trunk's
         hidden state at position start + i with the token after it, ids[i]. Returns (the
         last row's logits [1, vocab], the MTP layer's output hidden rows)."""
-        layer = self.model.config.n_layers
+        layers = (self.model.config.n_layers,)
         n = len(ids)
+        check_range(start, start + n - 1, self.store.capacity)
 
         def run():
+            if n <= BUCKETS[-1]:
+                logits, h = self._keyed(("mtp", bucket_for(n)), ids, start, n, False, hidden)
+                return logits, h[:n]
             tokens, positions = self._tensors(ids, start, n)
-            return self._bracketed(positions, start, n, (layer,), False,
+            return self._bracketed(positions, start, n, layers, False,
                                    lambda: self.model.mtp_forward(
                                        tokens, hidden, positions, self.store,
                                        return_hidden=True, last_only=True))
         with self._host_time():
+            self._t_begin, self._start = time.perf_counter(), start
             return self._on_stream(run)
 
     # ---- one trunk step -------------------------------------------------------------------
@@ -148,7 +152,10 @@ class Executor:
         with self._host_time():
             self._t_begin = time.perf_counter()
             self._start = start
-            key = self._trace_key(n, all_rows, hidden, checkpoints)
+            key = trace_key(n, all_rows=all_rows, hidden=hidden, checkpoints=checkpoints,
+                            hybrid=self.state is not None,
+                            prefill=(n == self.ubatch and self.store.resident
+                                     and self.plan.plain))
             check_range(start, start + n - 1, self.store.capacity)
             check_rope_range((start, start + n - 1), self.model.config.context_length)
             if key is None:
@@ -157,37 +164,28 @@ class Executor:
             else:
                 out = self._on_stream(lambda: self._keyed(key, ids, start, n, ahead))
                 if key[0] != "prefill":       # every (padded) row's logits
-                    out = out[:n] if all_rows else out[n - 1:n]
+                    rows = slice(0, n) if all_rows else slice(n - 1, n)
+                    out = (out[0][rows], out[1][:n]) if hidden else out[rows]
         return out
 
-    def _trace_key(self, n: int, all_rows: bool, hidden: bool, checkpoints: bool):
-        """The program a step of n rows runs, or None (the eager model): its kind and the
-        rows it runs (padded)."""
-        if hidden:
-            return None
-        if checkpoints and n <= BUCKETS[-1]:
-            return ("verify", bucket_for(n))
-        if n <= BUCKETS[-1] and (n == 1 or self.state is None):
-            return ("step", bucket_for(n))
-        if (n == self.ubatch and not all_rows and self.store.resident
-                and self.plan.plain):
-            return ("prefill", n)
-        return None
-
-    def _keyed(self, key, ids, start: int, n: int, ahead: bool):
+    def _keyed(self, key, ids, start: int, n: int, ahead: bool, hidden=None):
         """A step that has a program: its static input loaded, then the captured program of
-        the store's layout replayed, or the program's function run uncaptured."""
+        the store's layout replayed, or the program's function run uncaptured. hidden: an
+        MTP step's input rows."""
         kind, rows = key
+        mtp = kind == "mtp"
         pad = rows - n
-        inp = self._inputs.get(rows)
+        inp = self._inputs.get((mtp, rows))
         if inp is None:
-            inp = self._inputs[rows] = StaticInput(rows, self.device)
+            inp = self._inputs[mtp, rows] = StaticInput(rows, self.device, hidden)
         inp.load(ids if not pad else list(ids) + [ids[-1]] * pad,
-                 list(range(start, start + n)) + [start + n - 1] * pad)
+                 list(range(start, start + n)) + [start + n - 1] * pad, hidden)
         last_only = kind == "prefill"
-        store, state = self.store, self.state
+        store = self.store
+        state = None if mtp else self.state       # the MTP layer has no recurrent state
         n_tokens = state.n_tokens if state is not None else None
-        store.open_forward(inp.positions, start, start + n - 1, self.trunk)
+        store.open_forward(inp.positions, start, start + n - 1,
+                           (self.model.config.n_layers,) if mtp else self.trunk)
         try:
             may_capture = (self.capture and key in self._warm and start > 0
                            and key not in self.fallback)
@@ -204,28 +202,28 @@ class Executor:
                 self._warm.add(key)
                 self.counts["eager_steps"] += 1
             else:
-                out = self._replay(progs, layout, program, rows)
+                out = self._replay(progs, layout, program, rows, state)
         except BaseException as e:
             store.end_forward(ok=False)
             if state is not None:
                 state.n_tokens = n_tokens
-            if not isinstance(e, _TraceFailed):
+            if not isinstance(e, TraceFailed):
                 raise
-            return self._keyed(key, ids, start, n, ahead)   # now with the eager model
-        if pad and kind == "verify":          # the padding rows fed the recurrence
+            return self._keyed(key, ids, start, n, ahead, hidden)   # now the eager model
+        if pad and kind.startswith("verify"):     # the padding rows fed the recurrence
             state.rollback(n)
         return out
 
     def _call(self, key, inp: StaticInput, last_only: bool) -> torch.Tensor:
         """The program's function over its static input: the traced forward, or the model
         itself (no compile, or its trace failed)."""
-        rows = key[1]
-        kw = {}
+        kind, rows = key
+        if kind == "mtp":     # eager inside its program (its positions checked: the store's)
+            return self.model.mtp_forward(inp.tokens, inp.hidden, inp.positions, self.store,
+                                          return_hidden=True, last_only=True)
         if self.state is not None:            # host bookkeeping a trace cannot hold
             self.state.begin(self._start, rows)
-            kw["state_begun"] = True
-        if key[0] == "verify":
-            kw["checkpoints"] = True
+        kw = self._model_kw(kind.endswith("+hidden"), kind.startswith("verify"))
         if self.compile and self.trace_error is None:
             if self._traced is None:
                 self._traced = trace_forward(self.model, self.store)
@@ -242,25 +240,24 @@ class Executor:
                 warnings.warn(f"tracing the model's step failed ({self.trace_error}); the "
                               f"eager model runs in its programs instead", RuntimeWarning,
                               stacklevel=2)
-                raise _TraceFailed() from e
+                raise TraceFailed() from e
         return self.model(inp.tokens, inp.positions, self.store, last_only=last_only, **kw)
 
     def _eager(self, ids, start: int, n: int, all_rows: bool, hidden: bool,
                checkpoints: bool, ahead: bool):
         tokens, positions = self._tensors(ids, start, n)
-        kw = {}
-        if hidden:
-            kw["return_hidden"] = True
-        if checkpoints:
-            kw["checkpoints"] = True
-        if self.state is not None:
-            kw["state_begun"] = True
+        kw = self._model_kw(hidden, checkpoints)
 
         def forward():
             if self.state is not None:
                 self.state.begin(start, n)
             return self.model(tokens, positions, self.store, last_only=not all_rows, **kw)
         return self._bracketed(positions, start, n, self.trunk, ahead, forward)
+
+    def _model_kw(self, hidden: bool, checkpoints: bool) -> dict:
+        """The model's keywords for a step (a hybrid's state.begin is the executor's)."""
+        return {k: True for k, on in (("return_hidden", hidden), ("checkpoints", checkpoints),
+                                      ("state_begun", self.state is not None)) if on}
 
     def _bracketed(self, positions, start: int, n: int, layers, ahead: bool, forward):
         """forward() inside the store's bracket: its rows become history when it returns."""
@@ -345,11 +342,11 @@ class Executor:
             return contextlib.nullcontext()
         return torch.compiler.set_stance("fail_on_recompile")
 
-    def _replay(self, progs: OrderedDict, layout, program: Program, rows: int):
+    def _replay(self, progs: OrderedDict, layout, program: Program, rows: int, state):
         progs.move_to_end(layout)             # the most recently used
         if self.cuda:
-            if self.state is not None:        # host bookkeeping the capture skipped
-                self.state.begin(self._start, rows)
+            if state is not None:             # host bookkeeping the capture skipped
+                state.begin(self._start, rows)
             self.store.join_copies()          # the graph's fills assume an idle copy side
         t = time.perf_counter()
         self.counts["prepare_s"] += t - self._t_begin

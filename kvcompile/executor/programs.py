@@ -6,6 +6,11 @@ A step writes its tokens and positions into the static input of its row count in
 tables are updated in place by the store; the graph replays against the addresses it
 captured. A program is keyed by its trace key (kind, rows) and the store's layout it was
 captured in, so a program of another layout is never replayed (executor.py).
+
+Kinds: "step" (decode), "verify" (a hybrid's, recording its recurrent state after each row),
+each also as "+hidden" (the rows' final hidden states returned too: an MTP drafter's input),
+"mtp" (the MTP layer's draft step, its hidden input static too) and "prefill" (full chunks
+over an all-resident store of an attention-only model).
 """
 from __future__ import annotations
 
@@ -16,10 +21,30 @@ import torch
 
 
 BUCKETS = (1, 2, 4, 8)      # rows of the decode / verify programs
+COUNTERS = ("captures", "replays", "eager_steps", "retraces", "warmup_s", "prepare_s",
+            "launch_s", "close_s")      # the executor's program events
+
+
+class TraceFailed(Exception):
+    """The first traced step of a key failed: the step runs again with the eager model."""
 
 
 def bucket_for(rows: int) -> int:
     return next(b for b in BUCKETS if rows <= b)
+
+
+def trace_key(rows: int, *, all_rows: bool, hidden: bool, checkpoints: bool,
+              hybrid: bool, prefill: bool):
+    """The program a trunk step of `rows` rows runs, (kind, padded rows), or None (the
+    eager model). prefill: a full chunk may run the prefill program."""
+    if rows <= BUCKETS[-1] and (all_rows or not hidden):
+        kind = ("verify" if checkpoints else
+                "step" if rows == 1 or not hybrid else None)
+        if kind is not None:
+            return (kind + "+hidden" if hidden else kind), bucket_for(rows)
+    if prefill and not all_rows and not hidden:
+        return "prefill", rows
+    return None
 
 
 def checkpoint_rows_for(rows: int) -> int:
@@ -42,9 +67,10 @@ def warming(owner: dict, counts: bool = True):
 
 class StaticInput:
     """A step's tokens and positions at fixed device addresses (`tokens`, `positions`),
-    filled through a pinned staging buffer with a non-blocking copy: no host sync."""
+    filled through a pinned staging buffer with a non-blocking copy: no host sync; an MTP
+    step's hidden rows too (`hidden`, copied from the device)."""
 
-    def __init__(self, rows: int, device):
+    def __init__(self, rows: int, device, hidden: torch.Tensor | None = None):
         cuda = torch.device(device).type == "cuda"
         self._static = torch.zeros(2, rows, dtype=torch.long, device=device)
         # on the CPU the static buffer is host memory already: no staging, no copy
@@ -53,10 +79,13 @@ class StaticInput:
         self._host_np = self._host.numpy()     # writes from Python ints without tensor ops
         self._staged = torch.cuda.Event() if cuda else None
         self.tokens, self.positions = self._static[0], self._static[1]
+        self.hidden = (None if hidden is None else
+                       torch.zeros(rows, hidden.shape[-1], dtype=hidden.dtype, device=device))
 
-    def load(self, tokens, positions) -> None:
+    def load(self, tokens, positions, hidden: torch.Tensor | None = None) -> None:
         """tokens: host ints, or a tensor already on the device (a token picked there, see
-        engine/tokens.py): copied device to device after the staged positions."""
+        engine/tokens.py): copied device to device after the staged positions. hidden:
+        [n, hidden] rows (n <= rows), the last repeated over the padding rows."""
         if self._staged is not None and not self._staged.query():
             self._staged.synchronize()   # the last copy must have read the staging buffer
             # (rarely taken: the step before this one's has run by the time its successor loads)
@@ -69,6 +98,10 @@ class StaticInput:
             self._staged.record()
         if on_device:
             self.tokens.copy_(tokens.reshape(-1), non_blocking=True)
+        if hidden is not None:
+            n = hidden.shape[0]
+            self.hidden[:n].copy_(hidden)
+            self.hidden[n:].copy_(hidden[-1:].expand(self.hidden.shape[0] - n, -1))
 
 
 class Rerun:

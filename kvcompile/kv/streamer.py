@@ -92,7 +92,9 @@ class Streamer:
         self._next = None                 # (lo, hi, n_pages, layers) begun ahead
         self._next_h2d, self._next_valid = 0, None
         self._last = None                 # (t0, busy) of the forward telemetry[-1] records
-        self._layout: StepLayout | None = None   # of the captured decode steps
+        # the last layout of the captured steps of each layer set (the trunk's, an MTP
+        # layer's: alternating steps keep their own)
+        self._layouts: dict[tuple, StepLayout] = {}
         self.layout_slack = 0             # pages a new layout reaches past its step
 
     def trunk(self, layers) -> tuple:
@@ -170,15 +172,16 @@ class Streamer:
         while it serves, else a new one from this step's page on. Resident pages waiting
         for their refill from host history (after a change of split) are copied first,
         outside the step: a captured step would repeat the refill at every replay."""
-        r, lay, first = self.pool.r, self._layout, s["lo"] // self.page_size
-        if lay is None or not lay.serves(r, first, s["pages"], tuple(s["layers"])):
+        layers = tuple(s["layers"])
+        r, lay, first = self.pool.r, self._layouts.get(layers), s["lo"] // self.page_size
+        if lay is None or not lay.serves(r, first, s["pages"], layers):
             room = min(self.num_pages, r + self.pool.ring.n_slots)
             lay = StepLayout.around(r, first, s["pages"], s["layers"], room, self.layout_slack)
         self.drop_next()                  # a forward begun ahead is not a fixed one (and
         self.pool.refill(lay.pages, self.trunk(s["layers"]))   # it may have refilled pages)
         if self.rings is not None:
             self.rings.refill(lay.pages, lay.first, s["layers"])
-        self._layout = lay
+        self._layouts[layers] = lay
         # by the last replay's guess
         ahead = self.pool.ahead_for(lay.pages, self.trunk(s["layers"]), lay.first)
         return replace(lay, ahead=ahead) if ahead else lay
@@ -240,9 +243,9 @@ class Streamer:
         self.pool.end()
         if self.rings is not None:
             self.rings.end()
-        if self.fill_ahead and self._layout is not None:
-            self.pool.fill_ahead(self._layout.pages, self.trunk(s["layers"]),
-                                 self._layout.first)
+        lay = self._layouts.get(tuple(s["layers"]))
+        if self.fill_ahead and lay is not None:
+            self.pool.fill_ahead(lay.pages, self.trunk(s["layers"]), lay.first)
 
     def replayed(self, s: dict, moved, filled) -> None:
         """Close the open forward after its captured work ran (a CUDA graph replay, or on
