@@ -11,8 +11,12 @@ callers fall back to the fp32 reference.
 from __future__ import annotations
 
 import functools
+import sys
+import threading
 
 from kvcompile.errors import KvcompileError
+
+BUILD_NOTICE_S = 1.0      # a build slower than this (not a cache hit) says what it is doing
 
 
 class CpuKernelError(KvcompileError, RuntimeError):
@@ -28,6 +32,9 @@ _PROBE = 'extern "C" void kernel(float* x) { x[0] += 1.0f; }'
 def cpu_kernel(source: str, argtypes: tuple[str, ...]):
     """The built `kernel` of `source` (argtypes: its C parameter types, e.g. "const float*",
     "int64_t", "float"). Built once a process; on disk once a machine."""
+    notice = threading.Timer(BUILD_NOTICE_S, _tell_building)
+    notice.daemon = True
+    notice.start()
     try:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
         return CppPythonBindingsCodeCache.load_pybinding(list(argtypes), source)
@@ -36,6 +43,20 @@ def cpu_kernel(source: str, argtypes: tuple[str, ...]):
                              f"{str(e)[:300]}); install a C++ compiler with OpenMP (g++) for "
                              f"the fast CPU path, or pass dtype='f32' for the reference "
                              f"path") from None
+    finally:
+        notice.cancel()
+
+
+_told = threading.Event()
+
+
+def _tell_building() -> None:
+    """Once a process, while a kernel builds (a first run on this machine: a few seconds
+    each, then cached on disk)."""
+    if not _told.is_set():
+        _told.set()
+        print("kvcompile: building the C++ CPU kernels for this machine (first run only; "
+              "cached on disk) ...", file=sys.stderr, flush=True)
 
 
 @functools.cache
