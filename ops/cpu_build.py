@@ -11,13 +11,11 @@ callers fall back to the fp32 reference.
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import sys
-import threading
 
 from kvcompile.errors import KvcompileError
-
-BUILD_NOTICE_S = 1.0      # a build slower than this (not a cache hit) says what it is doing
-
 
 class CpuKernelError(KvcompileError, RuntimeError):
     """A C++ CPU kernel could not be built on this machine."""
@@ -32,29 +30,42 @@ _PROBE = 'extern "C" void kernel(float* x) { x[0] += 1.0f; }'
 def cpu_kernel(source: str, argtypes: tuple[str, ...]):
     """The built `kernel` of `source` (argtypes: its C parameter types, e.g. "const float*",
     "int64_t", "float"). Built once a process; on disk once a machine."""
-    notice = threading.Timer(BUILD_NOTICE_S, _tell_building)
-    notice.daemon = True
-    notice.start()
     try:
+        import torch
         from torch._inductor.codecache import CppPythonBindingsCodeCache
-        return CppPythonBindingsCodeCache.load_pybinding(list(argtypes), source)
+        marker = _built_marker(source, argtypes, torch.__version__)
+        if not os.path.exists(marker):
+            _tell_building()
+        fn = CppPythonBindingsCodeCache.load_pybinding(list(argtypes), source)
     except Exception as e:      # a compiler error, a missing toolchain, an older torch
         raise CpuKernelError(f"the C++ CPU kernels could not be built ({type(e).__name__}: "
                              f"{str(e)[:300]}); install a C++ compiler with OpenMP (g++) for "
                              f"the fast CPU path, or pass dtype='f32' for the reference "
                              f"path") from None
-    finally:
-        notice.cancel()
+    try:
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        open(marker, "a").close()
+    except OSError:
+        pass                    # an unwritable cache: the notice shows again, nothing else
+    return fn
 
 
-_told = threading.Event()
+def _built_marker(source: str, argtypes, version: str) -> str:
+    """A file beside inductor's cache that says this kernel was built on this machine (the
+    cache itself is keyed by internals a cache hit cannot be asked about cheaply)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    key = hashlib.sha256(f"{version}\0{argtypes}\0{source}".encode()).hexdigest()[:24]
+    return os.path.join(cache_dir(), "kvcompile_cpu_kernels", key)
+
+
+_told = [False]
 
 
 def _tell_building() -> None:
-    """Once a process, while a kernel builds (a first run on this machine: a few seconds
-    each, then cached on disk)."""
-    if not _told.is_set():
-        _told.set()
+    """Once a process, before a kernel this machine has not built yet (a few seconds each,
+    then cached on disk)."""
+    if not _told[0]:
+        _told[0] = True
         print("kvcompile: building the C++ CPU kernels for this machine (first run only; "
               "cached on disk) ...", file=sys.stderr, flush=True)
 
