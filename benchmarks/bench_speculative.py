@@ -3,8 +3,8 @@
     python benchmarks/bench_speculative.py [--model PATH] [--device cpu|cuda]
         [--max-tokens 160] [--spec ngram-simple] [--ngram 3,8] [--out PATH]
     python benchmarks/bench_speculative.py --oracle FILE --context 262144 [--depth 5]
-        [--arena-mib 2240] [--kv q8_0/q4_0] [--widths 1,2,3,4,5,6] [--device cuda]
-        [--mtp-context 32768]
+        [--arena-mib 2240|auto] [--gpu-memory-gib 16] [--kv q8_0/q4_0]
+        [--widths 1,2,3,4,5,6] [--device cuda] [--mtp-context 32768]
 
 The edit task (issue 27's ngram line): a chat prompt asks the model (default: SmolLM2-135M
 Instruct) to repeat a paragraph with one word replaced, so most of the answer quotes the
@@ -16,7 +16,9 @@ the tokens are equal (they must be). Rows (commit, date) are appended to --out.
 
 The oracle task (issue 27's ceiling): one Engine over FILE (a seed-27b GGUF on the device,
 random weights), a prompt of random ids filling --context but for the decode steps, streamed
-through --arena-mib. Request 1 decodes plainly and records its greedy continuation; request
+through --arena-mib (or, with --gpu-memory-gib G --arena-mib auto, the arena a G GiB budget
+leaves: the issue's configuration; the budget counts the verify rows' recurrent checkpoints,
+so the widest width must fit it). Request 1 decodes plainly and records its greedy continuation; request
 2 drafts exactly that continuation, --depth tokens a round (the Engine's drafter replaced
 by the oracle), so every draft is kept: its decode tok/s over plain is what perfect
 acceptance at that depth buys. Then, on the same context, one verify step of each width in
@@ -94,6 +96,7 @@ def oracle_run(args, meta) -> dict:
     widths = [int(w) for w in args.widths.split(",")]
     e = kvcompile.Engine(args.oracle, device=args.device, ctx_size=args.context,
                          cache_type_k=k, cache_type_v=v, kv_stream_arena_mib=args.arena_mib,
+                         gpu_memory_gib=args.gpu_memory_gib,
                          progress=False,   # MTP pages only when draft-mtp runs later
                          spec_type="ngram-simple,draft-mtp" if args.mtp_context
                          else "ngram-simple",
@@ -132,7 +135,9 @@ def oracle_run(args, meta) -> dict:
     e.store.reset()      # the verify rows are no request's history: the next one starts cold
     mtp = mtp_exactness(e, ids[:args.mtp_context], args) if args.mtp_context else None
     return dict(kind="oracle", file=os.path.basename(args.oracle), context=args.context,
-                kv_type=args.kv, arena_mib=args.arena_mib, depth=args.depth,
+                kv_type=args.kv, arena_mib=args.arena_mib, gpu_memory_gib=args.gpu_memory_gib,
+                plan=e.memory.describe() if e.memory else None,
+                depth=args.depth,
                 tokens_equal=spec_r.token_ids == plain.token_ids,
                 plain_decode_tok_s=plain.decode_tok_s, spec_decode_tok_s=spec_r.decode_tok_s,
                 speedup=spec_r.decode_tok_s / plain.decode_tok_s, spec=spec_r.speculative,
@@ -173,7 +178,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=262144)
     ap.add_argument("--depth", type=int, default=5)
     ap.add_argument("--decode-steps", type=int, default=32)
-    ap.add_argument("--arena-mib", type=float, default=2240)
+    ap.add_argument("--arena-mib", type=lambda a: a if a == "auto" else float(a), default=2240,
+                    help="MiB, or auto (with --gpu-memory-gib)")
+    ap.add_argument("--gpu-memory-gib", type=float, default=None)
     ap.add_argument("--kv", default="q8_0/q4_0")
     ap.add_argument("--widths", default="1,2,3,4,5,6")
     ap.add_argument("--mtp-context", type=int, default=0,
