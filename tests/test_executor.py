@@ -137,7 +137,7 @@ def test_every_step_of_a_layout_issues_the_same_copies(models):
         n = len(rec.log)
         logits = runner.step([int(logits.argmax())], len(prompt) + i)
         per_step.append(rec.log[n:])
-        layouts.append(cache.streamer._layout)
+        layouts.append(cache.streamer._layouts.get(tuple(cache.layers)))
     first, *replayed = [c for c, lay in zip(per_step, layouts) if lay is not None]
     assert len(replayed) == 38 and replayed[0], runner.request_stats()
     assert all(c == replayed[0] for c in replayed)      # fills and publishes, all of them
