@@ -26,13 +26,14 @@ def _root(node):
 def checkpoint_hook(gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphModule:
     """A verify forward must be undoable: every op that changes state living outside the
     graph is found, checked and recorded (the pass inserts nothing: a hybrid model's verify
-    forward places `checkpoint_capture` itself, in each GDN layer, after each row):
+    forward places `checkpoint_capture` itself, in each GDN layer: the state before its rows
+    and the rows' recurrence inputs):
 
     - each kv_write -> `meta["kvcompile_checkpoint"] = {"kind": "kv_suffix", ...}`: a
       rejection truncates the KV rows it wrote (capture = its slots, or its positions and
       the page table that maps them, and the row count per layer, no bytes);
-    - each checkpoint_capture -> `{"kind": "row_states"}`: the per-row recurrent states a
-      rollback restores from;
+    - each checkpoint_capture -> `{"kind": "row_states"}`: what a rollback reruns the kept
+      rows from (kv/recurrent_state.py);
     - each in-place method on a graph input (e.g. a recurrent state's `copy_`) ->
       `{"kind": "state_snapshot"}`: rejection restores those bytes exactly (from the
       row_states of the same forward when it has them).

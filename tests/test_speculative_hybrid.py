@@ -90,6 +90,29 @@ def test_rollback_equals_decoding_only_the_kept_tokens(hybrid_file, where, progr
         assert stats["replays"] > 0 and "fallback" not in stats, stats
 
 
+def test_verify_rows_cost_their_inputs_not_a_state_each():
+    """At the seed-27b geometry a verify row records 5.5 MB of recurrence inputs over the 48
+    GDN layers, not a 157 MB state: a depth-5 round (padded to 8 rows) and a 49-row ngram
+    round fit a 16 GiB budget's workspace beside the weights."""
+    from kvcompile.engine.memory_budget import verify_outputs, workspace_bytes
+    from kvcompile.io.gguf.synthetic import preset_config
+    from kvcompile.kv.recurrent_state import RecurrentState
+    from kvcompile.models.config import ModelConfig
+    p = preset_config("qwen35", "seed-27b")
+    c = ModelConfig(arch="qwen35", n_layers=p.n_layers, hidden=p.hidden, ffn=p.ffn,
+                    n_heads=p.n_heads, n_kv_heads=p.n_kv_heads, head_dim=p.head_dim,
+                    vocab_size=p.vocab_size, context_length=p.context_length,
+                    rope_dim=p.rope_dim, full_attention_interval=4,
+                    ssm_conv_kernel=p.conv_kernel, ssm_k_heads=p.gdn_k_heads,
+                    ssm_v_heads=p.gdn_v_heads, ssm_head_dim=p.gdn_head_dim)
+    cpu, gdn = torch.device("cpu"), 48
+    state = gdn * 48 * 128 * 128 * 4                           # 151 MiB
+    row = (workspace_bytes(c, 512, cpu, 8) - workspace_bytes(c, 512, cpu, 4)
+           - verify_outputs(c, 8) + verify_outputs(c, 4)) / 4      # the logits apart
+    assert row == gdn * 4 * (10240 + RecurrentState.row_floats(48, 128)) < state / 25
+    assert workspace_bytes(c, 512, cpu, 49) - workspace_bytes(c, 512, cpu, 0) < 0.4 * 2**30
+
+
 @torch.inference_mode()
 def test_wider_checkpoints_drop_the_verify_programs_over_the_old_ones(hybrid_file):
     """A verify step wider than the checkpoint buffers replaces them; the programs captured

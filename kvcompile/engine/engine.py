@@ -142,8 +142,8 @@ class Engine:
         # token first, and a seed draws what it draws on the CPU).
         self.pipeline = self.device.type == "cuda"
         if spec.enabled and self.store.recurrent is not None:
-            # checkpoints of every row a verify step (padded to its program's width) can
-            # hold, allocated once, up front: captured programs keep their addresses
+            # the rollback buffers of every row a verify step (padded to its program's
+            # width) can hold, allocated once, up front: captured programs keep addresses
             self.store.recurrent.reserve_rows(checkpoint_rows_for(spec.verify_rows))
 
     # ---- requests ---------------------------------------------------------------------------

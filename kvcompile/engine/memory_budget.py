@@ -68,8 +68,7 @@ def kv_bytes(config, kv_layers: int, ctx: int, k_type: str, v_type: str,
 def workspace_bytes(config, ubatch: int, device: torch.device, verify_rows: int = 0,
                     mtp: bool = False) -> int:
     """Device bytes besides weights and KV; verify_rows: a speculative verify step's rows,
-    whose recurrent states a hybrid model checkpoints (one state each); mtp: an MTP
-    drafter's programs too."""
+    whose recurrence inputs a hybrid model records; mtp: an MTP drafter's programs too."""
     c = config
     rope = 2 * c.context_length * (c.rotary_dim // 2) * 4
     state = 0
@@ -79,9 +78,13 @@ def workspace_bytes(config, ubatch: int, device: torch.device, verify_rows: int 
         conv_dim = 2 * c.ssm_k_heads * c.ssm_head_dim + value_dim
         per = (max(c.ssm_conv_kernel - 1, 0) * conv_dim
                + c.ssm_v_heads * c.ssm_head_dim * c.ssm_head_dim)
-        # the state, and one snapshot or a checkpoint per (padded) verify row
+        # the state and one copy (a snapshot, or the state before a verify forward), and a
+        # (padded) verify row's recorded inputs (kv/recurrent_state.py)
         from kvcompile.executor.programs import checkpoint_rows_for
-        state = (1 + max(1, checkpoint_rows_for(max(1, verify_rows)))) * n_gdn * per * 4
+        from kvcompile.kv.recurrent_state import RecurrentState
+        row = conv_dim + RecurrentState.row_floats(c.ssm_v_heads, c.ssm_head_dim)
+        rows = checkpoint_rows_for(verify_rows) if verify_rows > 1 else 0
+        state = (2 * per + rows * row) * n_gdn * 4
     decode = 0
     if device.type == "cuda":
         from kvcompile.kv.layer_kv import decode_workspace_numel

@@ -6,8 +6,8 @@ a speculative verify step, an MTP draft step. It is bracketed by the store (open
 the split; issue: placement and copies; end: rows published, telemetry) and runs one of:
 
 - a **program**, when its shape has one (its trace key, programs.py: decode, verify and MTP
-  widths 1, 2, 4, 8, padded by repeating the last row; a hybrid's verify program records the
-  recurrent state after every row; full prefill chunks over an all-resident store of an
+  widths 1, 2, 4, 8, padded by repeating the last row; a hybrid's verify program records what
+  rolls its recurrent state back to any row; full prefill chunks over an all-resident store of an
   attention-only model): the model traced once per key (compile.py; the MTP layer runs
   eagerly inside its programs), its device work captured as a CUDA graph per layout of the
   store and replayed (on the CPU a replay reruns the step's code);
@@ -90,7 +90,7 @@ class Executor:
     def verify(self, ids, start: int, hidden: bool = False):
         """Every row's logits of ids at start.. (a speculative verify step), with hidden the
         rows' final hidden states too (an MTP drafter's input): (logits, hidden or None).
-        A hybrid model records its recurrent state after each row (`rollback`)."""
+        A hybrid model records what rolls its recurrent state back to any row (`rollback`)."""
         checkpoints = self.state is not None and len(ids) > 1
         if checkpoints:
             rows = checkpoint_rows_for(len(ids))

@@ -7,7 +7,7 @@ tables are updated in place by the store; the graph replays against the addresse
 captured. A program is keyed by its trace key (kind, rows) and the store's layout it was
 captured in, so a program of another layout is never replayed (executor.py).
 
-Kinds: "step" (decode), "verify" (a hybrid's, recording its recurrent state after each row),
+Kinds: "step" (decode), "verify" (a hybrid's, recording what rolls its recurrent state back),
 each also as "+hidden" (the rows' final hidden states returned too: an MTP drafter's input),
 "mtp" (the MTP layer's draft step, its hidden input static too) and "prefill" (full chunks
 over an all-resident store of an attention-only model).

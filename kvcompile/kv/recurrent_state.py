@@ -8,10 +8,17 @@ The tensors are allocated once and only ever updated in place (copy_), so their 
 stay fixed for CUDA graphs; snapshot/restore copy into and out of them. This state never
 enters the KV page pool: the KV policy only sees attention layers.
 
-Speculative verify: `reserve_rows(R)` allocates checkpoint buffers of R rows; a forward
-asked for checkpoints runs each GDN layer's rows one at a time (the decode rule) and records
-the state after every row (`kvcompile::checkpoint_capture`), so `rollback(keep)` restores
-the state after row keep-1 of the last forward by one copy: no recompute.
+Speculative verify: `reserve_rows(R)` allocates the buffers of verify forwards of up to R
+rows; a forward asked for checkpoints records each GDN layer's state before its first row
+and every row's recurrence inputs (the conv input; q and k expanded to the value heads, v,
+gate, beta packed), all through
+`kvcompile::checkpoint_capture`, and runs the rows one at a time (the decode rule). Then
+`rollback(keep)` puts the state back and reruns the delta rule over the first `keep` rows'
+recorded inputs, every layer in one call a row (the layers' heads side by side): the same
+opaque recurrence the forward ran on the same inputs, so the state is bit for bit the one
+the forward held after row keep-1. A row costs conv_dim + 3 D Hv + 2 Hv floats a
+layer instead of a whole state (157 MB at the 27B geometry), so wide verify rounds fit a
+device budget.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import torch
 
 from kvcompile.models.config import ModelConfig
 from kvcompile.errors import KvLayoutError
+from kvcompile.models.gated_deltanet import gdn_recurrent
 
 
 @dataclass
@@ -36,12 +44,15 @@ class RecurrentState:
         self._slot = {layer: j for j, layer in enumerate(self.layers)}
         kd = vd = config.ssm_head_dim
         conv_dim = 2 * config.ssm_k_heads * kd + config.ssm_v_heads * vd
+        self.hv, self.d = config.ssm_v_heads, kd
         n = len(self.layers)
         self.conv = torch.zeros(n, max(config.ssm_conv_kernel - 1, 0), conv_dim,
                                 dtype=torch.float32, device=device)
         self.ssm = torch.zeros(n, config.ssm_v_heads, kd, vd, dtype=torch.float32, device=device)
         self.n_tokens = 0   # positions consumed since the last reset (host-side bookkeeping)
-        self.conv_rows = self.ssm_rows = None      # [R, n, ...] once reserve_rows(R) ran
+        # once reserve_rows(R) ran: the state before a verify forward ([n, ...]) and its
+        # rows' inputs ([R, n, conv_dim] and [R, n, packed q k v g beta])
+        self.conv_before = self.ssm_before = self.conv_rows = self.in_rows = None
         self._forward_start = 0    # first position of the latest forward
 
     @property
@@ -52,32 +63,54 @@ class RecurrentState:
     def checkpoint_rows(self) -> int:
         return 0 if self.conv_rows is None else self.conv_rows.shape[0]
 
+    @staticmethod
+    def row_floats(hv: int, d: int) -> int:
+        """Floats of one layer's packed recurrence inputs a row: q, k (expanded to the
+        value heads), v, gate, beta."""
+        return 3 * hv * d + 2 * hv
+
     def reserve_rows(self, rows: int) -> None:
-        """Checkpoint buffers for verify forwards of up to `rows` rows (allocated once; a
-        larger request replaces them)."""
+        """Buffers for verify forwards of up to `rows` rows (allocated once; a larger
+        request replaces them)."""
         if rows > self.checkpoint_rows:
-            self.conv_rows = self.conv.new_zeros((rows, *self.conv.shape))
-            self.ssm_rows = self.ssm.new_zeros((rows, *self.ssm.shape))
+            n = len(self.layers)
+            if self.conv_before is None:
+                self.conv_before, self.ssm_before = self.conv.clone(), self.ssm.clone()
+            self.conv_rows = self.conv.new_zeros((rows, n, self.conv.shape[-1]))
+            self.in_rows = self.conv.new_zeros((rows, n, self.row_floats(self.hv, self.d)))
 
     def checkpoints(self, i: int):
-        """(conv rows [R, K-1, C], ssm rows [R, Hv, Dk, Dv]): model layer i's views of the
-        checkpoint buffers."""
+        """Model layer i's views of the verify buffers: (state before [1, K-1, C] and
+        [1, Hv, Dk, Dv], conv inputs [R, C], packed inputs [R, P])."""
         if self.conv_rows is None:
             raise KvLayoutError("capturing verify checkpoints needs reserve_rows() first")
         j = self._slot[i]
-        return self.conv_rows[:, j], self.ssm_rows[:, j]
+        return (self.conv_before[j:j + 1], self.ssm_before[j:j + 1], self.conv_rows[:, j],
+                self.in_rows[:, j])
 
     def rollback(self, keep: int) -> None:
-        """Keep rows 0..keep-1 of the latest (checkpointed) forward: the state after row
-        keep-1, as recorded, becomes the live state."""
+        """Keep rows 0..keep-1 of the latest (checkpointed) forward: the state before it,
+        then the delta rule over the kept rows' recorded inputs (module doc)."""
         consumed = self.n_tokens - self._forward_start
         if keep == consumed:
             return
         if not 1 <= keep < min(consumed, self.checkpoint_rows + 1):
             raise KvLayoutError(f"cannot keep {keep} rows of a forward of {consumed} rows "
                                 f"with {self.checkpoint_rows} checkpoint rows")
-        self.conv.copy_(self.conv_rows[keep - 1])
-        self.ssm.copy_(self.ssm_rows[keep - 1])
+        n, hv, d = len(self.layers), self.hv, self.d
+        width = self.conv.shape[1]
+        if width:
+            window = torch.cat([self.conv_before, self.conv_rows[:keep].transpose(0, 1)], 1)
+            self.conv.copy_(window[:, window.shape[1] - width:])
+        ssm = self.ssm_before.view(n * hv, d, d)
+        scale = 1.0 / d ** 0.5
+        for r in range(keep):          # every layer's heads side by side: one call a row
+            row = self.in_rows[r]
+            q, k, v, g, beta = row.split([hv * d, hv * d, hv * d, hv, hv], dim=-1)
+            _, ssm = gdn_recurrent(q.reshape(1, n * hv, d), k.reshape(1, n * hv, d),
+                                   v.reshape(1, n * hv, d), g.reshape(1, n * hv),
+                                   beta.reshape(1, n * hv), ssm, scale)
+        self.ssm.copy_(ssm.view(self.ssm.shape))
         self.n_tokens = self._forward_start + keep
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ model's recurrent state.
 `StepModel`: what the executor and the store ask of a model: its geometry (`config`), the
 layers it declares (`layer_plan`: attention, recurrent, MTP), its device, and a forward over
 a store. A model whose plan has recurrent layers also takes `state_begun` (the executor ran
-the state's host bookkeeping) and `checkpoints` (record the state after each row: a verify
+the state's host bookkeeping) and `checkpoints` (record what rolls back to any row: a verify
 step); one with MTP layers takes `return_hidden` and offers `mtp_forward`.
 """
 from __future__ import annotations

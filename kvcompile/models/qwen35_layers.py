@@ -21,7 +21,8 @@ from torch import nn
 
 import kvcompile.ops  # noqa: F401  (registers torch.ops.kvcompile.*)
 from kvcompile.models.config import ModelConfig
-from kvcompile.models.gated_deltanet import causal_conv, gdn_chunked, gdn_recurrent
+from kvcompile.models.gated_deltanet import (causal_conv, expand_key_heads, gdn_chunked,
+                                             gdn_recurrent)
 from kvcompile.models.layers import Linear, RMSNorm, SwiGLU, apply_rope_rows
 
 
@@ -82,14 +83,26 @@ class GatedDeltaNetMixer(nn.Module):
                 checkpoints=None):
         """x [T, hidden]; conv_state [K-1, conv_dim] and ssm_state [Hv, D, D] (fp32) are
         read and updated in place. checkpoints (a verify forward: RecurrentState.checkpoints
-        and padding_rows): the rows run one at a time through the decode rule and the state
-        after each is recorded, so a rejected draft rolls back to any row. A padding row
-        (a program's, after the real rows) gives the row before it's output, so the layers
-        after this one see it equal to that row and write that row's KV bytes again; the
-        state it leaves is undone by the executor (the checkpoint of the last real row)."""
-        t, kd = x.shape[0], self.hk * self.d
-        if checkpoints is not None and t > 1 and x.device.type == "cpu":
+        and padding_rows): the state before the first row and every row's recurrence inputs
+        are recorded and the rows run one at a time through the decode rule, so a rejected
+        draft rolls back to any row (RecurrentState.rollback reruns the kept rows). A
+        padding row (a program's, after the real rows) gives the row before it's output,
+        so the layers after this one see it equal to that row and write that row's KV
+        bytes again; the state it leaves is undone by the executor's rollback."""
+        if checkpoints is None:
+            return self._mix(x, conv_state, ssm_state)
+        conv_before, ssm_before, conv_rows, in_rows, repeats = checkpoints
+        torch.ops.kvcompile.checkpoint_capture(conv_before, ssm_before, conv_state,
+                                               ssm_state, 0)
+        if x.shape[0] > 1 and x.device.type == "cpu":
             return self._rows_as_decode_steps(x, conv_state, ssm_state, checkpoints)
+        return self._mix(x, conv_state, ssm_state, record=(conv_rows, in_rows, repeats))
+
+    def _mix(self, x, conv_state, ssm_state, record=None, row: int = 0):
+        """The mixer over x's rows; record (conv rows, packed input rows, repeats): the
+        rows' recurrence inputs go to rows row.. of those buffers and the rows run one at
+        a time."""
+        t, kd = x.shape[0], self.hk * self.d
         # the recurrence runs in fp32 whatever the weights' dtype
         conv_in = self.in_qkv(x).float()
         mixed, new_conv = causal_conv(conv_in, conv_state, self.conv_weight.float())
@@ -100,9 +113,15 @@ class GatedDeltaNetMixer(nn.Module):
         beta = torch.sigmoid(self.in_beta(x).float())
         g = F.softplus(self.in_alpha(x).float() + self.dt_bias.float()) * self.a.float()
         scale = 1.0 / math.sqrt(self.d)
-        if checkpoints is not None:
-            o, new_ssm = self._rows_with_checkpoints(q, k, v, g, beta, ssm_state, scale,
-                                                     conv_in, conv_state, checkpoints)
+        if record is not None:
+            conv_rows, in_rows, repeats = record
+            packed = torch.cat([expand_key_heads(q, self.hv).reshape(t, -1),
+                                expand_key_heads(k, self.hv).reshape(t, -1),
+                                v.reshape(t, -1), g, beta], dim=-1)
+            torch.ops.kvcompile.checkpoint_capture(conv_rows[None, row:row + t],
+                                                   in_rows[None, row:row + t], conv_in,
+                                                   packed, 0)
+            o, new_ssm = self._rows_one_at_a_time(q, k, v, g, beta, ssm_state, scale, repeats)
         elif t == 1:
             o, new_ssm = gdn_recurrent(q, k, v, g, beta, ssm_state, scale)
         else:
@@ -114,33 +133,27 @@ class GatedDeltaNetMixer(nn.Module):
         return self.out(o.reshape(t, self.hv * self.d).to(x.dtype))
 
     def _rows_as_decode_steps(self, x, conv_state, ssm_state, checkpoints):
-        """The CPU's verify rows: each one the whole mixer as a one-row decode step, then
-        its state recorded. CPU kernels round a row inside a batch differently from the
-        row alone (vectorized exp / sigmoid loops and GEMM blocking depend on the row
-        count), so batched rows would record states a decode step never reaches."""
-        conv_rows, ssm_rows, repeats = checkpoints
+        """The CPU's verify rows: each one the whole mixer as a one-row decode step, its
+        inputs recorded. CPU kernels round a row inside a batch differently from the row
+        alone (vectorized exp / sigmoid loops and GEMM blocking depend on the row count),
+        so batched rows would reach states a decode step never reaches."""
+        _, _, conv_rows, in_rows, repeats = checkpoints
         outs = []
         for r in range(x.shape[0]):
-            out = self(x[r:r + 1], conv_state, ssm_state)
+            out = self._mix(x[r:r + 1], conv_state, ssm_state, (conv_rows, in_rows, None), r)
             outs.append(torch.where(repeats[r], outs[-1], out) if r else out)
-            torch.ops.kvcompile.checkpoint_capture(conv_rows, ssm_rows, conv_state,
-                                                   ssm_state, r)
         return torch.cat(outs)
 
     @staticmethod
-    def _rows_with_checkpoints(q, k, v, g, beta, ssm, scale, conv_in, conv_state, checkpoints):
-        """Row r through gdn_recurrent (what a one-token decode step runs), then its state
-        (the conv window of the last K-1 inputs, the delta-rule matrices) to checkpoint r."""
-        conv_rows, ssm_rows, repeats = checkpoints
-        width = conv_state.shape[0]
-        inputs = torch.cat([conv_state.to(conv_in.dtype), conv_in], dim=0)
+    def _rows_one_at_a_time(q, k, v, g, beta, ssm, scale, repeats):
+        """Row r through gdn_recurrent (what a one-token decode step runs); a padding row
+        (repeats) gives the row before it's output."""
         outs = []
         for r in range(q.shape[0]):
             sl = slice(r, r + 1)
             o, ssm = gdn_recurrent(q[sl], k[sl], v[sl], g[sl], beta[sl], ssm, scale)
-            torch.ops.kvcompile.checkpoint_capture(conv_rows, ssm_rows,
-                                                   inputs[r + 1:r + 1 + width], ssm, r)
-            outs.append(torch.where(repeats[r], outs[-1], o) if r else o)
+            outs.append(torch.where(repeats[r], outs[-1], o) if r and repeats is not None
+                        else o)
         return torch.cat(outs), ssm
 
 

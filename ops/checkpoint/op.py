@@ -1,18 +1,20 @@
-"""torch.ops.kvcompile.checkpoint_capture: record a recurrent layer's state after one row of a
-verify forward, so that a rejected draft rolls the state back without recomputing anything.
+"""torch.ops.kvcompile.checkpoint_capture: record what a recurrent layer's rollback needs
+during a verify forward, so that a rejected draft rolls the state back.
 
 checkpoint_capture(conv_rows, ssm_rows, conv, ssm, row)
-    conv_rows [R, K-1, C] and ssm_rows [R, Hv, Dk, Dv] are one layer's views of the
-    request slot's checkpoint buffers (`RecurrentState.checkpoints`); conv [K-1, C] and ssm
-    [Hv, Dk, Dv] the layer's state after verify row `row` (< R). Row `row` of each buffer is
-    overwritten with it. A rollback to "rows 0..j kept" then copies row j back into the live
-    state (`RecurrentState.rollback`).
+    conv and ssm are written into row `row` (< R) of conv_rows [R, ...] and ssm_rows
+    [R, ...], one layer's views of the request slot's verify buffers
+    (`RecurrentState.checkpoints`). A GDN layer records its state before the forward's rows
+    (conv [K-1, C], ssm [Hv, Dk, Dv], into a one-row buffer) and the rows' recurrence inputs
+    (conv inputs [T, C] and packed q, k, v, gate, beta [T, P], into buffers of a one-row
+    view of rows row..row+T). A rollback to "rows 0..j kept" puts the state back and reruns
+    rows 0..j (`RecurrentState.rollback`).
 
 The op mutates its first two arguments and returns nothing, so the graph keeps it (a
 mutation is a side effect) and a captured CUDA graph replays its two device copies; the
 buffers' addresses never change. The copy is the whole semantics: the CPU and CUDA paths
-are the same `copy_`, which is bitwise, so the restored state equals the state the verify
-forward held after that row.
+are the same `copy_`, which is bitwise, so a rollback reruns the kept rows from exactly the
+state and inputs the verify forward had.
 """
 from __future__ import annotations
 
