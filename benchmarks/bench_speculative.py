@@ -17,9 +17,9 @@ the tokens are equal (they must be). Rows (commit, date) are appended to --out.
 The oracle task (issue 27's ceiling): one Engine over FILE (a seed-27b GGUF on the device,
 random weights), a prompt of random ids filling --context but for the decode steps, streamed
 through --arena-mib (or, with --gpu-memory-gib G --arena-mib auto, the arena a G GiB budget
-leaves: the issue's configuration; the budget counts the verify rows' recurrent checkpoints,
-so the widest width must fit it). Request 1 decodes plainly and records its greedy continuation; request
-2 drafts exactly that continuation, --depth tokens a round (the Engine's drafter replaced
+leaves: the issue's configuration; the budget counts the verify rows' rollback buffers, so
+the widest width must fit it). Request 1 decodes plainly and records its greedy
+continuation; request 2 drafts exactly that continuation, --depth tokens a round (the Engine's drafter replaced
 by the oracle), so every draft is kept: its decode tok/s over plain is what perfect
 acceptance at that depth buys. Then, on the same context, one verify step of each width in
 --widths, timed to completion (the executor's own verify step), as the cost ratio to width 1.

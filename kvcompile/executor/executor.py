@@ -6,9 +6,9 @@ a speculative verify step, an MTP draft step. It is bracketed by the store (open
 the split; issue: placement and copies; end: rows published, telemetry) and runs one of:
 
 - a **program**, when its shape has one (its trace key, programs.py: decode, verify and MTP
-  widths 1, 2, 4, 8, padded by repeating the last row; a hybrid's verify program records what
-  rolls its recurrent state back to any row; full prefill chunks over an all-resident store of an
-  attention-only model): the model traced once per key (compile.py; the MTP layer runs
+  widths 1, 2, 4, 8, padded by repeating the last row; a hybrid's verify program records
+  what rolls its recurrent state back to any row; full prefill chunks over an all-resident
+  store of an attention-only model): the model traced once per key (compile.py; the MTP layer runs
   eagerly inside its programs), its device work captured as a CUDA graph per layout of the
   store and replayed (on the CPU a replay reruns the step's code);
 - the **eager model** otherwise (wider steps, prefill chunks that return hidden rows), its

@@ -11,14 +11,14 @@ enters the KV page pool: the KV policy only sees attention layers.
 Speculative verify: `reserve_rows(R)` allocates the buffers of verify forwards of up to R
 rows; a forward asked for checkpoints records each GDN layer's state before its first row
 and every row's recurrence inputs (the conv input; q and k expanded to the value heads, v,
-gate, beta packed), all through
-`kvcompile::checkpoint_capture`, and runs the rows one at a time (the decode rule). Then
+gate, beta packed), all through `kvcompile::checkpoint_capture`, and runs the rows one at a
+time (the decode rule). Then
 `rollback(keep)` puts the state back and reruns the delta rule over the first `keep` rows'
 recorded inputs, every layer in one call a row (the layers' heads side by side): the same
 opaque recurrence the forward ran on the same inputs, so the state is bit for bit the one
-the forward held after row keep-1. A row costs conv_dim + 3 D Hv + 2 Hv floats a
-layer instead of a whole state (157 MB at the 27B geometry), so wide verify rounds fit a
-device budget.
+the forward held after row keep-1. A row costs conv_dim + 3 D Hv + 2 Hv floats a layer
+instead of a whole state (157 MB at the 27B geometry), so wide verify rounds fit a device
+budget.
 """
 from __future__ import annotations
 

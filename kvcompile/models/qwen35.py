@@ -96,10 +96,11 @@ class Qwen35Model(nn.Module):
                 state_begun: bool = False):
         """tokens, positions int64 [T] (consecutive); returns float32 logits [T, vocab]
         ([1, vocab] with last_only), plus the final normed hidden [T, hidden] (the MTP
-        layer's input) with return_hidden. checkpoints: record what rolls the recurrent state
-        back to any row (a speculative verify step; RecurrentState.rollback). state_begun: the caller
-        ran the state's host bookkeeping (`state.begin`) for this forward already (a
-        traced forward's runtime, which cannot leave it to the trace)."""
+        layer's input) with return_hidden. checkpoints: record what rolls the recurrent
+        state back to any row (a speculative verify step; RecurrentState.rollback).
+        state_begun: the caller ran the state's host bookkeeping (`state.begin`) for this
+        forward already (a traced forward's runtime, which cannot leave it to the
+        trace)."""
         state = state if state is not None else self.recurrent_state(cache)
         if not torch.compiler.is_compiling() and not state_begun:
             lo, _ = self._check_positions(positions, cache)   # consecutive: lo = positions[0]
