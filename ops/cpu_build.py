@@ -34,7 +34,8 @@ def cpu_kernel(source: str, argtypes: tuple[str, ...]):
         import torch
         from torch._inductor.codecache import CppPythonBindingsCodeCache
         marker = _built_marker(source, argtypes, torch.__version__)
-        if not os.path.exists(marker):
+        built = os.path.exists(marker)
+        if not built:
             _tell_building()
         fn = CppPythonBindingsCodeCache.load_pybinding(list(argtypes), source)
     except Exception as e:      # a compiler error, a missing toolchain, an older torch
@@ -42,11 +43,12 @@ def cpu_kernel(source: str, argtypes: tuple[str, ...]):
                              f"{str(e)[:300]}); install a C++ compiler with OpenMP (g++) for "
                              f"the fast CPU path, or pass dtype='f32' for the reference "
                              f"path") from None
-    try:
-        os.makedirs(os.path.dirname(marker), exist_ok=True)
-        open(marker, "a").close()
-    except OSError:
-        pass                    # an unwritable cache: the notice shows again, nothing else
+    if not built:
+        try:
+            os.makedirs(os.path.dirname(marker), exist_ok=True)
+            open(marker, "a").close()
+        except OSError:
+            pass                # an unwritable cache: the notice shows again, nothing else
     return fn
 
 

@@ -101,10 +101,7 @@ class Executor:
                 self._warm = {k for k in self._warm if not k[0].startswith("verify")}
         out = self._trunk(ids, start, all_rows=True, hidden=hidden, checkpoints=checkpoints,
                           ahead=not hidden)   # with hidden rows an MTP step comes next
-        if not hidden:
-            return out, None
-        # a program's hidden rows are its graph's buffer: the drafter keeps them longer
-        return out[0], out[1].clone()
+        return out if hidden else (out, None)
 
     def step_hidden(self, ids, start: int):
         """A prefill chunk that also returns its rows' final hidden states (the MTP
@@ -165,7 +162,8 @@ class Executor:
                 out = self._on_stream(lambda: self._keyed(key, ids, start, n, ahead))
                 if key[0] != "prefill":       # every (padded) row's logits
                     rows = slice(0, n) if all_rows else slice(n - 1, n)
-                    out = (out[0][rows], out[1][:n]) if hidden else out[rows]
+                    # hidden rows leave the graph's buffer: an MTP drafter keeps them
+                    out = (out[0][rows], out[1][:n].clone()) if hidden else out[rows]
         return out
 
     def _keyed(self, key, ids, start: int, n: int, ahead: bool, hidden=None):
