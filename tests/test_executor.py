@@ -250,7 +250,10 @@ def test_speculative_rounds_interleave_with_replays(models, arch, spec):
     want = ({"verify+hidden", "mtp"} if "draft-mtp" in spec else
             {"verify"} if arch == "qwen35" else {"step"})
     assert want <= {kind for kind, rows in progs if rows > 1}, (SEED, list(progs))
-    assert want <= {kind for (kind, rows), p in progs.items() if p}, (SEED, list(progs))
+    # captured once a key repeats: MTP steps of one row come every round (a verify width
+    # may run only once in 48 tokens)
+    captured = {kind for (kind, rows), p in progs.items() if p}
+    assert ("mtp" in captured) == ("draft-mtp" in spec), (SEED, list(progs))
     # trunk and MTP steps alternate, each kind keeping its layout: captures stay rare
     assert r.programs["replays"] >= 4 * r.programs["captures"], (SEED, r.programs)
     assert r.programs["compiled"] and "fallback" not in r.programs
