@@ -150,3 +150,78 @@ def random_chunks(rng: random.Random, text: str, n: int, max_len: int = 300) -> 
         start = rng.randrange(len(text))
         chunks.append(text[start:start + rng.randint(1, max_len)])
     return chunks
+
+
+# Material for mixed_text: each entry draws one piece from a random generator.
+_WORDS = ("the of and to in is it that was for on are with as his they be at one have this "
+          "from or had by word but what some we can out other were all there when up use your "
+          "how said an each she which do their time if will way about many then them would "
+          "write like so these her long make thing see him two has look more day could go come "
+          "did number sound no most people my over know water than call first who may down "
+          "don't it's we're they'll I'd you've she's Hello World HTTP JSON kvcompile").split()
+_ACCENTED = ["café", "naïve", "résumé", "Ångström", "façade", "jalapeño", "über", "Ærøskøbing",
+             "Dvořák", "Łódź", "São Paulo", "Nguyễn", "crème brûlée", "e\u0301te\u0301",
+             "Zo\u00eb", "Mu\u0308nchen", "ﬁne", "Ⅻ", "ǅ", "ΑΒΓ δέλτα", "Привет мир", "Ελλάδα"]
+_CJK = ["我想在苹果公司工作", "東京は日本の首都です。", "한국어 문장입니다", "これはテストです",
+        "中文，标点！“引号”", "ｆｕｌｌｗｉｄｔｈ　ｔｅｘｔ", "汉字と仮名とハングル", "第３章　結論"]
+_EMOJI = ["\U0001F600", "\U0001F44D\U0001F3FD", "\U0001F468\u200D\U0001F469\u200D\U0001F467",
+          "\U0001F1EB\U0001F1F7", "\u2764\ufe0f", "\U0001F999", "\U0001F680\U0001F680",
+          "\u2705", "\U0001F636\u200D\U0001F32B\ufe0f", "\U0001F9D1\U0001F3FF\u200D\U0001F4BB"]
+_OTHER_SCRIPTS = ["नमस्ते दुनिया", "مرحبا بالعالم", "שלום עולם", "สวัสดีครับ",
+                  "កាន់តែពិសេស", "ሰላም ልዑል", "Tiếng Việt", "ᚠᚢᚦᚨᚱᚲ", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "𓀀𓀁"]
+_CODE = [
+    "def f(x: int) -> int:\n    return x ** 2 + 1\n",
+    "for (int i = 0; i < n; ++i) {\n\tsum += a[i] * b[i];\n}\n",
+    "const re = /^[a-z0-9_-]{3,16}$/i; // usernames\n",
+    "SELECT id, name FROM users WHERE age >= 21 ORDER BY name DESC;\n",
+    "<div class=\"row\"><span>&nbsp;&lt;tag&gt;</span></div>\n",
+    "{\"key\": [1, 2.5, -3e-7, null, true], \"nested\": {\"a\": \"b\"}}\n",
+    "if [[ -f \"$HOME/.bashrc\" ]]; then source ~/.bashrc; fi\n",
+    "fn main() { println!(\"{:?}\", vec![1u8, 2, 3]); }\n",
+    "x = lambda *args, **kw: (args, kw)  # noqa: E731\n",
+    "#include <stdio.h>\nint main(void){printf(\"%d\\n\",42);}\n",
+]
+_SPACES = [" ", "  ", "   ", "    ", "        ", "\t", "\t\t", " \t ", "\n", "\n\n", "\n\n\n\n",
+           "\r\n", "\r\n\r\n", "\r", " \n ", "\u00a0", "\u3000", "\u2003", "\u2028", "\x0b", "\x0c",
+           " " * 17, "\n" * 9, "\t\n\t"]
+
+
+def _number(rng: random.Random) -> str:
+    kind = rng.randrange(7)
+    if kind == 0:
+        return str(rng.randrange(10 ** rng.randint(1, 12)))
+    if kind == 1:
+        return f"{rng.uniform(-1e4, 1e4):.{rng.randint(0, 6)}f}"
+    if kind == 2:
+        return f"{rng.randrange(10 ** 9):,}"
+    if kind == 3:
+        return f"{rng.random():.3e}"
+    if kind == 4:
+        return "".join(rng.choice("0123456789") for _ in range(rng.randint(13, 40)))
+    if kind == 5:
+        return f"0x{rng.randrange(1 << 32):08X}"
+    return rng.choice(["１２３", "٣٤٥", "१२३", "½", "²³", "Ⅻ", "①②"])
+
+
+def mixed_text(rng: random.Random, min_bytes: int, corpus: str = "") -> str:
+    """Fresh text of at least min_bytes UTF-8 bytes: English words, accents (precomposed and
+    combining), CJK, other scripts, emoji sequences, numbers in many shapes, code, runs of
+    spaces / tabs / newlines, and (if given) snippets of the corpus, in random order."""
+    draws = [
+        lambda: " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 12))),
+        lambda: rng.choice(_ACCENTED), lambda: rng.choice(_CJK), lambda: rng.choice(_EMOJI),
+        lambda: rng.choice(_OTHER_SCRIPTS), lambda: _number(rng), lambda: rng.choice(_CODE),
+        lambda: rng.choice(_SPACES), lambda: rng.choice(_SPACES), lambda: rng.choice(_TRICKY),
+        lambda: random_text(rng, corpus or "x", rng.randint(1, 6)),
+    ]
+    if corpus:
+        draws.append(lambda: random_chunks(rng, corpus, 1, 120)[0])
+    out: list[str] = []
+    size = 0
+    while size < min_bytes:
+        piece = rng.choice(draws)()
+        if rng.random() < 0.5:
+            piece += rng.choice(" \n.,;:!?")
+        out.append(piece)
+        size += len(piece.encode("utf-8"))
+    return "".join(out)

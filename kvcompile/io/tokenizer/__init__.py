@@ -1,5 +1,6 @@
-"""Tokenizer from GGUF metadata: byte-level BPE and llama SentencePiece, chat templates,
-streaming decode. Token ids equal llama.cpp's for the supported vocabularies."""
+"""Tokenizer from GGUF metadata: byte-level BPE, llama SentencePiece and Gemma 4's
+SentencePiece-style BPE, chat templates, streaming decode. Token ids equal llama.cpp's for
+the supported vocabularies."""
 from __future__ import annotations
 
 import os

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import heapq
 
+from kvcompile.io.tokenizer.spm import byte_token_text
+
 
 def _byte_to_char_table() -> list[str]:
     """GPT-2's reversible byte -> character map: printable Latin-1 bytes map to themselves,
@@ -58,11 +60,17 @@ def parse_merges(merges: list[str]) -> dict[tuple[str, str], int]:
 
 
 class BytePairEncoder:
+    """byte_level: token texts are GPT-2 byte-to-char strings; otherwise (SentencePiece-style
+    BPE, Gemma 4) they are the raw UTF-8 text and a missing byte is the token `<0xNN>`.
+    whole_newline_runs: a word of newlines that is a token is emitted without merging."""
+
     def __init__(self, token_to_id: dict[str, int], ranks: dict[tuple[str, str], int],
-                 ignore_merges: bool):
+                 ignore_merges: bool, byte_level: bool = True, whole_newline_runs: bool = False):
         self.token_to_id = token_to_id
         self.ranks = ranks
         self.ignore_merges = ignore_merges
+        self.byte_level = byte_level
+        self.whole_newline_runs = whole_newline_runs
         self._cache: dict[str, tuple[int, ...]] = {}
 
     def encode_word(self, word: str) -> tuple[int, ...]:
@@ -70,8 +78,9 @@ class BytePairEncoder:
         hit = self._cache.get(word)
         if hit is not None:
             return hit
-        mapped = bytes_to_bpe_text(word.encode("utf-8"))
-        if self.ignore_merges and mapped in self.token_to_id:
+        mapped = bytes_to_bpe_text(word.encode("utf-8")) if self.byte_level else word
+        whole = self.ignore_merges or (self.whole_newline_runs and not word.strip("\n"))
+        if whole and mapped in self.token_to_id:
             ids: tuple[int, ...] = (self.token_to_id[mapped],)
         else:
             ids = tuple(self._symbols_to_ids(self._merge(list(mapped))))
@@ -135,7 +144,10 @@ class BytePairEncoder:
             # llama.cpp's fallback for a merge result missing from the vocab: look up each
             # UTF-8 byte of the symbol as a one-byte token and drop those that do not exist
             for b in sym.encode("utf-8"):
-                tid = self.token_to_id.get(chr(b)) if b < 0x80 else None
+                if self.byte_level:
+                    tid = self.token_to_id.get(chr(b)) if b < 0x80 else None
+                else:
+                    tid = self.token_to_id.get(byte_token_text(b))
                 if tid is not None:
                     ids.append(tid)
         return ids

@@ -54,6 +54,11 @@ class PreTokenizerSpec:
     ignore_merges: bool = False   # a word that is itself a token is emitted without merging
     default_add_bos: bool = False
     clean_spaces: bool = True     # detokenizer removes spaces before . , ! ? and some 's
+    # SentencePiece-style BPE (llama.cpp's escape_whitespaces, byte_encode = false): spaces
+    # become '▁' before the split, token texts are raw UTF-8, missing bytes are <0xNN>
+    spm_style: bool = False
+    whole_newline_runs: bool = False  # a word of newlines that is a token is not merged
+    force_add_bos: bool = False       # BOS even where the GGUF says add_bos_token = false
 
 
 _DEFAULT = PreTokenizerSpec("default", (rf"[{_P}\$\+<=>\^~\|]+", _GPT2, f"[{_N}]+", "[0-9]{3}"))
@@ -65,6 +70,9 @@ _DBRX = PreTokenizerSpec("dbrx", (_LLAMA3,))
 _QWEN2_SPEC = PreTokenizerSpec("qwen2", (_QWEN2,), clean_spaces=False)
 _STABLELM2 = PreTokenizerSpec("stablelm2", (_QWEN2,))
 _QWEN35_SPEC = PreTokenizerSpec("qwen35", (_QWEN35,), clean_spaces=False)
+# Gemma 4: merges run over whole lines (newline runs apart), as llama.cpp's GEMMA4 type
+_GEMMA4 = PreTokenizerSpec("gemma4", ("[^\\n]+|[\\n]+",), default_add_bos=True, spm_style=True,
+                           whole_newline_runs=True, force_add_bos=True)
 
 
 def _names(spec: PreTokenizerSpec, *names: str) -> dict[str, PreTokenizerSpec]:
@@ -84,6 +92,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
              "solar-open", "grok-2"),
     **_names(_STABLELM2, "stablelm2", "megrez"),
     "qwen35": _QWEN35_SPEC,
+    **_names(_GEMMA4, "gemma4", "granite-embed-multi-311m"),
 }
 
 

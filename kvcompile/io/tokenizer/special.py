@@ -39,9 +39,19 @@ _FIM_TEXTS = frozenset({
 FORCED_CONTROL_TEXTS = END_OF_TURN_TEXTS | _FIM_TEXTS
 
 
-def effective_types(tokens: list[str], types: list[int]) -> list[int]:
-    return [int(TokenType.CONTROL) if text in FORCED_CONTROL_TEXTS else t
-            for text, t in zip(tokens, types)]
+# Where one of these also ends a sequence, '</s>' is an ordinary token (Gemma 4, PLaMo)
+_PLAIN_S_MARKERS = ("<|tool_response>", "<|plamo:eos|>")
+
+
+def effective_types(tokens: list[str], types: list[int], eos_id: int | None = None) -> list[int]:
+    """The token types llama.cpp works with: the forced control texts are CONTROL, except
+    '</s>', which is NORMAL next to an end-of-sequence '<|tool_response>' / '<|plamo:eos|>'."""
+    out = [int(TokenType.CONTROL) if text in FORCED_CONTROL_TEXTS else t
+           for text, t in zip(tokens, types)]
+    ends = set(END_OF_TURN_TEXTS) | ({tokens[eos_id]} if eos_id is not None else set())
+    if any(m in ends and m in tokens for m in _PLAIN_S_MARKERS):
+        out = [int(TokenType.NORMAL) if text == "</s>" else t for text, t in zip(tokens, out)]
+    return out
 
 
 class SpecialTokenSplitter:

@@ -1,4 +1,5 @@
-"""Tokenizer built from GGUF metadata: byte-level BPE (`gpt2`) or llama SentencePiece (`llama`).
+"""Tokenizer built from GGUF metadata: byte-level BPE (`gpt2`), llama SentencePiece (`llama`)
+or Gemma 4's SentencePiece-style BPE (`gemma4`: merges over raw UTF-8, '▁' for spaces).
 
 Behaviour follows llama.cpp's vocabulary (its `llama_tokenize` / `llama_detokenize`), which
 is the oracle the tests compare against.
@@ -35,17 +36,22 @@ class Tokenizer:
         self.model = model
         self.pre = pre
         self._tokens = tokens
-        self._types = effective_types(tokens, types)
+        self._types = effective_types(tokens, types, eos_id)
         self._token_to_id = {text: i for i, text in enumerate(tokens)}
         self.bos_id, self.eos_id = bos_id, eos_id
         self.add_eos = add_eos
         self.chat_template = chat_template
         self._splitter = SpecialTokenSplitter(tokens, self._types)
-        if model == "gpt2":
+        # token texts are GPT-2 byte-to-char strings (not '▁' SentencePiece-style text)
+        self._byte_level = False
+        if model in ("gpt2", "gemma4"):
             spec = pre_tokenizer_spec(pre)
             self._pre = PreTokenizer(spec)
-            self._bpe = BytePairEncoder(self._token_to_id, parse_merges(merges), spec.ignore_merges)
-            self.add_bos = spec.default_add_bos if add_bos is None else add_bos
+            self._byte_level = not spec.spm_style
+            self._bpe = BytePairEncoder(self._token_to_id, parse_merges(merges), spec.ignore_merges,
+                                        self._byte_level, spec.whole_newline_runs)
+            self.add_bos = spec.force_add_bos or (spec.default_add_bos if add_bos is None
+                                                  else add_bos)
             self.add_space_prefix = False  # llama.cpp ignores the key for BPE vocabularies
             self._clean_spaces = spec.clean_spaces
         else:
@@ -61,24 +67,24 @@ class Tokenizer:
     @classmethod
     def from_metadata(cls, meta: dict[str, object]) -> "Tokenizer":
         model = meta.get(_KEY + "model")
-        if model not in ("gpt2", "llama"):
+        if model not in ("gpt2", "llama", "gemma4"):
             raise UnsupportedModelError(
                 f"tokenizer.ggml.model = {model!r} is not supported; kvcompile reads 'gpt2' "
-                f"(byte-level BPE) and 'llama' (SentencePiece) vocabularies")
+                f"(byte-level BPE), 'llama' (SentencePiece) and 'gemma4' vocabularies")
         tokens = _list_of(meta, "tokens", str, required=True)
         n = len(tokens)
         types = [int(t) for t in _list_of(meta, "token_type", numbers.Integral)]
         types = types or [int(TokenType.NORMAL)] * n
         scores = [float(s) for s in _list_of(meta, "scores", numbers.Real)] or [0.0] * n
-        merges = _list_of(meta, "merges", str, required=(model == "gpt2"))
+        merges = _list_of(meta, "merges", str, required=(model != "llama"))
         if len(types) != n or len(scores) != n:
             raise ModelFileError(
                 f"tokenizer metadata is inconsistent: {n} tokens but {len(types)} token types "
                 f"and {len(scores)} scores; re-convert the model")
-        default_bos, default_eos = (1, 2) if model == "llama" else (11, 11)
+        default_bos, default_eos = {"llama": (1, 2), "gpt2": (11, 11)}.get(model, (None, None))
+        pre = {"gpt2": meta.get(_KEY + "pre"), "gemma4": "gemma4"}.get(model)  # as llama.cpp
         return cls(
-            model=model, tokens=tokens, types=types, scores=scores, merges=merges,
-            pre=meta.get(_KEY + "pre") if model == "gpt2" else None,
+            model=model, tokens=tokens, types=types, scores=scores, merges=merges, pre=pre,
             bos_id=_token_id(meta, "bos_token_id", default_bos, n),
             eos_id=_token_id(meta, "eos_token_id", default_eos, n),
             add_bos=_opt_bool(meta, "add_bos_token"),
@@ -96,7 +102,8 @@ class Tokenizer:
     def stop_ids(self) -> list[int]:
         """Ids that end generation: EOS and the end-of-turn tokens present in the vocab."""
         ids = {self.eos_id} if self.eos_id is not None else set()
-        ids.update(self._token_to_id[t] for t in END_OF_TURN_TEXTS if t in self._token_to_id)
+        ids.update(i for t in END_OF_TURN_TEXTS if (i := self._token_to_id.get(t)) is not None
+                   and self._types[i] == TokenType.CONTROL)
         return sorted(ids)
 
     def token_text(self, token_id: int) -> str:
@@ -126,11 +133,13 @@ class Tokenizer:
         if add_bos:
             out.append(self._required_id(self.bos_id, "BOS"))
         parts = self._splitter.split(text, parse_special)
-        if self.model == "gpt2":
+        if self.model != "llama":
             for part in parts:
                 if isinstance(part, int):
                     out.append(part)
                     continue
+                if not self._byte_level:
+                    part = part.replace(" ", SPACE_MARK)
                 for word in self._pre.split(part):
                     out.extend(self._bpe.encode_word(word))
         else:
@@ -196,7 +205,7 @@ class Tokenizer:
         if kind in (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED):
             return text.encode("utf-8")
         if kind == TokenType.NORMAL:
-            if self.model == "gpt2":
+            if self._byte_level:
                 return bpe_text_to_bytes(text)
             return text.replace(SPACE_MARK, " ").encode("utf-8")
         if kind == TokenType.BYTE and len(text) == 6 and text.startswith("<0x"):
@@ -238,7 +247,7 @@ def _list_of(meta: dict, key: str, kind, required: bool = False) -> list:
     return list(value)
 
 
-def _token_id(meta: dict, key: str, default: int, n_tokens: int) -> int | None:
+def _token_id(meta: dict, key: str, default: int | None, n_tokens: int) -> int | None:
     """A special token id; one outside the vocabulary means none (llama.cpp drops it too)."""
     value = meta.get(_KEY + key, default)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
