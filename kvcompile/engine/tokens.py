@@ -33,7 +33,7 @@ def pipelined_tokens(forward, logits, pick, history, budget, step_s):
     if budget <= 0:
         return
     cuda = logits.device.type == "cuda"
-    host = torch.empty(1, dtype=torch.long, pin_memory=cuda)
+    host = torch.empty(1, dtype=torch.long, device="cpu", pin_memory=cuda)
     read = torch.cuda.Event() if cuda else None
     token_at = pick(logits)
     start = len(history)                 # the first token's position

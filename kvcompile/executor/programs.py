@@ -74,7 +74,8 @@ class StaticInput:
         cuda = torch.device(device).type == "cuda"
         self._static = torch.zeros(2, rows, dtype=torch.long, device=device)
         # on the CPU the static buffer is host memory already: no staging, no copy
-        self._host = torch.zeros(2, rows, dtype=torch.long, pin_memory=True) if cuda else \
+        self._host = torch.zeros(2, rows, dtype=torch.long, device="cpu",
+                                 pin_memory=True) if cuda else \
             self._static
         self._host_np = self._host.numpy()     # writes from Python ints without tensor ops
         self._staged = torch.cuda.Event() if cuda else None

@@ -244,7 +244,7 @@ class CudaBackend:
 
     def host_buffer(self, shape) -> torch.Tensor:
         try:
-            return torch.zeros(shape, dtype=torch.uint8, pin_memory=True)
+            return torch.zeros(shape, dtype=torch.uint8, device="cpu", pin_memory=True)
         except RuntimeError as e:
             n = 1
             for d in (shape if isinstance(shape, (tuple, list)) else (shape,)):

@@ -53,9 +53,9 @@ class StateCheckpoints:
             return self._free.pop()
         if len(self.saved) < self.slots:
             return (torch.empty(self.state.conv.shape, dtype=self.state.conv.dtype,
-                                pin_memory=self.pinned),
+                                device="cpu", pin_memory=self.pinned),
                     torch.empty(self.state.ssm.shape, dtype=self.state.ssm.dtype,
-                                pin_memory=self.pinned))
+                                device="cpu", pin_memory=self.pinned))
         return self.saved.pop(min(self.saved))        # the lowest position goes
 
     def save(self, position: int) -> None:

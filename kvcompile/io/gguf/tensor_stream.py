@@ -38,7 +38,7 @@ class TensorStream:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.chunk_bytes = chunk_bytes
-        self.buffers = [torch.empty(chunk_bytes + SLACK, dtype=torch.uint8,
+        self.buffers = [torch.empty(chunk_bytes + SLACK, dtype=torch.uint8, device="cpu",
                                     pin_memory=self.cuda) for _ in range(buffers)]
         self.events = [None] * buffers
         self.turn = 0
@@ -119,7 +119,7 @@ class TensorStream:
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
         self.chunk_bytes = row_bytes
-        self.buffers = [torch.empty(row_bytes + SLACK, dtype=torch.uint8,
+        self.buffers = [torch.empty(row_bytes + SLACK, dtype=torch.uint8, device="cpu",
                                     pin_memory=self.cuda) for _ in self.buffers]
         self.events = [None] * len(self.buffers)
 
