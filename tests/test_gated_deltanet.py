@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcompile.models.gated_deltanet import causal_conv, gdn_chunked, gdn_recurrent
+from kvcompile.models.gated_deltanet import (causal_conv, expand_key_heads, gdn_chunked,
+                                             gdn_recurrent)
 
 
 def _inputs(t, hk, hv, d, seed, dtype=torch.float32):
@@ -104,3 +105,35 @@ def test_recurrent_op_for_compiled_forwards(t, hk, hv):
     o_c, s_c = fn(q, k, v, g, beta, s0)
     assert any("gdn_recurrent" in n for n in seen), seen
     assert torch.equal(o_c, o_ref) and torch.equal(s_c, s_ref)
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", [pytest.param(d, marks=pytest.mark.gpu) if d == "cuda"
+                                    else d for d in DEVICES])
+@pytest.mark.parametrize("t,hk,hv", [(6, 2, 4), (49, 2, 6)])
+def test_recurrent_rows_in_one_call_equal_one_row_calls(device, t, hk, hv):
+    """A verify forward runs its rows through gdn_recurrent in one call and a rollback
+    reruns kept rows in one call with every layer's heads side by side; decode runs one row
+    a call. Speculation is exact only if these agree bit for bit: every row's output, and
+    the state after any number of rows, whatever the head count (fla's fused recurrence is
+    one compiled kernel for every row count)."""
+    q, k, v, g, beta, s0 = (x.to(device) for x in _inputs(t, hk, hv, 32, seed=7 * t + hv))
+    scale = 1 / math.sqrt(32)
+    o_all, s_all = gdn_recurrent(q, k, v, g, beta, s0, scale)
+    s, outs, states = s0, [], []
+    for r in range(t):
+        o_r, s = gdn_recurrent(q[r:r + 1], k[r:r + 1], v[r:r + 1], g[r:r + 1],
+                               beta[r:r + 1], s, scale)
+        outs.append(o_r)
+        states.append(s)
+    assert torch.equal(o_all, torch.cat(outs)) and torch.equal(s_all, states[-1])
+    # two "layers" folded into one call's heads, the first `keep` rows: each layer's state
+    # (key heads expanded to the value heads first, as the recorded rows are)
+    keep = t // 2 + 1
+    fold = lambda x: torch.cat([x, x.flip(0)], 1)[:keep]   # noqa: E731
+    q2, k2 = (fold(expand_key_heads(x, hv)) for x in (q, k))
+    _, s_fold = gdn_recurrent(q2, k2, fold(v), fold(g), fold(beta),
+                              torch.cat([s0, s0.flip(0)]), scale)
+    assert torch.equal(s_fold[:hv], states[keep - 1])

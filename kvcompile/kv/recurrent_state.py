@@ -11,12 +11,11 @@ enters the KV page pool: the KV policy only sees attention layers.
 Speculative verify: `reserve_rows(R)` allocates the buffers of verify forwards of up to R
 rows; a forward asked for checkpoints records each GDN layer's state before its first row
 and every row's recurrence inputs (the conv input; q and k expanded to the value heads, v,
-gate, beta packed), all through `kvcompile::checkpoint_capture`, and runs the rows one at a
-time (the decode rule). Then
-`rollback(keep)` puts the state back and reruns the delta rule over the first `keep` rows'
-recorded inputs, every layer in one call a row (the layers' heads side by side): the same
-opaque recurrence the forward ran on the same inputs, so the state is bit for bit the one
-the forward held after row keep-1. A row costs conv_dim + 3 D Hv + 2 Hv floats a layer
+gate, beta packed), all through `kvcompile::checkpoint_capture`, and runs the rows through
+the decode rule. Then `rollback(keep)` puts the state back and reruns the delta rule over
+the first `keep` rows' recorded inputs, every layer's kept rows in one call (the layers'
+heads side by side): the same opaque recurrence, which steps row by row, on the same
+inputs, so the state is bit for bit the one the forward held after row keep-1. A row costs conv_dim + 3 D Hv + 2 Hv floats a layer
 instead of a whole state (157 MB at the 27B geometry), so wide verify rounds fit a device
 budget.
 """
@@ -102,14 +101,12 @@ class RecurrentState:
         if width:
             window = torch.cat([self.conv_before, self.conv_rows[:keep].transpose(0, 1)], 1)
             self.conv.copy_(window[:, window.shape[1] - width:])
-        ssm = self.ssm_before.view(n * hv, d, d)
-        scale = 1.0 / d ** 0.5
-        for r in range(keep):          # every layer's heads side by side: one call a row
-            row = self.in_rows[r]
-            q, k, v, g, beta = row.split([hv * d, hv * d, hv * d, hv, hv], dim=-1)
-            _, ssm = gdn_recurrent(q.reshape(1, n * hv, d), k.reshape(1, n * hv, d),
-                                   v.reshape(1, n * hv, d), g.reshape(1, n * hv),
-                                   beta.reshape(1, n * hv), ssm, scale)
+        # every layer's heads side by side, the kept rows in order: one call
+        q, k, v, g, beta = self.in_rows[:keep].split([hv * d, hv * d, hv * d, hv, hv], dim=-1)
+        heads = (keep, n * hv, d)
+        _, ssm = gdn_recurrent(q.reshape(heads), k.reshape(heads), v.reshape(heads),
+                               g.reshape(keep, n * hv), beta.reshape(keep, n * hv),
+                               self.ssm_before.view(n * hv, d, d), 1.0 / d ** 0.5)
         self.ssm.copy_(ssm.view(self.ssm.shape))
         self.n_tokens = self._forward_start + keep
 

@@ -84,7 +84,7 @@ class GatedDeltaNetMixer(nn.Module):
         """x [T, hidden]; conv_state [K-1, conv_dim] and ssm_state [Hv, D, D] (fp32) are
         read and updated in place. checkpoints (a verify forward: RecurrentState.checkpoints
         and padding_rows): the state before the first row and every row's recurrence inputs
-        are recorded and the rows run one at a time through the decode rule, so a rejected
+        are recorded and the rows run through the decode rule, so a rejected
         draft rolls back to any row (RecurrentState.rollback reruns the kept rows). A
         padding row (a program's, after the real rows) gives the row before it's output,
         so the layers after this one see it equal to that row and write that row's KV
@@ -100,8 +100,8 @@ class GatedDeltaNetMixer(nn.Module):
 
     def _mix(self, x, conv_state, ssm_state, record=None, row: int = 0):
         """The mixer over x's rows; record (conv rows, packed input rows, repeats): the
-        rows' recurrence inputs go to rows row.. of those buffers and the rows run one at
-        a time."""
+        rows' recurrence inputs go to rows row.. of those buffers and the rows run through
+        the decode rule (_rows_in_order)."""
         t, kd = x.shape[0], self.hk * self.d
         # the recurrence runs in fp32 whatever the weights' dtype
         conv_in = self.in_qkv(x).float()
@@ -121,7 +121,7 @@ class GatedDeltaNetMixer(nn.Module):
             torch.ops.kvcompile.checkpoint_capture(conv_rows[None, row:row + t],
                                                    in_rows[None, row:row + t], conv_in,
                                                    packed, 0)
-            o, new_ssm = self._rows_one_at_a_time(q, k, v, g, beta, ssm_state, scale, repeats)
+            o, new_ssm = self._rows_in_order(q, k, v, g, beta, ssm_state, scale, repeats)
         elif t == 1:
             o, new_ssm = gdn_recurrent(q, k, v, g, beta, ssm_state, scale)
         else:
@@ -145,16 +145,16 @@ class GatedDeltaNetMixer(nn.Module):
         return torch.cat(outs)
 
     @staticmethod
-    def _rows_one_at_a_time(q, k, v, g, beta, ssm, scale, repeats):
-        """Row r through gdn_recurrent (what a one-token decode step runs); a padding row
-        (repeats) gives the row before it's output."""
-        outs = []
-        for r in range(q.shape[0]):
-            sl = slice(r, r + 1)
-            o, ssm = gdn_recurrent(q[sl], k[sl], v[sl], g[sl], beta[sl], ssm, scale)
-            outs.append(torch.where(repeats[r], outs[-1], o) if r and repeats is not None
-                        else o)
-        return torch.cat(outs), ssm
+    def _rows_in_order(q, k, v, g, beta, ssm, scale, repeats):
+        """The rows through gdn_recurrent, the decode rule, in one call: its kernel (fla's
+        fused recurrence, one compiled kernel whatever the row count; the reference's
+        loop) steps row by row with the state in fp32, so row r's output and state are
+        those of r + 1 one-row decode steps. A padding row (repeats) gives the output of
+        the last real row before it."""
+        o, ssm = gdn_recurrent(q, k, v, g, beta, ssm, scale)
+        if repeats is not None and q.shape[0] > 1:
+            o = o.index_select(0, torch.cumsum(~repeats, 0) - 1)
+        return o, ssm
 
 
 def padding_rows(positions: torch.Tensor) -> torch.Tensor:
