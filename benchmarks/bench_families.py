@@ -12,7 +12,8 @@ keep it in a ring of their own (kv/window_rings.py); only the global layers' his
 is not resident must cross PCIe. Each row records the host->device bytes of a timed decode
 step against those bytes (`h2d_over_global_streamed`, at most 1.05 wanted), decode tok/s
 against the PCIe bound over them (`decode_vs_bound`, pinned copy bandwidth measured in the
-same run), and whether the greedy tokens equal the all-resident run's.
+same run), and whether the greedy tokens and the logits of one more step equal the
+all-resident run's.
 """
 from __future__ import annotations
 
@@ -72,6 +73,16 @@ def global_streamed_bytes(e, steps: int) -> float:
                for s in tel) / len(tel)
 
 
+def next_logits(e) -> torch.Tensor:
+    """The logits of one more decode step after the measured request (the last sampled
+    token at the next position): the streamed run's against the resident run's."""
+    tokens, n = e.store.prefix.tokens, e.store.rows()
+    if len(tokens) <= n:                  # no token waiting: the last row again
+        n = len(tokens) - 1
+        e.store.truncate(n)
+    return e.executor.step([tokens[n]], n).float().cpu()
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="gemma3-12b")
@@ -99,7 +110,7 @@ def main(argv=None) -> list[dict]:
     model = build_model(config, dtype, device, args.seed)
     ids = S.random_ids(args.context, config.vocab_size, args.seed + 1, "cpu")
     meta = {**run_meta(), **S.measure_h2d_gbps(device, args.pcie_mib << 20)}
-    rows = []
+    rows, logits = [], []
     for mode, arena in ((("resident", 0),) if not args.no_resident else ()) + \
             (("streamed", args.arena_mib),):
         row = dict(system="kvcompile", preset=args.preset, mode=mode, context=args.context,
@@ -108,13 +119,13 @@ def main(argv=None) -> list[dict]:
 
         def extra(e, row=row):
             if not e.store.streams:
-                return {}
+                return {"_next_logits": next_logits(e)}
             rings = e.store.streamer.rings
             need = global_streamed_bytes(e, args.decode_steps)
             return dict(window_rings=None if rings is None else
                         dict(layers=len(rings.windows), slots=rings.slots),
                         global_layers=e.store.streamer.pool.L,
-                        global_streamed_bytes=need)
+                        global_streamed_bytes=need, _next_logits=next_logits(e))
         try:
             res = S.run_ours(model, args.context, args.kv, args, ids, arena_mib=arena,
                              graphs=graphs, extra=extra)
@@ -122,6 +133,7 @@ def main(argv=None) -> list[dict]:
             S.failed(row, exc)
             rows.append(row)
             continue
+        logits.append(res.pop("_next_logits"))
         row["pcie_bound_tok_s"] = (meta["pcie_gbps_measured"] * S.GB / res["global_streamed_bytes"]
                                    if res.get("global_streamed_bytes") else None)
         S.finish(row, res, args.decode_steps)
@@ -135,6 +147,8 @@ def main(argv=None) -> list[dict]:
     ok = [r for r in rows if r.get("status") == "ok"]
     if len(ok) == 2:
         ok[1]["tokens_equal_resident"] = ok[0]["decode_tokens"] == ok[1]["decode_tokens"]
+        ok[1]["logits_equal_resident"] = bool(torch.equal(logits[0], logits[1]))
+        ok[1]["logits_max_abs_diff"] = float((logits[0] - logits[1]).abs().max())
     out = args.out or (os.path.join(os.environ.get("TMPDIR", "/tmp"), "families.json")
                        if args.tiny else RESULTS)
     old = json.load(open(out)) if os.path.exists(out) and not args.tiny else []

@@ -13,7 +13,8 @@ import bench_families
 
 KEEP = ("mode", "context", "arena_mib", "decode_tok_s", "decode_vs_bound",
         "h2d_over_global_streamed", "h2d_bytes_per_token", "global_streamed_bytes",
-        "window_rings", "tokens_equal_resident", "commit", "date")
+        "window_rings", "tokens_equal_resident", "logits_equal_resident",
+        "logits_max_abs_diff", "commit", "date")
 
 
 def run(benchmark, argv):
@@ -29,6 +30,7 @@ def check(rows):
     assert streamed["window_rings"] is not None
     assert streamed["h2d_over_global_streamed"] <= 1.05, streamed
     assert streamed["tokens_equal_resident"], streamed
+    assert streamed["logits_equal_resident"], streamed
     return streamed
 
 
