@@ -228,6 +228,50 @@ def test_verify_steps_replay_padded_programs(models):
     assert stats["replays"] > len(rounds), stats
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_wide_verify_steps_run_the_traced_program_uncaptured(models, arch):
+    """Verify steps of 9-64 rows (an ngram round's long drafts) run the traced program of
+    16, 32 or 64 padded rows, never captured: every row's logits equal the eager
+    all-resident verify's (to fp32 rounding), rollbacks keep the stores (and a hybrid's
+    recurrent state) equal, and the decode steps after them too."""
+    from kvcompile.executor.programs import BUCKETS, WIDE, bucket_for
+    model = models[arch]
+    prompt = prompt_of(model, 300, 11)
+    # (width, rows kept); a hybrid's CPU verify traces each row as a decode step: narrower
+    rounds = ([(12, 5), (40, 40), (3, 1), (20, 13), (64, 2)] if arch == "llama" else
+              [(10, 4), (3, 1), (12, 12)])
+    planned = len(prompt) + sum(k for _, k in rounds) + 9
+    ref = executor(model)
+    runner = executor(model, tiny_arena(model), capture=True)
+    rng = torch.Generator().manual_seed(SEED)
+    with torch.inference_mode():
+        for r in (ref, runner):
+            r.begin_request(planned)
+            for s in range(0, len(prompt), 128):
+                r.step(prompt[s:s + 128], s)
+        pos = len(prompt)
+        for width, keep in rounds:
+            ids = torch.randint(0, model.config.vocab_size, (width,), generator=rng).tolist()
+            want, _ = ref.verify(ids, pos)
+            got, _ = runner.verify(ids, pos)
+            assert got.shape == want.shape == (width, model.config.vocab_size)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            for r in (ref, runner):
+                r.rollback(keep, width, pos)
+            pos += keep
+        tok = int(want[keep - 1].argmax())
+        for i in range(8):                    # decode after the rounds: the same state
+            want, got = ref.step([tok], pos + i), runner.step([tok], pos + i)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            tok = int(want.argmax())
+    wide = {rows: len(p) for (kind, rows), p in runner.programs.items() if rows > BUCKETS[-1]}
+    # traced, not captured (a hybrid's larger checkpoint buffers drop the verify keys before)
+    widest = bucket_for(max(w for w, _ in rounds), WIDE)
+    assert set(wide) <= set(WIDE) and widest in wide and not any(wide.values()), wide
+    stats = runner.request_stats()
+    assert stats["compiled"] and "trace_error" not in stats and "fallback" not in stats
+
+
 @pytest.mark.parametrize("arch,spec", [("qwen35", "ngram-simple"),
                                        ("qwen35", "ngram-simple,draft-mtp"),
                                        ("llama", "ngram-simple")])

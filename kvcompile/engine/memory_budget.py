@@ -82,7 +82,8 @@ def workspace_bytes(config, ubatch: int, device: torch.device, verify_rows: int 
         # (padded) verify row's recorded inputs (kv/recurrent_state.py)
         from kvcompile.executor.programs import checkpoint_rows_for
         from kvcompile.kv.recurrent_state import RecurrentState
-        row = conv_dim + RecurrentState.row_floats(c.ssm_v_heads, c.ssm_head_dim)
+        row = conv_dim + RecurrentState.row_floats(c.ssm_k_heads, c.ssm_v_heads,
+                                                      c.ssm_head_dim)
         rows = checkpoint_rows_for(verify_rows) if verify_rows > 1 else 0
         state = (2 * per + rows * row) * n_gdn * 4
     decode = 0
@@ -101,17 +102,19 @@ def workspace_bytes(config, ubatch: int, device: torch.device, verify_rows: int 
 def verify_outputs(config, verify_rows: int, mtp: bool = False) -> int:
     """Bytes of the outputs the captured verify programs keep (executor.py: widths 2, 4, 8
     up to the verify step's, MAX_LAYOUTS each; fp32 as an upper bound), with an MTP
-    drafter their hidden rows and the MTP programs' (every width, one logits row each)."""
+    drafter their hidden rows and the MTP programs' (every width, one logits row each),
+    and a wider step's logits while it runs (programs.WIDE: not captured, none kept)."""
     if verify_rows < 2:
         return 0
     from kvcompile.executor.executor import MAX_LAYOUTS
-    from kvcompile.executor.programs import BUCKETS, bucket_for
+    from kvcompile.executor.programs import BUCKETS, WIDE, bucket_for
     top = bucket_for(min(verify_rows, BUCKETS[-1]))
     rows = sum(b for b in BUCKETS if 2 <= b <= top)
     out = rows * config.vocab_size * 4
     if mtp:
         out += (rows + sum(BUCKETS)) * config.hidden * 4 + len(BUCKETS) * config.vocab_size * 4
-    return MAX_LAYOUTS * out
+    wide = bucket_for(min(verify_rows, WIDE[-1]), WIDE) if verify_rows > BUCKETS[-1] else 0
+    return MAX_LAYOUTS * out + wide * config.vocab_size * 4
 
 
 def plan_budget(*, budget: int, weights: int, workspace: int, kv_all: int, min_arena: int,

@@ -186,7 +186,7 @@ class Executor:
                            (self.model.config.n_layers,) if mtp else self.trunk)
         try:
             may_capture = (self.capture and key in self._warm and start > 0
-                           and key not in self.fallback)
+                           and key not in self.fallback and rows <= BUCKETS[-1])
             layout = store.step_layout() if may_capture else None
             progs = self.programs.setdefault(key, OrderedDict())
             if layout is not None and layout not in progs:

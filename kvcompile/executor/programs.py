@@ -20,7 +20,10 @@ import time
 import torch
 
 
-BUCKETS = (1, 2, 4, 8)      # rows of the decode / verify programs
+BUCKETS = (1, 2, 4, 8)      # rows of the captured programs (decode, verify, MTP)
+# rows of wide verify steps (an ngram round's long drafts): the traced program, never
+# captured (their outputs would hold memory a budget needs for the arena)
+WIDE = (16, 32, 64)
 COUNTERS = ("captures", "replays", "eager_steps", "retraces", "warmup_s", "prepare_s",
             "launch_s", "close_s")      # the executor's program events
 
@@ -29,19 +32,20 @@ class TraceFailed(Exception):
     """The first traced step of a key failed: the step runs again with the eager model."""
 
 
-def bucket_for(rows: int) -> int:
-    return next(b for b in BUCKETS if rows <= b)
+def bucket_for(rows: int, widths: tuple = BUCKETS) -> int:
+    return next(b for b in widths if rows <= b)
 
 
 def trace_key(rows: int, *, all_rows: bool, hidden: bool, checkpoints: bool,
               hybrid: bool, prefill: bool):
     """The program a trunk step of `rows` rows runs, (kind, padded rows), or None (the
     eager model). prefill: a full chunk may run the prefill program."""
-    if rows <= BUCKETS[-1] and (all_rows or not hidden):
+    widths = BUCKETS + WIDE if all_rows and not hidden else BUCKETS
+    if rows <= widths[-1] and (all_rows or not hidden):
         kind = ("verify" if checkpoints else
                 "step" if rows == 1 or not hybrid else None)
         if kind is not None:
-            return (kind + "+hidden" if hidden else kind), bucket_for(rows)
+            return (kind + "+hidden" if hidden else kind), bucket_for(rows, widths)
     if prefill and not all_rows and not hidden:
         return "prefill", rows
     return None
@@ -50,7 +54,7 @@ def trace_key(rows: int, *, all_rows: bool, hidden: bool, checkpoints: bool,
 def checkpoint_rows_for(rows: int) -> int:
     """Checkpoint rows a hybrid's verify step of `rows` rows records: its program's padded
     width, or the rows themselves past the widest program."""
-    return bucket_for(rows) if rows <= BUCKETS[-1] else rows
+    return bucket_for(rows, BUCKETS + WIDE) if rows <= WIDE[-1] else rows
 
 
 @contextlib.contextmanager

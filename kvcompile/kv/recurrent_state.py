@@ -10,13 +10,13 @@ enters the KV page pool: the KV policy only sees attention layers.
 
 Speculative verify: `reserve_rows(R)` allocates the buffers of verify forwards of up to R
 rows; a forward asked for checkpoints records each GDN layer's state before its first row
-and every row's recurrence inputs (the conv input; q and k expanded to the value heads, v,
-gate, beta packed), all through `kvcompile::checkpoint_capture`, and runs the rows through
+and every row's recurrence inputs (the conv input; q, k (of the key heads), v, gate, beta
+packed), all through `kvcompile::checkpoint_capture`, and runs the rows through
 the decode rule. Then `rollback(keep)` puts the state back and reruns the delta rule over
-the first `keep` rows' recorded inputs, every layer's kept rows in one call (the layers'
-heads side by side): the same opaque recurrence, which steps row by row, on the same
-inputs, so the state is bit for bit the one the forward held after row keep-1. A row costs conv_dim + 3 D Hv + 2 Hv floats a layer
-instead of a whole state (157 MB at the 27B geometry), so wide verify rounds fit a device
+the first `keep` rows' recorded inputs, every layer's kept rows in one call (q and k tiled
+to the value heads, then the layers' heads side by side): the same opaque recurrence, which steps row by row, on the same
+inputs, so the state is bit for bit the one the forward held after row keep-1. A row costs conv_dim + 2 D Hk + D Hv + 2 Hv floats a
+layer instead of a whole state (157 MB at the 27B geometry), so wide verify rounds fit a device
 budget.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from kvcompile.models.config import ModelConfig
 from kvcompile.errors import KvLayoutError
-from kvcompile.models.gated_deltanet import gdn_recurrent
+from kvcompile.models.gated_deltanet import expand_key_heads, gdn_recurrent
 
 
 @dataclass
@@ -43,7 +43,7 @@ class RecurrentState:
         self._slot = {layer: j for j, layer in enumerate(self.layers)}
         kd = vd = config.ssm_head_dim
         conv_dim = 2 * config.ssm_k_heads * kd + config.ssm_v_heads * vd
-        self.hv, self.d = config.ssm_v_heads, kd
+        self.hk, self.hv, self.d = config.ssm_k_heads, config.ssm_v_heads, kd
         n = len(self.layers)
         self.conv = torch.zeros(n, max(config.ssm_conv_kernel - 1, 0), conv_dim,
                                 dtype=torch.float32, device=device)
@@ -63,10 +63,10 @@ class RecurrentState:
         return 0 if self.conv_rows is None else self.conv_rows.shape[0]
 
     @staticmethod
-    def row_floats(hv: int, d: int) -> int:
-        """Floats of one layer's packed recurrence inputs a row: q, k (expanded to the
-        value heads), v, gate, beta."""
-        return 3 * hv * d + 2 * hv
+    def row_floats(hk: int, hv: int, d: int) -> int:
+        """Floats of one layer's packed recurrence inputs a row: q, k (key heads), v,
+        gate, beta."""
+        return 2 * hk * d + hv * d + 2 * hv
 
     def reserve_rows(self, rows: int) -> None:
         """Buffers for verify forwards of up to `rows` rows (allocated once; a larger
@@ -76,7 +76,8 @@ class RecurrentState:
             if self.conv_before is None:
                 self.conv_before, self.ssm_before = self.conv.clone(), self.ssm.clone()
             self.conv_rows = self.conv.new_zeros((rows, n, self.conv.shape[-1]))
-            self.in_rows = self.conv.new_zeros((rows, n, self.row_floats(self.hv, self.d)))
+            self.in_rows = self.conv.new_zeros((rows, n, self.row_floats(self.hk, self.hv,
+                                                                         self.d)))
 
     def checkpoints(self, i: int):
         """Model layer i's views of the verify buffers: (state before [1, K-1, C] and
@@ -96,15 +97,17 @@ class RecurrentState:
         if not 1 <= keep < min(consumed, self.checkpoint_rows + 1):
             raise KvLayoutError(f"cannot keep {keep} rows of a forward of {consumed} rows "
                                 f"with {self.checkpoint_rows} checkpoint rows")
-        n, hv, d = len(self.layers), self.hv, self.d
+        n, hk, hv, d = len(self.layers), self.hk, self.hv, self.d
         width = self.conv.shape[1]
         if width:
             window = torch.cat([self.conv_before, self.conv_rows[:keep].transpose(0, 1)], 1)
             self.conv.copy_(window[:, window.shape[1] - width:])
-        # every layer's heads side by side, the kept rows in order: one call
-        q, k, v, g, beta = self.in_rows[:keep].split([hv * d, hv * d, hv * d, hv, hv], dim=-1)
+        # q, k tiled to the value heads (gated_deltanet.expand_key_heads), then every
+        # layer's heads side by side, the kept rows in order: one call
+        q, k, v, g, beta = self.in_rows[:keep].split([hk * d, hk * d, hv * d, hv, hv], dim=-1)
         heads = (keep, n * hv, d)
-        _, ssm = gdn_recurrent(q.reshape(heads), k.reshape(heads), v.reshape(heads),
+        q, k = (expand_key_heads(x.reshape(keep * n, hk, d), hv).reshape(heads) for x in (q, k))
+        _, ssm = gdn_recurrent(q, k, v.reshape(heads),
                                g.reshape(keep, n * hv), beta.reshape(keep, n * hv),
                                self.ssm_before.view(n * hv, d, d), 1.0 / d ** 0.5)
         self.ssm.copy_(ssm.view(self.ssm.shape))

@@ -21,8 +21,7 @@ from torch import nn
 
 import kvcompile.ops  # noqa: F401  (registers torch.ops.kvcompile.*)
 from kvcompile.models.config import ModelConfig
-from kvcompile.models.gated_deltanet import (causal_conv, expand_key_heads, gdn_chunked,
-                                             gdn_recurrent)
+from kvcompile.models.gated_deltanet import causal_conv, gdn_chunked, gdn_recurrent
 from kvcompile.models.layers import Linear, RMSNorm, SwiGLU, apply_rope_rows
 
 
@@ -115,9 +114,8 @@ class GatedDeltaNetMixer(nn.Module):
         scale = 1.0 / math.sqrt(self.d)
         if record is not None:
             conv_rows, in_rows, repeats = record
-            packed = torch.cat([expand_key_heads(q, self.hv).reshape(t, -1),
-                                expand_key_heads(k, self.hv).reshape(t, -1),
-                                v.reshape(t, -1), g, beta], dim=-1)
+            packed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), g, beta],
+                               dim=-1)
             torch.ops.kvcompile.checkpoint_capture(conv_rows[None, row:row + t],
                                                    in_rows[None, row:row + t], conv_in,
                                                    packed, 0)
