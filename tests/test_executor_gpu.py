@@ -114,14 +114,15 @@ def test_captured_streamed_decode_equals_eager_resident(models, arch, ctx, kv, t
 @torch.inference_mode()
 def test_captured_streamed_verify_steps_equal_eager_resident(models):
     """Verify steps of 1-8 rows over a streamed llama (16K, q8_0) replay the programs of
-    their bucket (2, 4, 8 rows, padded by repeating the last row) with rollbacks between
-    them: every row's logits equal the eager all-resident verify's to rounding (a product
-    of more rows may round otherwise)."""
+    their bucket (2, 4, 8 rows, padded by repeating the last row), and steps of 9-64 rows
+    run the traced forward of 16, 32 or 64 rows uncaptured, with rollbacks between them:
+    every row's logits equal the eager all-resident verify's to rounding (a product of more
+    rows may round otherwise)."""
     import random
     model, kv, ctx = models["llama"], "q8_0", 16384
     c = model.config
     rng = random.Random(SEED)
-    rounds = [rng.randint(1, 8) for _ in range(40)]
+    rounds = [rng.randint(1, 8) for _ in range(40)] + [rng.randint(9, 64) for _ in range(4)]
     n_prompt = ctx - sum(rounds) - 16 - SEED % 200
     prompt = torch.randint(0, c.vocab_size, (n_prompt,),
                            generator=torch.Generator().manual_seed(SEED)).tolist()

@@ -314,3 +314,24 @@ def test_greedy_speculation_equals_plain_cuda(hybrid_file, spec, where):
     assert e.executor.request_stats()["replays"] > 0
     captured = {kind for (kind, rows), progs in e.executor.programs.items() if progs}
     assert ("mtp" in captured) == ("draft-mtp" in spec), (SEED, spec, captured)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_wide_ngram_rounds_equal_plain(hybrid_file, device):
+    """ngram drafts of up to 24 tokens: verify steps of up to 25 rows run the step of 32
+    padded rows (on CUDA the traced forward, uncaptured, each GDN layer's rows through fla's
+    recurrence in one call), streamed; the greedy tokens equal plain decoding's."""
+    w = load_weights(hybrid_file, progress=False)
+    model = Qwen35Model.from_weights(w.config, w.tensors, dtype=torch.float32, device=device)
+    unit = _ids(29, 8)
+    prompt = unit * 6 + unit[:3]
+    opts = dict(ctx_size=512, ubatch=64, progress=False, kv_stream_arena_mib=ARENAS["streamed"])
+    plain = Engine.from_model(model, **opts).generate(prompt, max_tokens=40, temperature=0)
+    e = Engine.from_model(model, spec_type="ngram-simple", spec_ngram_size_n=1,
+                          spec_ngram_size_m=24, **opts)
+    r = e.generate(prompt, max_tokens=40, temperature=0)
+    assert r.token_ids == plain.token_ids, (SEED, device)
+    wide = {rows for (kind, rows) in e.executor.programs if rows > 8}
+    assert wide and r.speculative["drafted"] > 8, (SEED, list(e.executor.programs),
+                                                   r.speculative)
