@@ -35,7 +35,7 @@ from kvcompile.errors import ProgramError
 from kvcompile.executor.capture import capture_program
 from kvcompile.executor.compile import trace_forward
 from kvcompile.executor.programs import (BUCKETS, COUNTERS, Program,  # noqa: F401
-                                         StaticInput, TraceFailed, bucket_for,
+                                         StaticInput, TraceFailed, bucket_for, capturable,
                                          checkpoint_rows_for, trace_key, warming)
 from kvcompile.kv.layer_kv import check_range
 from kvcompile.models.layers import check_rope_range
@@ -186,7 +186,7 @@ class Executor:
                            (self.model.config.n_layers,) if mtp else self.trunk)
         try:
             may_capture = (self.capture and key in self._warm and start > 0
-                           and key not in self.fallback and rows <= BUCKETS[-1])
+                           and key not in self.fallback and capturable(key))
             layout = store.step_layout() if may_capture else None
             progs = self.programs.setdefault(key, OrderedDict())
             if layout is not None and layout not in progs:

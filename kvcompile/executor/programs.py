@@ -51,6 +51,12 @@ def trace_key(rows: int, *, all_rows: bool, hidden: bool, checkpoints: bool,
     return None
 
 
+def capturable(key) -> bool:
+    """A program of this trace key may be captured: all but the wide verify steps."""
+    kind, rows = key
+    return kind == "prefill" or rows <= BUCKETS[-1]
+
+
 def checkpoint_rows_for(rows: int) -> int:
     """Checkpoint rows a hybrid's verify step of `rows` rows records: its program's padded
     width, or the rows themselves past the widest program."""
