@@ -4,7 +4,7 @@
         [--max-tokens 160] [--spec ngram-simple] [--ngram 3,8] [--out PATH]
     python benchmarks/bench_speculative.py --oracle FILE --context 262144 [--depth 5]
         [--arena-mib 2240|auto] [--gpu-memory-gib 16] [--kv q8_0/q4_0]
-        [--widths 1,2,3,4,5,6] [--device cuda] [--mtp-context 32768]
+        [--widths 1,2,3,4,5,6] [--device cuda] [--mtp-context 32768,262144]
 
 The edit task (issue 27's ngram line): a chat prompt asks the model (default: SmolLM2-135M
 Instruct) to repeat a paragraph with one word replaced, so most of the answer quotes the
@@ -23,9 +23,11 @@ continuation; request 2 drafts exactly that continuation, --depth tokens a round
 by the oracle), so every draft is kept: its decode tok/s over plain is what perfect
 acceptance at that depth buys. Then, on the same context, one verify step of each width in
 --widths, timed to completion (the executor's own verify step), as the cost ratio to width 1.
-With --mtp-context N (a model with an MTP layer): then, on the same Engine, a prompt of N
-tokens decoded plainly and with draft-mtp (depth --depth, p-min 0): the tokens must be equal
-(random weights reject nearly every draft, so the rounds exercise the rollback).
+With --mtp-context N[,N...] (a model with an MTP layer): then, on the same Engine, a prompt
+of N tokens decoded plainly and with draft-mtp (depth --depth, p-min 0): the tokens must be
+equal (random weights reject nearly every draft, so the rounds exercise the rollback); a row
+in `mtp` for each. N at least the prompt (e.g. 262144): the draft-mtp request runs first on
+the whole prompt, so the plain and oracle requests resume its history: one prefill for all.
 """
 from __future__ import annotations
 
@@ -94,11 +96,12 @@ def oracle_run(args, meta) -> dict:
     from kvcompile.io.loader import open_model
     k, v = args.kv.split("/")
     widths = [int(w) for w in args.widths.split(",")]
+    mtp_contexts = [int(n) for n in args.mtp_context.split(",") if n and int(n) > 0]
     e = kvcompile.Engine(args.oracle, device=args.device, ctx_size=args.context,
                          cache_type_k=k, cache_type_v=v, kv_stream_arena_mib=args.arena_mib,
                          gpu_memory_gib=args.gpu_memory_gib,
                          progress=False,   # MTP pages only when draft-mtp runs later
-                         spec_type="ngram-simple,draft-mtp" if args.mtp_context
+                         spec_type="ngram-simple,draft-mtp" if mtp_contexts
                          else "ngram-simple",
                          spec_ngram_size_m=max(args.depth, max(widths) - 1))
     vocab = open_model(args.oracle).config.vocab_size
@@ -108,6 +111,13 @@ def oracle_run(args, meta) -> dict:
     spec = e.spec
     e.spec = SpecOptions.checked("none")                                      # plain
     e.generate(ids[:512], max_tokens=4, temperature=0)                        # warm-up
+    full_mtp = None
+    if any(n >= len(ids) for n in mtp_contexts):
+        # draft-mtp on the whole prompt first: its prefill fills the MTP layer's pages
+        # too, so the plain and oracle requests after it resume its history (one prefill)
+        e.spec = SpecOptions.checked("draft-mtp", draft_n_max=args.depth, draft_p_min=0.0)
+        full_mtp = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
+        e.spec = SpecOptions.checked("none")
     plain = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
     log(f"plain: {plain.decode_tok_s:.2f} tok/s")
     oracle = OracleDrafter(plain.token_ids[1:], len(ids) + 1, args.depth)
@@ -135,12 +145,14 @@ def oracle_run(args, meta) -> dict:
                     state.restore(before)              # every width from the same state
             cost[w] = sorted(times)[1]
     e.store.reset()      # the verify rows are no request's history: the next one starts cold
-    mtp = mtp_exactness(e, ids[:args.mtp_context], args) if args.mtp_context else None
+    mtp = [mtp_row(full_mtp, plain, len(ids), args)] if full_mtp is not None else []
+    mtp += [mtp_exactness(e, ids[:n], args) for n in mtp_contexts if n < len(ids)]
     return dict(kind="oracle", file=os.path.basename(args.oracle), context=args.context,
                 kv_type=args.kv, arena_mib=args.arena_mib, gpu_memory_gib=args.gpu_memory_gib,
                 plan=e.memory.describe() if e.memory else None,
                 depth=args.depth,
                 tokens_equal=spec_r.token_ids == plain.token_ids,
+                cached_tokens=dict(plain=plain.cached_tokens, oracle=spec_r.cached_tokens),
                 plain_decode_tok_s=plain.decode_tok_s, spec_decode_tok_s=spec_r.decode_tok_s,
                 speedup=spec_r.decode_tok_s / plain.decode_tok_s, spec=spec_r.speculative,
                 verify_s={str(w): c for w, c in cost.items()},
@@ -159,10 +171,15 @@ def mtp_exactness(e, ids: list[int], args) -> dict:
         r = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
     finally:
         e.spec = spec
-    out = dict(context=len(ids), depth=args.depth, tokens_equal=r.token_ids == plain.token_ids,
+    return mtp_row(r, plain, len(ids), args)
+
+
+def mtp_row(r, plain, context: int, args) -> dict:
+    """A draft-mtp request against the plain one of the same prompt."""
+    out = dict(context=context, depth=args.depth, tokens_equal=r.token_ids == plain.token_ids,
                plain_decode_tok_s=plain.decode_tok_s, spec_decode_tok_s=r.decode_tok_s,
                spec=r.speculative)
-    log(f"draft-mtp at {len(ids)}: tokens equal {out['tokens_equal']}, "
+    log(f"draft-mtp at {context}: tokens equal {out['tokens_equal']}, "
         f"{r.decode_tok_s:.2f} vs {plain.decode_tok_s:.2f} tok/s, {r.speculative}")
     return out
 
@@ -185,8 +202,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--gpu-memory-gib", type=float, default=None)
     ap.add_argument("--kv", default="q8_0/q4_0")
     ap.add_argument("--widths", default="1,2,3,4,5,6")
-    ap.add_argument("--mtp-context", type=int, default=0,
-                    help="oracle task: also check draft-mtp's tokens at this context")
+    ap.add_argument("--mtp-context", default="",
+                    help="oracle task: also check draft-mtp's tokens at these contexts "
+                         "(comma-separated; one at least --context: on the whole prompt, "
+                         "before the plain request)")
     args = ap.parse_args(argv)
     meta = run_meta()
     if args.oracle:

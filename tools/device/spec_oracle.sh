@@ -3,7 +3,8 @@
 # IQ4_XS (made here, ~1.5 min), a 256K prompt streamed under a 16 GiB budget with the arena it
 # leaves (the configuration), plain decode then oracle drafts of depth 5 in the same
 # Engine (the second request resumes the first one's history: one 256K prefill), then verify
-# steps of widths 1..6 and 49 on that context, then draft-mtp's tokens against plain decoding
+# steps of widths 1..6 and 49 on that context, draft-mtp's tokens against plain decoding on
+# the whole prompt (its request first: the plain and oracle ones resume its history) and
 # on a 32K prompt of the same Engine. SPEC_ARGS adds or overrides options (e.g.
 # "--mtp-context 0", "--widths 1,6"); SPEC_OUT (a repo path, e.g.
 # benchmarks/results/speculative.json) gets the row appended. Writes
@@ -22,7 +23,7 @@ S="${SPEC_OUT:-$O/speculative.json}"; [ "${S#/}" = "$S" ] && S="$R/$S"
 cd /tmp
 timeout ${SPEC_LIMIT:-540} python3 "$R/benchmarks/bench_speculative.py" --oracle "$F" \
     --device cuda --context 262144 --depth 5 --gpu-memory-gib 16 --arena-mib auto \
-    --widths 1,2,3,4,5,6,49 --mtp-context 32768 \
+    --widths 1,2,3,4,5,6,49 --mtp-context 32768,262144 \
     ${SPEC_ARGS:-} --out "$S" 2>&1 | grep --line-buffered -v "Warn\|warn(" | tee "$O/log.txt"
 rc=${PIPESTATUS[0]}
 cp "$S" "$O/speculative.json" 2>/dev/null
