@@ -10,14 +10,14 @@ enters the KV page pool: the KV policy only sees attention layers.
 
 Speculative verify: `reserve_rows(R)` allocates the buffers of verify forwards of up to R
 rows; a forward asked for checkpoints records each GDN layer's state before its first row
-and every row's recurrence inputs (the conv input; q, k (of the key heads), v, gate, beta
-packed), all through `kvcompile::checkpoint_capture`, and runs the rows through
-the decode rule. Then `rollback(keep)` puts the state back and reruns the delta rule over
-the first `keep` rows' recorded inputs, every layer's kept rows in one call (q and k tiled
-to the value heads, then the layers' heads side by side): the same opaque recurrence, which steps row by row, on the same
-inputs, so the state is bit for bit the one the forward held after row keep-1. A row costs conv_dim + 2 D Hk + D Hv + 2 Hv floats a
-layer instead of a whole state (157 MB at the 27B geometry), so wide verify rounds fit a device
-budget.
+and every row's recurrence inputs (the conv input; q and k of the key heads, v, gate, beta
+packed), all through `kvcompile::checkpoint_capture`, and runs the rows through the decode
+rule. Then `rollback(keep)` puts the state back and reruns the delta rule over the first
+`keep` rows' recorded inputs, every layer's kept rows in one call (q and k tiled to the
+value heads, the layers' heads side by side): the same opaque recurrence, which steps row
+by row, on the same inputs, so the state is bit for bit the one the forward held after row
+keep-1. A row costs conv_dim + 2 D Hk + D Hv + 2 Hv floats a layer instead of a whole state
+(157 MB at the 27B geometry), so wide verify rounds fit a device budget.
 """
 from __future__ import annotations
 
