@@ -107,13 +107,14 @@ def verify_outputs(config, verify_rows: int, mtp: bool = False) -> int:
     if verify_rows < 2:
         return 0
     from kvcompile.executor.executor import MAX_LAYOUTS
-    from kvcompile.executor.programs import BUCKETS, WIDE, bucket_for
+    from kvcompile.executor.programs import BUCKETS, VERIFY_WIDTHS, bucket_for
     top = bucket_for(min(verify_rows, BUCKETS[-1]))
     rows = sum(b for b in BUCKETS if 2 <= b <= top)
     out = rows * config.vocab_size * 4
     if mtp:
         out += (rows + sum(BUCKETS)) * config.hidden * 4 + len(BUCKETS) * config.vocab_size * 4
-    wide = bucket_for(min(verify_rows, WIDE[-1]), WIDE) if verify_rows > BUCKETS[-1] else 0
+    wide = (bucket_for(min(verify_rows, VERIFY_WIDTHS[-1]), VERIFY_WIDTHS)
+            if verify_rows > BUCKETS[-1] else 0)
     return MAX_LAYOUTS * out + wide * config.vocab_size * 4
 
 

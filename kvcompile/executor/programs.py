@@ -24,6 +24,7 @@ BUCKETS = (1, 2, 4, 8)      # rows of the captured programs (decode, verify, MTP
 # rows of wide verify steps (an ngram round's long drafts): the traced program, never
 # captured (their outputs would hold memory a budget needs for the arena)
 WIDE = (16, 32, 64)
+VERIFY_WIDTHS = BUCKETS + WIDE
 COUNTERS = ("captures", "replays", "eager_steps", "retraces", "warmup_s", "prepare_s",
             "launch_s", "close_s")      # the executor's program events
 
@@ -40,7 +41,7 @@ def trace_key(rows: int, *, all_rows: bool, hidden: bool, checkpoints: bool,
               hybrid: bool, prefill: bool):
     """The program a trunk step of `rows` rows runs, (kind, padded rows), or None (the
     eager model). prefill: a full chunk may run the prefill program."""
-    widths = BUCKETS + WIDE if all_rows and not hidden else BUCKETS
+    widths = VERIFY_WIDTHS if all_rows and not hidden else BUCKETS
     if rows <= widths[-1] and (all_rows or not hidden):
         kind = ("verify" if checkpoints else
                 "step" if rows == 1 or not hybrid else None)
@@ -60,7 +61,7 @@ def capturable(key) -> bool:
 def checkpoint_rows_for(rows: int) -> int:
     """Checkpoint rows a hybrid's verify step of `rows` rows records: its program's padded
     width, or the rows themselves past the widest program."""
-    return bucket_for(rows, BUCKETS + WIDE) if rows <= WIDE[-1] else rows
+    return bucket_for(rows, VERIFY_WIDTHS) if rows <= VERIFY_WIDTHS[-1] else rows
 
 
 @contextlib.contextmanager
