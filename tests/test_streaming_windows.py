@@ -228,3 +228,22 @@ def test_cuda_windowed_layers_streamed_equal_all_resident(rings):
         page_bytes = pool.kv_pool.shape[1]
         for s in store.telemetry[-20:]:
             assert s.h2d_bytes <= (s.context_pages - min(pool.r, s.context_pages)) * page_bytes
+
+
+def test_rings_hold_the_widest_verify_step(model):
+    """An Engine's window rings are sized for its widest forward: with a ubatch of 16 and
+    ngram drafts of up to 24 tokens that is a verify step of 32 padded rows, not the ubatch
+    (nor the MTP depth); long ngram rounds through window rings give plain decoding's
+    tokens."""
+    from kvcompile.engine.engine import Engine
+    prompt = torch.randperm(CFG.vocab_size, generator=torch.Generator().manual_seed(SEED))
+    # (the context sets the shared ring: one layer's pages; the rings take 3 pages a layer)
+    opts = dict(ctx_size=1024, ubatch=16, progress=False, kv_stream_arena_mib=4.5)
+    plain = Engine.from_model(model, **opts).generate(prompt.tolist(), max_tokens=24,
+                                                      temperature=0)
+    e = Engine.from_model(model, spec_type="ngram-simple", spec_ngram_size_n=1,
+                          spec_ngram_size_m=24, **opts)
+    assert e.store.window_rows == 32 and e.store.streamer.rings is not None
+    r = e.generate(prompt.tolist(), max_tokens=24, temperature=0)
+    assert r.token_ids == plain.token_ids, SEED
+    assert r.speculative["drafted"] > 24, r.speculative
