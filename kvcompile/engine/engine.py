@@ -127,8 +127,7 @@ class Engine:
             mtp=spec.uses_mtp, backend=make_backend(self.device, copy=cfg.stream_copy),
             ctx_checkpoints=cfg.ctx_checkpoints, decode_depth=cfg.decode_depth,
             prefetch_next=cfg.prefetch_next, fill_ahead=cfg.fill_ahead,
-            # windowed layers keep their windows on the device, sized for the widest forward:
-            # a prefill chunk, or a verify step padded to its program's width
+            # windowed layers' rings hold the widest forward: a chunk or a padded verify step
             window_rows=max(cfg.ubatch, checkpoint_rows_for(spec.verify_rows)))
         self.prompt_cache = PromptCache(cfg.cache_ram_bytes())   # other conversations
         self.cpu_fast = fast          # the CPU's fast path (dtypes.cpu_fast_path)
