@@ -27,7 +27,8 @@ then the same prompt cold (the store reset: a cold Engine's prefill) with greedy
 compared, a divergence forgiven only at a near tie (greedy_check.py).
 --ngram-check: after the measured request, the same prompt with ngram-simple speculation on
 the same Engine; the row records whether its tokens equal the plain ones (`ngram`; a random
-model's greedy text repeats itself, so drafts are found).
+model's greedy text repeats itself, so drafts are found); its verify widths are traced and
+captured after the warm-up request.
 """
 from __future__ import annotations
 
@@ -112,6 +113,8 @@ def run_case(model, g, mode: str, ctx: int, args, device, meta: dict,
     # (two chunks at least: a prefill program's second chunk is captured)
     warm = e.generate(ids[:max(WARM_PROMPT, 2 * args.ubatch) + WARM_TAIL],
                       max_tokens=WARM_STEPS, temperature=0)
+    if args.ngram_check:
+        warm_verify_steps(e, ids)
     e.store.reset()                       # the measured request prefills from 0
     r = e.generate(ids, max_tokens=args.decode_steps + 1, temperature=0)
     stats = r.stats()
@@ -203,6 +206,18 @@ def next_turn(e, ids: list[int], first, args, vocab: int) -> dict:
         f"{cold.prefill_s:.2f} s); tokens equal to cold "
         f"{out['tokens_equal']} (near tie: {out['equal_or_near_tie']})")
     return out
+
+
+def warm_verify_steps(e, ids: list[int]) -> None:
+    """The verify steps an ngram round of ngram_check's drafts (1-8 tokens) runs, each width
+    twice after the warm-up request (traced, then captured where it is captured), so the
+    timed ngram request compiles nothing."""
+    import torch
+    pos = e.store.rows()
+    with torch.inference_mode():
+        for w in (2, 3, 5, 9):
+            for _ in range(2):
+                e.executor.verify(ids[pos:pos + w], pos)
 
 
 def ngram_check(e, ids: list[int], plain, args) -> dict:
