@@ -36,7 +36,7 @@ from kvcompile.engine.tokens import pipelined_tokens, plain_tokens
 from kvcompile.errors import (ContextLengthError, KvcompileError, KvLayoutError, SessionError,
                               StreamInterruptedError)
 from kvcompile.executor.executor import Executor
-from kvcompile.executor.programs import checkpoint_rows_for
+from kvcompile.executor.programs import verify_width
 from kvcompile.io.default_model import resolve_model_path
 from kvcompile.io.loader import load_model, open_model
 from kvcompile.io.tokenizer import StreamDecoder
@@ -128,7 +128,7 @@ class Engine:
             ctx_checkpoints=cfg.ctx_checkpoints, decode_depth=cfg.decode_depth,
             prefetch_next=cfg.prefetch_next, fill_ahead=cfg.fill_ahead,
             # windowed layers' rings hold the widest forward: a chunk or a padded verify step
-            window_rows=max(cfg.ubatch, checkpoint_rows_for(spec.verify_rows)))
+            window_rows=max(cfg.ubatch, verify_width(spec.verify_rows)))
         self.prompt_cache = PromptCache(cfg.cache_ram_bytes())   # other conversations
         self.cpu_fast = fast          # the CPU's fast path (dtypes.cpu_fast_path)
         if fast:
@@ -144,7 +144,7 @@ class Engine:
         if spec.enabled and self.store.recurrent is not None:
             # the rollback buffers of every row a verify step (padded to its program's
             # width) can hold, allocated once, up front: captured programs keep addresses
-            self.store.recurrent.reserve_rows(checkpoint_rows_for(spec.verify_rows))
+            self.store.recurrent.reserve_rows(verify_width(spec.verify_rows))
 
     # ---- requests ---------------------------------------------------------------------------
     def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,

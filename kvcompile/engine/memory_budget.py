@@ -80,11 +80,11 @@ def workspace_bytes(config, ubatch: int, device: torch.device, verify_rows: int 
                + c.ssm_v_heads * c.ssm_head_dim * c.ssm_head_dim)
         # the state and one copy (a snapshot, or the state before a verify forward), and a
         # (padded) verify row's recorded inputs (kv/recurrent_state.py)
-        from kvcompile.executor.programs import checkpoint_rows_for
+        from kvcompile.executor.programs import verify_width
         from kvcompile.kv.recurrent_state import RecurrentState
         row = conv_dim + RecurrentState.row_floats(c.ssm_k_heads, c.ssm_v_heads,
                                                       c.ssm_head_dim)
-        rows = checkpoint_rows_for(verify_rows) if verify_rows > 1 else 0
+        rows = verify_width(verify_rows) if verify_rows > 1 else 0
         state = (2 * per + rows * row) * n_gdn * 4
     decode = 0
     if device.type == "cuda":

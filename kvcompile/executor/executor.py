@@ -36,7 +36,7 @@ from kvcompile.executor.capture import capture_program
 from kvcompile.executor.compile import trace_forward
 from kvcompile.executor.programs import (BUCKETS, COUNTERS, Program,  # noqa: F401
                                          StaticInput, TraceFailed, bucket_for, capturable,
-                                         checkpoint_rows_for, trace_key, warming)
+                                         verify_width, trace_key, warming)
 from kvcompile.kv.layer_kv import check_range
 from kvcompile.models.layers import check_rope_range
 
@@ -93,7 +93,7 @@ class Executor:
         A hybrid model records what rolls its recurrent state back to any row (`rollback`)."""
         checkpoints = self.state is not None and len(ids) > 1
         if checkpoints:
-            rows = checkpoint_rows_for(len(ids))
+            rows = verify_width(len(ids))
             if rows > self.state.checkpoint_rows:     # new buffers: no graph writes the old
                 self.state.reserve_rows(rows)
                 self.programs = {k: p for k, p in self.programs.items()

@@ -58,9 +58,9 @@ def capturable(key) -> bool:
     return kind == "prefill" or rows <= BUCKETS[-1]
 
 
-def checkpoint_rows_for(rows: int) -> int:
-    """Checkpoint rows a hybrid's verify step of `rows` rows records: its program's padded
-    width, or the rows themselves past the widest program."""
+def verify_width(rows: int) -> int:
+    """The rows a verify step of `rows` rows computes (and a hybrid's records for its
+    rollback): its program's padded width, or the rows themselves past the widest."""
     return bucket_for(rows, VERIFY_WIDTHS) if rows <= VERIFY_WIDTHS[-1] else rows
 
 
