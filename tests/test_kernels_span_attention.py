@@ -118,18 +118,18 @@ INTERP += [
     ("prefill-window200-longer-than-ctx", "prefill", "f16", "f16", 60, 12, 64, 1, 2, 16,
      torch.float16, ("resident",), dict(SMALL, block_m=16, window=200)),
 ]
-# prefill launches that dequantize quantized pages to fp16 once (stage_pages.py), forced at
+# prefill launches that dequantize quantized pages to fp16 once (dequant_pages.py), forced at
 # few rows: spans of two pages, the softmax state carried from span to span; a float pool
-# beside a quantized one; a window (pages before it never staged, nor read)
-STAGED = dict(SMALL, block_m=16, stage_rows=1, stage_tokens=32)
+# beside a quantized one; a window (pages before it never dequantized, nor read)
+STAGED = dict(SMALL, block_m=16, dequant_rows=1, dequant_tokens=32)
 INTERP += [
-    ("prefill-staged-Kq8_0-Vq4_0-rows20-ctx70", "prefill", "q8_0", "q4_0", 70, 20, 64, 2, 2,
+    ("prefill-dequant-Kq8_0-Vq4_0-rows20-ctx70", "prefill", "q8_0", "q4_0", 70, 20, 64, 2, 2,
      16, torch.bfloat16, ALL3, STAGED),
-    ("prefill-staged-Kbf16-Vq8_0-rows12-ctx60", "prefill", "bf16", "q8_0", 60, 12, 64, 2, 2,
+    ("prefill-dequant-Kbf16-Vq8_0-rows12-ctx60", "prefill", "bf16", "q8_0", 60, 12, 64, 2, 2,
      16, torch.bfloat16, TWO, STAGED),
-    ("prefill-staged-Kq4_0-Vq8_0-D128-rows17-ctx40", "prefill", "q4_0", "q8_0", 40, 17, 128, 1,
+    ("prefill-dequant-Kq4_0-Vq8_0-D128-rows17-ctx40", "prefill", "q4_0", "q8_0", 40, 17, 128, 1,
      2, 16, torch.float16, ("resident",), STAGED),
-    ("prefill-staged-window24-Kq8_0-Vq4_0-rows40-ctx90", "prefill", "q8_0", "q4_0", 90, 40, 64,
+    ("prefill-dequant-window24-Kq8_0-Vq4_0-rows40-ctx90", "prefill", "q8_0", "q4_0", 90, 40, 64,
      2, 2, 16, torch.bfloat16, WIN, dict(STAGED, window=24)),
 ]
 OPTS = 12   # index of the launcher options in a case
@@ -161,7 +161,7 @@ EXHAUSTIVE = {c[0] for c in INTERP if c[0].endswith(("-blocks", "-tma"))}
 STRIDED_Q = {"decode-Kq8_0-Vq4_0-rows8-ctx70", "decode-Kq8_0-Vq4_0-rows8-ctx70-blocks",
              "decode-Kq8_0-Vq4_0-rows2-ctx70-transposed",
              "prefill-Kq8_0-Vq4_0-rows8-ctx70", "decode-Kbf16-Vbf16-D128-ctx40-blocks",
-             "prefill-staged-Kq8_0-Vq4_0-rows20-ctx70"}
+             "prefill-dequant-Kq8_0-Vq4_0-rows20-ctx70"}
 assert STRIDED_Q <= set(INTERP_IDS)
 # cases also run on pools that are views of one page-pair buffer (the streaming cache's
 # layout, pages further apart than their size), and on K and V pages spaced by different
@@ -170,7 +170,7 @@ PAIRED = {"decode-Kq8_0-Vq4_0-rows8-ctx70", "decode-Kq8_0-Vq4_0-rows8-ctx70-bloc
           "decode-Kq8_0-Vq4_0-rows2-ctx70-transposed",
           "decode-Kq8_0-Vq4_0-rows2-ctx70-transposed-tma",
           "prefill-Kq8_0-Vq4_0-rows8-ctx70", "decode-Kbf16-Vbf16-D128-ctx40",
-          "prefill-staged-Kq8_0-Vq4_0-rows20-ctx70"}
+          "prefill-dequant-Kq8_0-Vq4_0-rows20-ctx70"}
 assert PAIRED <= set(INTERP_IDS)
 
 

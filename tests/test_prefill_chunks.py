@@ -138,12 +138,12 @@ CPU_CASES = [
     # a sliding window of 20 over rows 60..89: pieces from page 2, the first the windows reach
     ("Kq8_0-Vq4_0-window20", "q8_0", "q4_0", 90, 30, 64, 2, 2, 16, BF, [[1, 3], [2, 1, 1]],
      dict(SMALL, window=20), {}),
-    # quantized pages dequantized to fp16 a span of two pages at a time (stage_pages.py),
+    # quantized pages dequantized to fp16 a span of two pages at a time (dequant_pages.py),
     # forced at few rows: spans inside pieces and pieces inside spans
-    ("Kq8_0-Vq4_0-staged", "q8_0", "q4_0", 70, 40, 64, 2, 2, 16, BF, [[1, 4], [3, 2]],
-     dict(SMALL, stage_rows=1, stage_tokens=32), {}),
-    ("Kq4_0-Vq8_0-staged-window20", "q4_0", "q8_0", 90, 30, 64, 2, 2, 16, HF, [[1, 3]],
-     dict(SMALL, window=20, stage_rows=1, stage_tokens=32), {}),
+    ("Kq8_0-Vq4_0-dequantized", "q8_0", "q4_0", 70, 40, 64, 2, 2, 16, BF, [[1, 4], [3, 2]],
+     dict(SMALL, dequant_rows=1, dequant_tokens=32), {}),
+    ("Kq4_0-Vq8_0-dequantized-window20", "q4_0", "q8_0", 90, 30, 64, 2, 2, 16, HF, [[1, 3]],
+     dict(SMALL, window=20, dequant_rows=1, dequant_tokens=32), {}),
 ]
 
 

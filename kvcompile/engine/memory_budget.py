@@ -10,7 +10,7 @@ Workspace (what the forward allocates besides weights and KV): rope tables, the 
 state of hybrid models, the decode kernels' scratch, one prefill ubatch's activations
 (4 bytes an element of a layer's widths: the bf16 activations twice over, room for a
 layer's temporaries and the caching allocator's rounding; docs/findings.md, "Streaming and
-PCIe", has a measured peak), the fp16 span a prefill launch stages quantized pages into,
+PCIe", has a measured peak), the fp16 span a prefill launch dequantizes quantized pages into,
 and a fixed reserve for cuBLAS / Triton workspaces and
 CUDA-graph pools.
 """
@@ -22,7 +22,7 @@ import torch
 
 from kvcompile.errors import ArenaError
 from kvcompile.ops import kv_format as F
-from kvcompile.ops.span_attention.stage_pages import STAGE_ROWS, stage_bytes
+from kvcompile.ops.span_attention.dequant_pages import DEQUANT_ROWS, dequant_bytes
 
 GIB, MIB = 1 << 30, 1 << 20
 FIXED_RESERVE = 384 * MIB
@@ -98,9 +98,9 @@ def workspace_bytes(config, ubatch: int, device: torch.device, verify_rows: int 
     gdn_dim = (2 * c.ssm_k_heads + 2 * c.ssm_v_heads) * c.ssm_head_dim if n_gdn else 0
     row = 6 * c.hidden + 3 * c.ffn + 2 * (q_dim + kv_dim) + 3 * gdn_dim
     acts = ubatch * row * 4 + 2 * c.vocab_size * 4
-    # a prefill launch's quantized pages staged as fp16 (ops/span_attention/stage_pages.py)
-    staged = stage_bytes(c.n_kv_heads, c.head_dim) if ubatch >= STAGE_ROWS else 0
-    return (rope + state + decode + acts + staged + verify_outputs(c, verify_rows, mtp)
+    # a prefill launch's quantized pages dequantized to fp16 (ops/span_attention/dequant_pages.py)
+    fp16_span = dequant_bytes(c.n_kv_heads, c.head_dim) if ubatch >= DEQUANT_ROWS else 0
+    return (rope + state + decode + acts + fp16_span + verify_outputs(c, verify_rows, mtp)
             + FIXED_RESERVE)
 
 

@@ -7,8 +7,8 @@ codes [H, P, D'] first, then fp16 scales [H, P, D/32]; quantized V pages are pos
 registers; nothing is written back.
 
 Precision: Q.K is exact up to fp32 accumulation (bf16 x bf16, fp16 x fp16, or fp16 x
-(hi + lo) for q8_0 / q4_0 / f32 K; a staged prefill launch reads quantized K as fp16,
-stage_pages.py); P and V enter P @ V as fp16 (P in [0, 1]).
+(hi + lo) for q8_0 / q4_0 / f32 K; a prefill launch of many rows reads quantized K as fp16,
+dequant_pages.py); P and V enter P @ V as fp16 (P in [0, 1]).
 """
 from __future__ import annotations
 

@@ -26,8 +26,8 @@ from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, k_split
 from kvcompile.ops.span_attention.paged_tile import (causal_softmax, k_value_scores,
                                                      in_span, load_v_tile, qk_quantized,
                                                      v_operand, window_begin)
-from kvcompile.ops.span_attention.stage_pages import (STAGE_ROWS, STAGE_TOKENS, stage_pages,
-                                                      staging_buffer)
+from kvcompile.ops.span_attention.dequant_pages import (DEQUANT_ROWS, DEQUANT_TOKENS, dequant_pages,
+                                                      fp16_pool)
 
 LOG2E = 1.4426950408889634
 
@@ -195,17 +195,17 @@ def workspace_numel(n_rows: int, n_q_heads: int, head_dim: int) -> int:
 def launch_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size, scale,
                    out, *, n_pages=None, first_page=0, workspace=None, load_state=False,
                    finish=True, block_m=None, block_n=None, num_warps=None,
-                   num_stages=None, window=0, stage_rows=STAGE_ROWS,
-                   stage_tokens=STAGE_TOKENS):
+                   num_stages=None, window=0, dequant_rows=DEQUANT_ROWS,
+                   dequant_tokens=DEQUANT_TOKENS):
     """One launch over logical pages first_page..first_page + len(page_table) - 1
     (page_table[i] = physical page of logical page first_page + i) for every query tile.
     n_pages: the layer's logical pages (default: the table's), which caps q_pos.
     load_state: start from the state in `workspace`, else from nothing; finish: write
     `out` normalized, else store the state to `workspace`. window > 0: each row sees its
     last `window` positions only (a windowed layer's first piece may start at the window's
-    first page; pages before it are never read). From `stage_rows` query rows on, q8_0 /
-    q4_0 pages are first dequantized to fp16 pages, `stage_tokens` positions at a time
-    (stage_pages.py)."""
+    first page; pages before it are never read). From `dequant_rows` query rows on, q8_0 /
+    q4_0 pages are first dequantized to fp16 pages, `dequant_tokens` positions at a time
+    (dequant_pages.py)."""
     check_launch(q, k_pool, v_pool, page_table, q_pos, page_size)
     table_len = page_table.shape[0] if n_pages is None else n_pages
     # the kernel's constant bounds rely on these (PrefillAccumulator checks the caller's)
@@ -219,10 +219,10 @@ def launch_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_si
     group = n_q_heads // kg.n_heads
     opts = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                 window=window)
-    if (kg.quantized or vg.quantized) and n_rows >= stage_rows:
-        return _launch_staged(q, k_pool, v_pool, kg, vg, page_table, q_pos, page_size, scale,
+    if (kg.quantized or vg.quantized) and n_rows >= dequant_rows:
+        return _launch_dequantized(q, k_pool, v_pool, kg, vg, page_table, q_pos, page_size, scale,
                               out, table_len, first_page, workspace, load_state, finish,
-                              stage_tokens, opts)
+                              dequant_tokens, opts)
     bm, bn, nw, ns = prefill_config(head_dim, page_size)
     block_m = block_m or bm
     block_n = min(block_n or bn, page_size)
@@ -247,23 +247,23 @@ def launch_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_si
     return out
 
 
-def _launch_staged(q, k_pool, v_pool, kg, vg, page_table, q_pos, page_size, scale, out,
-                   table_len, first_page, workspace, load_state, finish, stage_tokens, opts):
-    """launch_prefill over fp16 copies of the quantized pages, a staged span at a time,
+def _launch_dequantized(q, k_pool, v_pool, kg, vg, page_table, q_pos, page_size, scale, out,
+                   table_len, first_page, workspace, load_state, finish, dequant_tokens, opts):
+    """launch_prefill over fp16 copies of the quantized pages, a span at a time,
     the softmax state carried between spans. A float pool's pages are gathered beside them
     as they are (the kernel takes one page table for K and V)."""
     n = page_table.shape[0]
-    per = max(1, min(n, stage_tokens // page_size))
+    per = max(1, min(n, dequant_tokens // page_size))
     d = q.shape[2]
     if workspace is None and not (finish and n <= per and not load_state):
         workspace = torch.empty(workspace_numel(*q.shape), dtype=torch.float32, device=q.device)
-    bufs = [staging_buffer(per, g.n_heads, page_size, d, q.device) if g.quantized else None
+    bufs = [fp16_pool(per, g.n_heads, page_size, d, q.device) if g.quantized else None
             for g in (kg, vg)]
     ident = torch.arange(per, dtype=torch.int32, device=q.device)
     for s in range(0, n, per):
         piece = page_table[s:s + per]
         first = first_page + s
-        staged = [stage_pages(pool, g, page_size, d, piece, q_pos, first, opts["window"],
+        staged = [dequant_pages(pool, g, page_size, d, piece, q_pos, first, opts["window"],
                               is_v, buf) if g.quantized else pool.index_select(0, piece.long())
                   for pool, g, is_v, buf in ((k_pool, kg, False, bufs[0]),
                                              (v_pool, vg, True, bufs[1]))]
@@ -271,14 +271,14 @@ def _launch_staged(q, k_pool, v_pool, kg, vg, page_table, q_pos, page_size, scal
         launch_prefill(q, staged[0], staged[1], ident[:piece.shape[0]], q_pos, types[0],
                        types[1], page_size, scale, out, n_pages=table_len, first_page=first,
                        workspace=workspace, load_state=load_state or s > 0,
-                       finish=finish and s + per >= n, stage_rows=1 << 62, **opts)
+                       finish=finish and s + per >= n, dequant_rows=1 << 62, **opts)
     return out
 
 
 def span_attention_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_size,
                            scale, out=None, **launch_opts):
     """Causal attention of every row of q over the whole page table in one launch (or one
-    per staged span: launch_prefill's options)."""
+    per dequantized span: launch_prefill's options)."""
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(2) == 1, "out must be [T, Hq, D], last dim dense"

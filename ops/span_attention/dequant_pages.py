@@ -3,10 +3,10 @@
 The prefill kernel reads each key tile once per query tile: over q8_0 / q4_0 pages it would
 dequantize every tile once per (query head, query tile) and compute Q.K exactly in two dots
 (paged_tile.qk_quantized). With many query rows that arithmetic, not the bytes, bounds the
-kernel. So a launch of at least STAGE_ROWS rows first writes the pages it reads as fp16
-pages (code * scale, one rounding, as V tiles always were) into a staging buffer of up to
-STAGE_TOKENS positions, attends over those with the fp16 kernel, and carries the
-online-softmax state from one staged span to the next (prefill_chunks' piece protocol).
+kernel. So a launch of at least DEQUANT_ROWS rows first writes the pages it reads as fp16
+pages (code * scale, one rounding, as V tiles always were) into an fp16 pool of up to
+DEQUANT_TOKENS positions, attends over those with the fp16 kernel, and carries the
+online-softmax state from one such span to the next (prefill_chunks' piece protocol).
 Pages past the rows' last position, or before a windowed layer's window, are not written:
 the kernel never reads them.
 """
@@ -21,13 +21,13 @@ from kvcompile.ops.launching import launchable
 from kvcompile.ops.span_attention.launch import PageGeometry, pool_args
 from kvcompile.ops.span_attention.paged_tile import load_tile, load_v_tile
 
-STAGE_ROWS = 256        # query rows from which a launch stages quantized pages
-STAGE_TOKENS = 16384    # positions of K (and of V) staged at once
+DEQUANT_ROWS = 256        # query rows from which a launch dequantizes pages first
+DEQUANT_TOKENS = 16384    # positions of K (and of V) dequantized at once
 
 
-def stage_bytes(n_kv_heads: int, head_dim: int) -> int:
-    """Device bytes of the staging buffers (fp16 K and V of STAGE_TOKENS positions)."""
-    return 2 * STAGE_TOKENS * n_kv_heads * head_dim * 2
+def dequant_bytes(n_kv_heads: int, head_dim: int) -> int:
+    """Device bytes of the fp16 pools (K and V of DEQUANT_TOKENS positions)."""
+    return 2 * DEQUANT_TOKENS * n_kv_heads * head_dim * 2
 
 
 @triton.jit
@@ -48,7 +48,7 @@ def _row_span(q_pos_ptr, n_rows, win, BLOCK_R: tl.constexpr, WINDOWED: tl.conste
 
 
 @triton.jit(do_not_specialize=["n_rows", "first_page"])
-def _stage(vals, scl, table, q_pos_ptr, dst, n_rows, first_page, win, page_elems, page_halves,
+def _dequant(vals, scl, table, q_pos_ptr, dst, n_rows, first_page, win, page_elems, page_halves,
            code_halves, H: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
            BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, KV_TYPE: tl.constexpr,
            IS_V: tl.constexpr, WINDOWED: tl.constexpr):
@@ -73,7 +73,7 @@ def _stage(vals, scl, table, q_pos_ptr, dst, n_rows, first_page, win, page_elems
             tl.store(dst + row.to(tl.int64)[:, None] * D + d[None, :], x.to(tl.float16))
 
 
-def stage_pages(pool: torch.Tensor, g: PageGeometry, page_size: int, head_dim: int,
+def dequant_pages(pool: torch.Tensor, g: PageGeometry, page_size: int, head_dim: int,
                 table: torch.Tensor, q_pos: torch.Tensor, first_page: int, window: int,
                 is_v: bool, out: torch.Tensor) -> torch.Tensor:
     """Pages table[0..n) of a q8_0 / q4_0 pool as fp16 pages (kv_format's f16 layout) in
@@ -83,7 +83,7 @@ def stage_pages(pool: torch.Tensor, g: PageGeometry, page_size: int, head_dim: i
     dst = out[:n]
     vals, halves, pe, ph, ch = pool_args(pool, g)
     grid = (n, g.n_heads)
-    launchable(_stage)[grid](
+    launchable(_dequant)[grid](
         vals, halves, table, q_pos, dst.view(torch.float16), q_pos.shape[0], first_page,
         window, pe, ph, ch, H=g.n_heads, P=page_size, D=head_dim,
         BLOCK_N=min(32, page_size), BLOCK_R=256, KV_TYPE=g.kv_type, IS_V=is_v,
@@ -91,7 +91,7 @@ def stage_pages(pool: torch.Tensor, g: PageGeometry, page_size: int, head_dim: i
     return dst
 
 
-def staging_buffer(n_pages: int, n_kv_heads: int, page_size: int, head_dim: int,
+def fp16_pool(n_pages: int, n_kv_heads: int, page_size: int, head_dim: int,
                    device) -> torch.Tensor:
     """An uninitialized pool of n_pages fp16 pages."""
     return torch.empty(n_pages, F.page_bytes(F.F16, page_size, n_kv_heads, head_dim),
