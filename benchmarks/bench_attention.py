@@ -151,7 +151,7 @@ def bench_decode(hbm, rows_list, contexts, configs, impls=("legacy", "blocks")):
     return out
 
 
-def bench_prefill(hbm, n_ctx, configs):
+def bench_prefill(hbm, n_ctx, configs, reps=5):
     out = []
     for n_kv, d, n_q in GEOMS:
         q = torch.randn(n_ctx, n_q, d, device="cuda", dtype=torch.bfloat16)
@@ -160,7 +160,8 @@ def bench_prefill(hbm, n_ctx, configs):
         qs = q.transpose(0, 1)[None]
         ks = torch.randn(1, n_q, n_ctx, d, device="cuda", dtype=torch.bfloat16)
         vs = torch.randn_like(ks)
-        ms_sdpa = events_ms(lambda: Fn.scaled_dot_product_attention(qs, ks, vs, is_causal=True), 5)
+        ms_sdpa = events_ms(lambda: Fn.scaled_dot_product_attention(qs, ks, vs, is_causal=True),
+                            reps)
         sdpa_tf = flops / (ms_sdpa * 1e-3) / 1e12
         del ks, vs
         out.append(dict(kernel="sdpa", kv_type="bf16/bf16", context=n_ctx, q_rows=n_ctx,
@@ -174,7 +175,7 @@ def bench_prefill(hbm, n_ctx, configs):
                 try:
                     ms = events_ms(lambda: span_attention_prefill(
                         q, kp, vp, tables[0], q_pos, F.kv_type(kn).ggml_id,
-                        F.kv_type(vn).ggml_id, 256, d ** -0.5, **cfg), 5)
+                        F.kv_type(vn).ggml_id, 256, d ** -0.5, **cfg), reps)
                 except Exception as e:  # a config that does not fit (shared memory)
                     print(f"  prefill config {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
                     continue
