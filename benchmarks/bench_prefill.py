@@ -34,7 +34,8 @@ import bench_streaming as S  # noqa: E402
 from bench_runner import save  # noqa: E402
 from bench_util import free_memory, log, run_meta, sync  # noqa: E402
 
-WARM_PROMPT = 600        # tokens of each Engine's warm-up request (chunks of both kinds)
+WARM_TAIL = 100          # a warm-up request is two full chunks and a tail: the first chunk
+                         # (position 0) is never captured, the second is
 
 
 def engine_row(model, g, mode: str, ids: list[int], args, meta: dict) -> dict:
@@ -45,7 +46,8 @@ def engine_row(model, g, mode: str, ids: list[int], args, meta: dict) -> dict:
                                     cache_type_v=v_type, ubatch=args.ubatch,
                                     kv_stream_arena_mib=arena, progress=False)
     try:
-        e.generate(ids[:min(WARM_PROMPT, len(ids) // 2)], max_tokens=2, temperature=0)
+        warm = min(2 * args.ubatch + WARM_TAIL, len(ids) // 2)
+        e.generate(ids[:warm], max_tokens=2, temperature=0)
         e.store.reset()                                   # the measured prompt from 0
         r = e.generate(ids, max_tokens=1, temperature=0)
         return dict(kind="engine", mode=mode, context=args.context, kv_type=args.kv,
@@ -63,7 +65,8 @@ def hf_row(hf, hf_cfg, g, ids: list[int], args, device, meta: dict) -> dict:
     from hf_baseline import hf_prefill
     t_ids = torch.tensor(ids, device=device)
     with torch.inference_mode():                       # warm-up: kernels, allocator
-        hf_prefill(hf, DynamicCache(config=hf_cfg), t_ids[:WARM_PROMPT], args.hf_chunk, "hf")
+        hf_prefill(hf, DynamicCache(config=hf_cfg), t_ids[:2 * args.hf_chunk + WARM_TAIL],
+                   args.hf_chunk, "hf")
         free_memory(device)
         cache = DynamicCache(config=hf_cfg)
         sync(device)
