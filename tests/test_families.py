@@ -18,7 +18,7 @@ from llama_oracle import (agreement, llama_cpp, llama_cpp_greedy, llama_cpp_logi
                           our_greedy, top2_gap)
 
 N_TOKENS, N_GREEDY = 512, 64
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "internlm2"]
 
 
 def check_against_llama_cpp(path, n_tokens: int, seed: int, cuts=(300, 301),

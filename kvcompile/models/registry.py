@@ -3,7 +3,7 @@ family: its module under models/families/, a line here, and tests."""
 from __future__ import annotations
 
 from kvcompile.errors import UnsupportedModelError
-from kvcompile.models.families import gemma3, llama, mistral, qwen2, qwen3, qwen35
+from kvcompile.models.families import gemma3, internlm2, llama, mistral, qwen2, qwen3, qwen35
 from kvcompile.models.family import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -13,6 +13,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     qwen3.FAMILY,
     qwen35.FAMILY,
     gemma3.FAMILY,
+    internlm2.FAMILY,
 )}
 
 # general.architecture -> the family that reads such files
