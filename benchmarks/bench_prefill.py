@@ -56,7 +56,7 @@ def engine_row(model, g, mode: str, ids: list[int], args, meta: dict) -> dict:
                     prefill_tok_s=r.prefill_tok_s, first_token=r.token_ids[0],
                     captures=r.programs.get("captures"), **meta)
     finally:
-        e.store.close()
+        S.close_engine(e)
 
 
 def hf_row(hf, hf_cfg, g, ids: list[int], args, device, meta: dict) -> dict:

@@ -48,10 +48,10 @@ def _row_span(q_pos_ptr, n_rows, win, BLOCK_R: tl.constexpr, WINDOWED: tl.conste
 
 
 @triton.jit(do_not_specialize=["n_rows", "first_page"])
-def _dequant(vals, scl, table, q_pos_ptr, dst, n_rows, first_page, win, page_elems, page_halves,
-           code_halves, H: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
-           BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, KV_TYPE: tl.constexpr,
-           IS_V: tl.constexpr, WINDOWED: tl.constexpr):
+def _dequant(vals, scl, table, q_pos_ptr, dst, n_rows, first_page, win, page_elems,
+             page_halves, code_halves, H: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, KV_TYPE: tl.constexpr,
+             IS_V: tl.constexpr, WINDOWED: tl.constexpr):
     i = tl.program_id(0)          # page of the piece
     h = tl.program_id(1)          # KV head
     begin, last = _row_span(q_pos_ptr, n_rows, win, BLOCK_R, WINDOWED)
@@ -74,8 +74,8 @@ def _dequant(vals, scl, table, q_pos_ptr, dst, n_rows, first_page, win, page_ele
 
 
 def dequant_pages(pool: torch.Tensor, g: PageGeometry, page_size: int, head_dim: int,
-                table: torch.Tensor, q_pos: torch.Tensor, first_page: int, window: int,
-                is_v: bool, out: torch.Tensor) -> torch.Tensor:
+                  table: torch.Tensor, q_pos: torch.Tensor, first_page: int, window: int,
+                  is_v: bool, out: torch.Tensor) -> torch.Tensor:
     """Pages table[0..n) of a q8_0 / q4_0 pool as fp16 pages (kv_format's f16 layout) in
     `out` (uint8 [>= n, f16 page bytes]); returns the first n of them. Logical page
     first_page + i is table[i]; only pages some row of q_pos reads are written."""
@@ -92,7 +92,7 @@ def dequant_pages(pool: torch.Tensor, g: PageGeometry, page_size: int, head_dim:
 
 
 def fp16_pool(n_pages: int, n_kv_heads: int, page_size: int, head_dim: int,
-                   device) -> torch.Tensor:
+              device) -> torch.Tensor:
     """An uninitialized pool of n_pages fp16 pages."""
     return torch.empty(n_pages, F.page_bytes(F.F16, page_size, n_kv_heads, head_dim),
                        dtype=torch.uint8, device=device)

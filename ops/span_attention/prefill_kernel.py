@@ -15,6 +15,8 @@ in the same order through the same step code.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -26,8 +28,8 @@ from kvcompile.ops.span_attention.launch import (check_launch, dot_mode, k_split
 from kvcompile.ops.span_attention.paged_tile import (causal_softmax, k_value_scores,
                                                      in_span, load_v_tile, qk_quantized,
                                                      v_operand, window_begin)
-from kvcompile.ops.span_attention.dequant_pages import (DEQUANT_ROWS, DEQUANT_TOKENS, dequant_pages,
-                                                      fp16_pool)
+from kvcompile.ops.span_attention.dequant_pages import (DEQUANT_ROWS, DEQUANT_TOKENS,
+                                                        dequant_pages, fp16_pool)
 
 LOG2E = 1.4426950408889634
 
@@ -204,8 +206,8 @@ def launch_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_si
     `out` normalized, else store the state to `workspace`. window > 0: each row sees its
     last `window` positions only (a windowed layer's first piece may start at the window's
     first page; pages before it are never read). From `dequant_rows` query rows on, q8_0 /
-    q4_0 pages are first dequantized to fp16 pages, `dequant_tokens` positions at a time
-    (dequant_pages.py)."""
+    q4_0 pages are first dequantized to fp16 pages, `dequant_tokens` positions at a time,
+    and each such span is one launch (dequant_pages.py)."""
     check_launch(q, k_pool, v_pool, page_table, q_pos, page_size)
     table_len = page_table.shape[0] if n_pages is None else n_pages
     # the kernel's constant bounds rely on these (PrefillAccumulator checks the caller's)
@@ -213,19 +215,45 @@ def launch_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_si
     assert not finish or first_page + page_table.shape[0] == table_len, \
         "the finishing piece ends at the last page"
     assert workspace is not None or (finish and not load_state), "state needs a workspace"
-    n_rows, n_q_heads, head_dim = q.shape
+    head_dim = q.shape[2]
     kg = page_geometry(k_pool, k_type, page_size, head_dim)
     vg = page_geometry(v_pool, v_type, page_size, head_dim)
-    group = n_q_heads // kg.n_heads
-    opts = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                window=window)
-    if (kg.quantized or vg.quantized) and n_rows >= dequant_rows:
-        return _launch_dequantized(q, k_pool, v_pool, kg, vg, page_table, q_pos, page_size, scale,
-                              out, table_len, first_page, workspace, load_state, finish,
-                              dequant_tokens, opts)
+    piece = Piece(table_len, first_page, workspace, load_state, finish)
+    launch = Launch(page_size, scale, window, block_m, block_n, num_warps, num_stages)
+    if (kg.quantized or vg.quantized) and q.shape[0] >= dequant_rows:
+        return _launch_dequantized(q, (k_pool, kg), (v_pool, vg), page_table, q_pos, out,
+                                   piece, launch, dequant_tokens)
+    return _launch(q, (k_pool, kg), (v_pool, vg), page_table, q_pos, out, piece, launch)
+
+
+class Piece(NamedTuple):
+    """Where a launch stands in the layer's pages (launch_prefill's arguments)."""
+    table_len: int
+    first_page: int
+    workspace: torch.Tensor | None
+    load_state: bool
+    finish: bool
+
+
+class Launch(NamedTuple):
+    """What every launch of one prefill shares."""
+    page_size: int
+    scale: float
+    window: int
+    block_m: int | None
+    block_n: int | None
+    num_warps: int | None
+    num_stages: int | None
+
+
+def _launch(q, k, v, page_table, q_pos, out, piece: Piece, launch: Launch):
+    """The kernel over one table: k and v are (pool, PageGeometry)."""
+    (k_pool, kg), (v_pool, vg) = k, v
+    n_rows, n_q_heads, head_dim = q.shape
+    page_size = launch.page_size
     bm, bn, nw, ns = prefill_config(head_dim, page_size)
-    block_m = block_m or bm
-    block_n = min(block_n or bn, page_size)
+    block_m = launch.block_m or bm
+    block_n = min(launch.block_n or bn, page_size)
     assert page_size % block_n == 0, f"block_n {block_n} must divide page size {page_size}"
     qk_f16 = dot_mode(q.dtype, kg.kv_type)
     q16 = query_operand(q, qk_f16)
@@ -233,45 +261,49 @@ def launch_prefill(q, k_pool, v_pool, page_table, q_pos, k_type, v_type, page_si
     kv, ks, kpe, kph, kch = pool_args(k_pool, kg)
     vv, vs, vpe, vph, vch = pool_args(v_pool, vg)
     rows = n_q_heads * n_rows
-    ws = out if workspace is None else workspace      # not read or written without state
+    # not read or written without state
+    ws = out if piece.workspace is None else piece.workspace
     launchable(_prefill)[grid](
         q16, kv, ks, vv, vs, page_table, q_pos, out, ws,
-        q16.stride(0), q16.stride(1), out.stride(0), out.stride(1), n_rows, table_len,
-        first_page, first_page + page_table.shape[0], rows * head_dim, rows * (head_dim + 1),
-        kpe, kph, kch, vpe, vph, vch, window,
-        QK_SCALE=scale * LOG2E, G=group, D=head_dim, P=page_size, BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        q16.stride(0), q16.stride(1), out.stride(0), out.stride(1), n_rows, piece.table_len,
+        piece.first_page, piece.first_page + page_table.shape[0], rows * head_dim,
+        rows * (head_dim + 1), kpe, kph, kch, vpe, vph, vch, launch.window,
+        QK_SCALE=launch.scale * LOG2E, G=n_q_heads // kg.n_heads, D=head_dim, P=page_size,
+        BLOCK_M=block_m, BLOCK_N=block_n,
         K_TYPE=kg.kv_type, V_TYPE=vg.kv_type, QK_F16=qk_f16, K_SPLIT=k_split(kg.kv_type),
-        LOAD_STATE=load_state, FINISH=finish, WINDOWED=window > 0, INTERP=interpreting(),
-        num_warps=num_warps or nw, num_stages=num_stages or ns)
+        LOAD_STATE=piece.load_state, FINISH=piece.finish, WINDOWED=launch.window > 0,
+        INTERP=interpreting(), num_warps=launch.num_warps or nw,
+        num_stages=launch.num_stages or ns)
     return out
 
 
-def _launch_dequantized(q, k_pool, v_pool, kg, vg, page_table, q_pos, page_size, scale, out,
-                   table_len, first_page, workspace, load_state, finish, dequant_tokens, opts):
-    """launch_prefill over fp16 copies of the quantized pages, a span at a time,
-    the softmax state carried between spans. A float pool's pages are gathered beside them
-    as they are (the kernel takes one page table for K and V)."""
-    n = page_table.shape[0]
-    per = max(1, min(n, dequant_tokens // page_size))
-    d = q.shape[2]
-    if workspace is None and not (finish and n <= per and not load_state):
-        workspace = torch.empty(workspace_numel(*q.shape), dtype=torch.float32, device=q.device)
-    bufs = [fp16_pool(per, g.n_heads, page_size, d, q.device) if g.quantized else None
-            for g in (kg, vg)]
+def _launch_dequantized(q, k, v, page_table, q_pos, out, piece: Piece, launch: Launch,
+                        dequant_tokens: int):
+    """_launch over fp16 copies of the quantized pages, a span at a time, the softmax
+    state carried between spans. A float pool's pages are gathered beside them as they
+    are (the kernel takes one page table for K and V)."""
+    n, d, p = page_table.shape[0], q.shape[2], launch.page_size
+    per = max(1, min(n, dequant_tokens // p))
+    ws = piece.workspace
+    if ws is None and not (piece.finish and n <= per and not piece.load_state):
+        ws = torch.empty(workspace_numel(*q.shape), dtype=torch.float32, device=q.device)
+    # (pool, geometry, is V, the fp16 pool it is dequantized into, that pool's geometry)
+    sides = []
+    for (pool, g), is_v in ((k, False), (v, True)):
+        buf = fp16_pool(per, g.n_heads, p, d, q.device) if g.quantized else None
+        sides.append((pool, g, is_v, buf,
+                      page_geometry(buf, F.F16.ggml_id, p, d) if g.quantized else g))
     ident = torch.arange(per, dtype=torch.int32, device=q.device)
     for s in range(0, n, per):
-        piece = page_table[s:s + per]
-        first = first_page + s
-        staged = [dequant_pages(pool, g, page_size, d, piece, q_pos, first, opts["window"],
-                              is_v, buf) if g.quantized else pool.index_select(0, piece.long())
-                  for pool, g, is_v, buf in ((k_pool, kg, False, bufs[0]),
-                                             (v_pool, vg, True, bufs[1]))]
-        types = [F.F16.ggml_id if g.quantized else g.kv_type for g in (kg, vg)]
-        launch_prefill(q, staged[0], staged[1], ident[:piece.shape[0]], q_pos, types[0],
-                       types[1], page_size, scale, out, n_pages=table_len, first_page=first,
-                       workspace=workspace, load_state=load_state or s > 0,
-                       finish=finish and s + per >= n, dequant_rows=1 << 62, **opts)
+        span = page_table[s:s + per]
+        first = piece.first_page + s
+        k16, v16 = [(dequant_pages(pool, g, p, d, span, q_pos, first, launch.window, is_v,
+                                   buf), g16)
+                    if g.quantized else (pool.index_select(0, span.long()), g)
+                    for pool, g, is_v, buf, g16 in sides]
+        _launch(q, k16, v16, ident[:span.shape[0]], q_pos, out,
+                Piece(piece.table_len, first, ws, piece.load_state or s > 0,
+                      piece.finish and s + per >= n), launch)
     return out
 
 
